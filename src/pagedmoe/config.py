@@ -1,0 +1,127 @@
+"""Engine configuration: one frozen dataclass field per CLI flag, invariants checked on construction.
+
+The same fields back `LLM(**flags)`, the CLI (`--max-model-len` etc., generated from the fields below)
+and environment variables `PAGEDMOE_<FLAG_NAME>` (flags win over the environment).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+_LOAD_FORMATS = ("auto", "dummy")
+_DEVICES = ("auto", "cpu", "cuda")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_MOE_BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type_})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Optional[str] = _flag(None, "HF checkpoint folder; default: the embedded default model")
+    tokenizer: Optional[str] = _flag(None, "tokenizer folder (default: the model folder)")
+    dtype: str = _flag("auto", "weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+                       _DTYPES)
+    device: str = _flag("auto", "cpu or cuda (auto: cuda when available)", _DEVICES)
+    max_model_len: Optional[int] = _flag(None, "longest prompt + output, in tokens "
+                                               "(default: the model's max_position_embeddings)", type_=int)
+    max_num_seqs: int = _flag(256, "most sequences in one step", type_=int)
+    max_num_batched_tokens: int = _flag(8192, "most tokens in one step (prefill is chunked to fit)",
+                                        type_=int)
+    gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
+                                                 "+ activations); on CPU it bounds the simulated pool",
+                                           type_=float)
+    block_size: int = _flag(16, "tokens per KV cache block", type_=int)
+    num_kv_blocks: Optional[int] = _flag(None, "force the number of KV cache blocks (overrides the budget)",
+                                         type_=int)
+    seed: int = _flag(0, "random seed for weights of --load-format dummy and unseeded sampling", type_=int)
+    load_format: str = _flag("auto", "auto: read safetensors; dummy: random weights of the right shapes",
+                             _LOAD_FORMATS)
+    enforce_eager: bool = _flag(False, "disable CUDA graphs", type_=bool)
+    served_model_name: Optional[str] = _flag(None, "model name reported by the API")
+    attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
+    moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
+                              ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _env_name(flag_name: str) -> str:
+    return "PAGEDMOE_" + flag_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+    """Add one `--flag-name` per EngineConfig field (defaults from PAGEDMOE_* env vars, then the field)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        env = os.environ.get(_env_name(f.name))
+        if meta.get("type") is bool:
+            default = _parse_bool(env) if env is not None else f.default
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            continue
+        conv = meta.get("type") or str
+        default = conv(env) if env is not None else f.default
+        group.add_argument(flag, type=conv, default=default, choices=meta.get("choices"),
+                           help=f"{meta['help']} (env {_env_name(f.name)})")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
+    """For `LLM(model, **flags)`: unknown keywords are an error that lists the known ones."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
+    return EngineConfig(model=model, **kwargs)
+
+
+def default_model_path() -> str:
+    """The trained default model shipped inside the package (found from the installed package)."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent / "default_model")
+
+
+def resolve_model(model: Optional[str]) -> str:
+    return model if model else default_model_path()

@@ -1,0 +1,189 @@
+"""The engine: requests in, one step at a time (schedule -> execute -> update), outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from pagedmoe.config import EngineConfig, resolve_model
+from pagedmoe.engine.memory import GiB, estimate_activation_bytes, plan_memory
+from pagedmoe.engine.output import OutputProcessor
+from pagedmoe.engine.request import Request, RequestStatus
+from pagedmoe.engine.scheduler import Scheduler
+from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
+from pagedmoe.models.loader import CheckpointError, get_model, load_hf_config, resolve_dtype
+from pagedmoe.sampling_params import RequestOutput, SamplingParams
+from pagedmoe.worker.model_runner import ModelRunner
+from pagedmoe.worker.sampler import Sampler
+
+logger = logging.getLogger("pagedmoe")
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
+        self.device = _pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        self.max_model_len = config.max_model_len or max_pos
+        if not self.max_model_len:
+            raise ValueError("the config has no max_position_embeddings; pass max_model_len")
+        self.served_model_name = config.served_model_name or self.model_path.rstrip("/").split("/")[-1]
+
+        t0 = time.perf_counter()
+        self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
+                               self.device, self.dtype, config.seed)
+        self.plan = self._plan_memory()
+        logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
+                    time.perf_counter() - t0, self.plan.summary())
+        self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
+                                  self.dtype, config.attention_backend, config.moe_backend)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- memory ----------------------------------------------------------------------------------
+    def _plan_memory(self):
+        c, dims = self.config, self.model.dims
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size,
+                                       self.dtype)
+        blocks_per_seq = -(-self.max_model_len // c.block_size)
+        useful = c.max_num_seqs * blocks_per_seq
+        act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+                                        dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
+                                        torch.empty(0, dtype=self.dtype).element_size())
+        if c.num_kv_blocks is not None:
+            budget = weight_bytes + act + c.num_kv_blocks * per_block
+            return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len,
+                               c.num_kv_blocks)
+        if c.gpu_memory_gb is not None:
+            budget = int(c.gpu_memory_gb * GiB)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = weight_bytes + int(free * 0.9)
+        else:
+            # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
+            useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
+            budget = weight_bytes + act + useful * per_block
+        return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
+                    prompt_token_ids: Optional[list[int]] = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                text = prompt
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif isinstance(prompt, (list, tuple)):
+                prompt_token_ids = list(prompt)
+            else:
+                raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.dims.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; with max_model_len={self.max_model_len} it "
+                             f"must be at most {self.max_model_len - 1} to leave room for one new token")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, ids, params, prompt=text, max_tokens=max_tokens)
+        self.requests[request_id] = request
+        if params.seed is not None:
+            self._generators[request_id] = self.sampler.request_generator(params.seed)
+        self.scheduler.add_request(request)
+        self.prompt_tokens_total += len(ids)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._generators.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits, rows = self.runner.execute(sched, self.kv)
+        self.scheduler.update(sched.scheduled)
+        self.num_steps += 1
+        if not rows:
+            return []
+        sampling = [sched.scheduled[r].request for r in rows]
+        logits = self.outputs.mask_min_tokens(logits, sampling)
+        sample = self.sampler.sample(logits, [r.params for r in sampling],
+                                     [self._generators.get(r.request_id) for r in sampling])
+        results = []
+        now = time.monotonic()
+        for i, request in enumerate(sampling):
+            self.generation_tokens_total += 1
+            status = self.outputs.append_token(request, sample.token_ids[i], sample.logprobs[i],
+                                               sample.sampled_logprob[i], now)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+                self.requests.pop(request.request_id, None)
+                self._generators.pop(request.request_id, None)
+            results.append(self.outputs.make_output(request))
+        return results
+
+    def get_stats(self) -> dict:
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": self.kv.usage(),
+            "num_kv_blocks": self.kv.num_blocks,
+            "num_free_kv_blocks": self.kv.num_free_blocks,
+            "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_steps": self.num_steps,
+        }

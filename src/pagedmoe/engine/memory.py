@@ -1,0 +1,63 @@
+"""How the device budget splits between weights, activations and KV blocks. Pure Python.
+
+(The expert-paging planner will extend this with expert buffers and tiers.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1024 ** 3
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold the model plus one full-length sequence."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_bytes_per_block: int
+    num_kv_blocks: int
+    block_size: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def summary(self) -> str:
+        return (f"budget {self.budget_bytes / GiB:.2f} GiB: weights {self.weight_bytes / GiB:.2f} GiB, "
+                f"activations {self.activation_bytes / GiB:.2f} GiB, KV cache {self.kv_bytes / GiB:.2f} GiB "
+                f"({self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens)")
+
+
+def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_bytes_per_block: int,
+                block_size: int, max_model_len: int, max_useful_blocks: int) -> MemoryPlan:
+    """Give the KV cache everything the weights and activations leave, up to what can be used."""
+    min_blocks = -(-max_model_len // block_size)
+    free = budget_bytes - weight_bytes - activation_bytes
+    num_blocks = min(free // kv_bytes_per_block if free > 0 else 0, max(max_useful_blocks, min_blocks))
+    if num_blocks < min_blocks:
+        need = weight_bytes + activation_bytes + min_blocks * kv_bytes_per_block
+        raise BudgetError(
+            f"a budget of {budget_bytes / GiB:.2f} GiB cannot hold the weights ({weight_bytes / GiB:.2f} GiB), "
+            f"activations ({activation_bytes / GiB:.2f} GiB) and one sequence of max_model_len="
+            f"{max_model_len} tokens; the minimum is {need / GiB:.2f} GiB (or lower --max-model-len)")
+    return MemoryPlan(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
+                      block_size)
+
+
+def estimate_activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int,
+                              moe_intermediate_size: int, top_k: int, vocab_size: int, dtype_bytes: int) -> int:
+    """Peak transient memory of one step: hidden states and their copies, the routed-token buffers of the
+    expert GEMMs, and float32 logits with the sampler's working copies."""
+    T = max_num_batched_tokens
+    hidden = T * hidden_size * dtype_bytes * 8
+    routed = T * top_k * (hidden_size + 3 * moe_intermediate_size) * dtype_bytes + T * hidden_size * 4
+    logits = min(max_num_seqs, T) * vocab_size * 4 * 4
+    return int(hidden + routed + logits)

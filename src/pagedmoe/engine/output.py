@@ -1,0 +1,121 @@
+"""After sampling: append the token, detokenize, check stop conditions, build RequestOutput."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedmoe.engine.request import Request, RequestStatus
+from pagedmoe.sampling_params import CompletionOutput, Logprob, RequestOutput
+
+
+def _eos_token_ids(tokenizer, hf_config, model_path: str) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen_cfg = Path(model_path) / "generation_config.json"
+    if gen_cfg.is_file():
+        try:
+            add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            pass
+    add(getattr(tokenizer, "eos_token_id", None))
+    if not ids:
+        add(getattr(hf_config, "eos_token_id", None))
+    return ids
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, hf_config, model_path: str) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_path)
+
+    def mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Forbid EOS and stop tokens for requests that have not reached min_tokens yet."""
+        rows = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i, r in rows:
+            banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_token_ids)
+            banned = [t for t in banned if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def append_token(self, request: Request, token: int, logprobs: Optional[dict[int, Logprob]],
+                     sampled_logprob: Optional[float], now: float) -> Optional[RequestStatus]:
+        """Add the token; return the finishing status if the request is done, else None."""
+        p = request.params
+        request.output_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None:
+            for t, lp in logprobs.items():
+                lp.decoded_token = self.tokenizer.decode([t])
+            request.output_logprobs.append(logprobs)
+            request.cumulative_logprob += sampled_logprob
+        n_out = len(request.output_token_ids)
+        status = None
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in p.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        request.output_text = self.tokenizer.decode(request.output_token_ids,
+                                                    skip_special_tokens=p.skip_special_tokens)
+        if status is None and p.stop and n_out >= p.min_tokens:
+            status = self._check_stop_strings(request)
+        if status is None and n_out >= request.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.status = status
+            request.finish_time = now
+        return status
+
+    @staticmethod
+    def _check_stop_strings(request: Request) -> Optional[RequestStatus]:
+        text = request.output_text
+        # Earlier steps already searched the older text: only the tail (the longest stop string plus
+        # this token's text) can hold a new match.
+        search_from = max(0, len(text) - max(len(s) for s in request.params.stop) - 64)
+        best = None
+        for stop in request.params.stop:
+            idx = text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        request.output_text = text[: idx + len(stop)] if request.params.include_stop_str_in_output else text[:idx]
+        request.stop_reason = stop
+        return RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def make_output(request: Request) -> RequestOutput:
+        p = request.params
+        completion = CompletionOutput(
+            index=0,
+            text=request.output_text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if p.logprobs is not None else None,
+            logprobs=list(request.output_logprobs) if p.logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
+                     "finish_time": request.finish_time, "num_preemptions": request.num_preemptions},
+        )

@@ -1,0 +1,133 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python.
+
+One step's plan: every running request first (a decode token, or the next chunk of its prefill), in
+arrival order, then waiting requests first-come first-served while the token budget
+(`max_num_batched_tokens`), the sequence limit (`max_num_seqs`) and the KV blocks allow. When a running
+request needs a block and none is free, the most recently arrived running request is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt
+and the tokens it already generated.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pagedmoe.engine.request import Request, RequestStatus
+from pagedmoe.kvcache.block_pool import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished (or aborted), drop it from the queues and free its blocks."""
+        assert status.finished
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request preempted itself; everything after it is gone too
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            idx += 1
+
+        # Admit nothing new in a step that had to preempt: the cache is under pressure.
+        while (not out.preempted_ids and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()  # lowest priority: the latest arrival still running
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update(self, scheduled: Iterable[ScheduledRequest]) -> None:
+        """Record that the scheduled tokens are now in the KV cache."""
+        for s in scheduled:
+            s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens

@@ -1,0 +1,93 @@
+"""Offline API: LLM(model, **engine_flags).generate(...) / .chat(...)."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedmoe.config import engine_config_from_kwargs
+from pagedmoe.engine.llm_engine import LLMEngine
+from pagedmoe.sampling_params import RequestOutput, SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+class LLM:
+    """`LLM("path/to/model", gpu_memory_gb=48)`; no model means the embedded default model."""
+
+    def __init__(self, model: Optional[str] = None, **engine_flags) -> None:
+        self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_flags))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. A prompt is a string, a list of token ids, or
+        {"prompt": str} / {"prompt_token_ids": [...]}; a list of ints alone is one prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        for p in params:
+            p.validate()
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"gen-{next(self._ids)}"
+                text, token_ids = _split_prompt(prompt)
+                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() instead")
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in ids]
+
+
+def _split_prompt(prompt: PromptType):
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")

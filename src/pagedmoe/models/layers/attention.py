@@ -1,0 +1,111 @@
+"""Self-attention over the paged KV cache, and the registry of attention backends.
+
+Shapes: T tokens in the step, B sequences, Hq query heads, Hkv KV heads, D head dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from pagedmoe.models.layers.norm import RMSNorm
+from pagedmoe.models.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every attention layer (layout in kernels/attention_ref.py)."""
+
+    slot_mapping: torch.Tensor      # [T] int64, device
+    query_start_loc: torch.Tensor   # [B + 1] int32, device
+    seq_lens: torch.Tensor          # [B] int32, device
+    block_tables: torch.Tensor      # [B, max_blocks] int32, device
+    max_query_len: int
+    max_seq_len: int
+    is_decode_only: bool
+    query_start_loc_cpu: torch.Tensor  # host copies: the torch path reads them without a device sync
+    seq_lens_cpu: torch.Tensor
+
+
+class TorchAttentionBackend:
+    """Reference path: runs anywhere, one sequence at a time."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
+                                   meta.seq_lens_cpu, scale)
+
+
+def _triton_backend():
+    from pagedmoe.kernels.paged_attention import TritonAttentionBackend
+    return TritonAttentionBackend()
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], object]] = {
+    "torch": TorchAttentionBackend,
+    "triton": _triton_backend,
+}
+
+
+def make_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("attention backend 'triton' needs a CUDA device")
+    return ATTENTION_BACKENDS[name]()
+
+
+class Attention(nn.Module):
+    """q/k/v projections (optional bias), optional q/k RMSNorm (per head or over all heads), RoPE,
+    KV-cache write and paged attention, output projection."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, qkv_bias: bool = False, qk_norm: Optional[str] = None,
+                 rms_norm_eps: float = 1e-6, clip_qkv: Optional[float] = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":    # Qwen3: over each head's D
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        elif qk_norm == "full":  # OLMoE: over the whole projection
+            self.q_norm = RMSNorm(num_heads * head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, rms_norm_eps)
+        elif qk_norm is not None:
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        self.clip_qkv = clip_qkv
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+        # Bound by the model runner once the cache exists.
+        self.k_cache: Optional[torch.Tensor] = None
+        self.v_cache: Optional[torch.Tensor] = None
+        self.backend = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

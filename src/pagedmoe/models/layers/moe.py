@@ -1,0 +1,123 @@
+"""Mixture-of-Experts block: router, stacked expert weights, expert GEMMs.
+
+Shapes: T tokens, E experts, A active experts per token, H hidden, I expert intermediate size.
+Expert weights are stacked per layer so that one expert is an addressable unit for paging:
+  w13 [E, 2I, H]  (gate rows then up rows),   w2 [E, H, I].
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedmoe.models.layers.mlp import GatedMLP
+
+
+def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Softmax over experts in float32, top-k, optional renormalisation. -> (weights f32 [T, A], ids [T, A])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Reference: one expert at a time (slow, any shape, any dtype)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        token_idx, slot = torch.where(topk_ids == e)
+        if token_idx.numel() == 0:
+            continue
+        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    # grouped_mm needs 16-byte aligned strides; on CUDA only bf16 is supported.
+    elem = x.element_size()
+    if (w13.shape[-1] * elem) % 16 or (w2.shape[-1] * elem) % 16 or (w2.shape[1] * elem) % 16:
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return hasattr(torch, "_grouped_mm")
+
+
+def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """All experts in two grouped GEMMs over tokens sorted by expert. No host sync."""
+    T, A = topk_ids.shape
+    E = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_idx = order // A
+    offs = torch.cumsum(torch.bincount(flat_ids, minlength=E), 0).to(torch.int32)
+    xs = x[token_idx]                                                  # [T*A, H]
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)          # [T*A, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    h = (F.silu(gate) * up).contiguous()                                # [T*A, I]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # [T*A, H]
+    y = y.float() * topk_weights.reshape(-1)[order, None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_idx, y)
+    return out.to(x.dtype)
+
+
+def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    fn = experts_grouped_mm if _grouped_mm_ok(x, w13, w2) else experts_loop
+    return fn(x, w13, w2, topk_weights, topk_ids)
+
+
+MOE_BACKENDS: dict[str, Callable] = {
+    "auto": experts_auto,
+    "grouped_mm": experts_grouped_mm,
+    "loop": experts_loop,
+}
+
+
+class FusedMoE(nn.Module):
+    """Router + routed experts (+ optional shared expert with a sigmoid gate, as in Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, layer_idx: int, shared_intermediate_size: int = 0,
+                 shared_expert_gate: bool = False) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        self.layer_idx = layer_idx
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.shared_expert: Optional[GatedMLP] = None
+        self.shared_expert_gate: Optional[nn.Linear] = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.experts_fn: Callable = experts_auto
+        # Hook for the expert subsystem: returns the (w13, w2) tensors the GEMMs read for this layer.
+        self.weights_provider: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = None
+        # Hook for the activity table: called with the router's top-k ids (device tensor, no sync).
+        self.on_route: Optional[Callable[[int, torch.Tensor], None]] = None
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weights_provider is not None:
+            return self.weights_provider(self.layer_idx)
+        return self.w13, self.w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        if self.on_route is not None:
+            self.on_route(self.layer_idx, topk_ids)
+        w13, w2 = self.expert_weights()
+        out = self.experts_fn(x, w13, w2, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,132 @@
+"""Build a model from a local HF checkpoint folder (or random weights for --load-format dummy)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.models.registry import spec_builder
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used, with the reason."""
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {path!r} does not exist (models are read from local folders)")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many kinds here
+        raise CheckpointError(f"{cfg_file}: cannot be read as a transformers config ({e})") from e
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if str(cfg_dtype).endswith("float16") and "b" not in str(cfg_dtype) else torch.bfloat16
+
+
+def build_model(hf_config, max_position: int, device: torch.device, dtype: torch.dtype) -> MoEForCausalLM:
+    """The module tree with uninitialised storage on the target device (no host round trip)."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    with torch.device("meta"):
+        model = MoEForCausalLM(hf_config, dims, spec, max_position)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.model.rotary.build(device)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    return model
+
+
+def checkpoint_files(path: str) -> list[Path]:
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    params = dict(model.named_parameters())
+    expected = model.expected_tensor_names()
+    written: set[str] = set()
+    files = checkpoint_files(path)
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+               desc="Loading weights", disable=not show_progress)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    try:
+                        written.update(model.load_tensor(name, tensor, params))
+                    except KeyError:
+                        raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
+                                              f"{type(model.hf_config).__name__}") from None
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{file}: cannot read weights ({e}); the file may be truncated or "
+                                  f"corrupt") from e
+        bar.update(file.stat().st_size)
+    bar.close()
+    missing = sorted(expected - written)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(f"{path}: {len(missing)} weights missing from the checkpoint: {shown}")
+    model.tie_weights()
+
+
+def init_dummy_weights(model: MoEForCausalLM, seed: int) -> None:
+    """Random N(0, 0.02) weights (norm scales 1), generated on the model's device. Never zeros."""
+    gen = None
+    for name, p in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()
+
+
+def get_model(path: str, hf_config, load_format: str, max_position: int, device: torch.device,
+              dtype: torch.dtype, seed: int = 0) -> MoEForCausalLM:
+    model = build_model(hf_config, max_position, device, dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
+    return model

@@ -1,0 +1,200 @@
+"""The decoder-only MoE transformer shared by the model families.
+
+A family file (mixtral.py, qwen2_moe.py, ...) turns its HF config into an `ArchSpec` and names its
+checkpoint tensors; everything else lives here. Module names follow the HF checkpoints
+(`model.layers.{i}.self_attn.q_proj`, ...) so most tensors load by name.
+
+Shapes: T tokens in the step, H hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedmoe.models.layers.attention import Attention, AttentionMetadata
+from pagedmoe.models.layers.mlp import GatedMLP
+from pagedmoe.models.layers.moe import FusedMoE
+from pagedmoe.models.layers.norm import RMSNorm
+from pagedmoe.models.layers.rotary import RotaryEmbedding, rope_theta_of
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between the supported families."""
+
+    moe_prefix: str                 # "block_sparse_moe" (Mixtral) or "mlp"
+    expert_names: tuple[str, str, str]  # checkpoint names of (gate, up, down) per expert
+    renormalize: bool               # renormalise the top-k router weights
+    qkv_bias: bool = False
+    qk_norm: Optional[str] = None   # None | "head" (Qwen3) | "full" (OLMoE)
+    clip_qkv: Optional[float] = None
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: frozenset = field(default_factory=frozenset)  # layer indices with a dense MLP
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, c, num_experts: int, moe_intermediate_size: int) -> "ModelDims":
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=head_dim, num_experts=num_experts, top_k=c.num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            dense_intermediate_size=getattr(c, "intermediate_size", moe_intermediate_size),
+            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta_of(c),
+            max_position=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: ModelDims, spec: ArchSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                   rotary, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
+                                   rms_norm_eps=dims.rms_norm_eps, clip_qkv=spec.clip_qkv)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.is_moe = layer_idx not in spec.dense_layers
+        if self.is_moe:
+            moe = FusedMoE(dims.hidden_size, dims.moe_intermediate_size, dims.num_experts, dims.top_k,
+                           spec.renormalize, layer_idx, spec.shared_intermediate_size,
+                           spec.shared_expert_gate)
+        else:
+            moe = GatedMLP(dims.hidden_size, dims.dense_intermediate_size)
+        # Registered under the family's checkpoint name so the tensors load by name.
+        self.ffn_name = spec.moe_prefix
+        self.add_module(spec.moe_prefix, moe)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self._modules[self.ffn_name]
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(dims.head_dim, max_position, dims.rope_theta)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(dims, spec, i, self.rotary) for i in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], meta, logits_indices [N]) -> logits [N, V] in float32."""
+
+    def __init__(self, hf_config, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
+        super().__init__()
+        self.hf_config, self.dims, self.spec = hf_config, dims, spec
+        self.model = DecoderModel(dims, spec, max_position)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [layer.ffn for layer in self.model.layers if layer.is_moe]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, meta)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        h = self.model.norm(h)
+        return self.lm_head(h).float()
+
+    # -- weight loading ------------------------------------------------------------------------
+    def expert_tensor_name(self, name: str) -> Optional[tuple[int, int, str]]:
+        """Map a per-expert checkpoint tensor name to (layer, expert, 'gate'|'up'|'down'), else None."""
+        parts = name.split(".")
+        # model.layers.{l}.{moe_prefix}.experts.{e}.{proj}.weight
+        if len(parts) != 8 or parts[:2] != ["model", "layers"] or parts[4] != "experts" or parts[7] != "weight":
+            return None
+        if parts[3] != self.spec.moe_prefix or parts[6] not in self.spec.expert_names:
+            return None
+        kind = ("gate", "up", "down")[self.spec.expert_names.index(parts[6])]
+        return int(parts[2]), int(parts[5]), kind
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
+        """Copy one checkpoint tensor into place. Returns the parameter names (re)written."""
+        expert = self.expert_tensor_name(name)
+        if expert is not None:
+            layer, e, kind = expert
+            prefix = f"model.layers.{layer}.{self.spec.moe_prefix}"
+            w13, w2 = params[f"{prefix}.w13"], params[f"{prefix}.w2"]
+            inter = w2.shape[2]
+            if kind == "gate":
+                w13[e, :inter].copy_(tensor)
+            elif kind == "up":
+                w13[e, inter:].copy_(tensor)
+            else:
+                w2[e].copy_(tensor)
+            return [f"{prefix}.w13[{e}].{kind}" if kind != "down" else f"{prefix}.w2[{e}]"]
+        # Fused HF v5 layout: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I].
+        for fused, ours in ((".experts.gate_up_proj", ".w13"), (".experts.down_proj", ".w2")):
+            if name.endswith(fused):
+                target = name[: -len(fused)] + ours
+                if target in params:
+                    params[target].copy_(tensor)
+                    E = self.dims.num_experts
+                    if ours == ".w13":
+                        return [f"{target}[{e}].{k}" for e in range(E) for k in ("gate", "up")]
+                    return [f"{target}[{e}]" for e in range(E)]
+        if name not in params:
+            if name == "lm_head.weight" and self.dims.tie_word_embeddings:
+                return []
+            if name.endswith("rotary_emb.inv_freq"):
+                return []
+            raise KeyError(name)
+        target = params[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"model shape {tuple(target.shape)}")
+        target.copy_(tensor)
+        return [name]
+
+    def expected_tensor_names(self) -> set[str]:
+        """Every unit load_tensor must write exactly once for a complete checkpoint."""
+        names = set()
+        for pname, _ in self.named_parameters(remove_duplicate=True):
+            if pname.endswith(".w13"):
+                for e in range(self.dims.num_experts):
+                    names.add(f"{pname}[{e}].gate")
+                    names.add(f"{pname}[{e}].up")
+            elif pname.endswith(".w2"):
+                names.update(f"{pname}[{e}]" for e in range(self.dims.num_experts))
+            else:
+                names.add(pname)
+        return names

@@ -1,0 +1,26 @@
+"""Architecture name (config.json `architectures[0]`) -> the family's spec builder."""
+from __future__ import annotations
+
+from typing import Callable
+
+from pagedmoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+MODEL_REGISTRY: dict[str, Callable] = {
+    "MixtralForCausalLM": mixtral.build_spec,
+    "Qwen2MoeForCausalLM": qwen2_moe.build_spec,
+    "Qwen3MoeForCausalLM": qwen3_moe.build_spec,
+    "OlmoeForCausalLM": olmoe.build_spec,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def spec_builder(hf_config) -> Callable:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported model architecture {archs or '(none in config.json)'}; "
+                     f"supported: {', '.join(supported_architectures())}")

@@ -1,0 +1,94 @@
+"""Scheduler output -> input tensors -> model -> logits of the rows that sample.
+
+Shapes: T tokens in the step, B scheduled sequences, N sequences that sample a token this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedmoe.engine.scheduler import SchedulerOutput
+from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.kvcache.kv_cache import allocate_kv_cache
+from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
+from pagedmoe.models.layers.moe import MOE_BACKENDS
+from pagedmoe.models.moe_decoder import MoEForCausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_rows: list[int]  # index into scheduled of each logits row
+
+
+class ModelRunner:
+    def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto") -> None:
+        self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        dims = model.dims
+        self.kv_caches = allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                           dims.head_dim, dtype, device)
+        backend = make_attention_backend(attention_backend, device)
+        for attn, (k_cache, v_cache) in zip(model.attention_layers(), self.kv_caches):
+            attn.k_cache, attn.v_cache, attn.backend = k_cache, v_cache, backend
+        if moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"unknown MoE backend {moe_backend!r}; known: {sorted(MOE_BACKENDS)}")
+        for moe in model.moe_layers():
+            moe.experts_fn = MOE_BACKENDS[moe_backend]
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_rows: list[int] = []
+        for row, s in enumerate(out.scheduled):
+            req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            table = kv.block_table(req.request_id)
+            input_ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if s.samples:
+                logits_indices.append(qsl[-1] - 1)
+                sampling_rows.append(row)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
+            block_tables=torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens),
+            is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
+            sampling_rows=sampling_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample)."""
+        inputs = self.prepare(out, kv)
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        return logits, inputs.sampling_rows

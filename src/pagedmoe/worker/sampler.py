@@ -1,0 +1,114 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Filters act on rows of float32 logits [N, V]; a filtered-out token gets -inf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedmoe.sampling_params import Logprob, SamplingParams
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the top_k[i] largest logits of row i (top_k <= 0 or >= V keeps all). Ties at the k-th value stay."""
+    V = logits.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1).long())
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to at least top_p[i]."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p.unsqueeze(-1)
+    drop_sorted[..., 0] = False  # the most likely token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p[i] times the row's largest probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature then top-k, top-p, min-p, for rows that sample (greedy rows are left as they are)."""
+    device = logits.device
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    out = logits / temps.unsqueeze(-1)
+    if any(p.top_k > 0 for p in params):
+        out = apply_top_k(out, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        out = apply_top_p(out, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0.0 for p in params):
+        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=device))
+    return out
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[Optional[dict[int, Logprob]]]
+    sampled_logprob: list[Optional[float]]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def request_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[Optional[torch.Generator]]) -> SampleOutput:
+        """logits [N, V] float32 for N sequences; generators[i] is the request's own (seeded) or None."""
+        N = logits.shape[0]
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(processed_logits(logits, params), dim=-1)
+            tokens = logits.argmax(dim=-1)
+            shared_rows = [i for i in range(N) if not greedy[i] and generators[i] is None]
+            if shared_rows:
+                idx = torch.tensor(shared_rows, device=logits.device)
+                tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(-1)
+            for i in range(N):
+                if not greedy[i] and generators[i] is not None:
+                    tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+        token_list = tokens.tolist()
+        return SampleOutput(token_list, *self._logprobs(logits, tokens, token_list, params))
+
+    @staticmethod
+    def _logprobs(logits, tokens, token_list, params):
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return [None] * len(params), [None] * len(params)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        n_top = max(w or 0 for w in want)
+        top_vals, top_ids = logprobs.topk(max(n_top, 1), dim=-1)
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        ranks = (logprobs > chosen.unsqueeze(-1)).sum(-1) + 1
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        chosen, ranks = chosen.tolist(), ranks.tolist()
+        out_lp, out_chosen = [], []
+        for i, w in enumerate(want):
+            if w is None:
+                out_lp.append(None)
+                out_chosen.append(None)
+                continue
+            entry = {token_list[i]: Logprob(chosen[i], ranks[i])}
+            for r in range(w):
+                entry.setdefault(top_ids[i][r], Logprob(top_vals[i][r], r + 1))
+            out_lp.append(entry)
+            out_chosen.append(chosen[i])
+        return out_lp, out_chosen

@@ -1,0 +1,74 @@
+"""Tiny random checkpoints written by transformers itself: the golden reference for the engine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+        "        self.x = x\n        self.y = y\n\nprint('hello world')\nfor i in range(10):\n"
+        "    total += i * i\n") * 4
+
+
+def tiny_hf_config(family: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0,
+                  pad_token_id=0)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=8, **common)
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, num_experts=8,
+                                          norm_topk_prob=False, **common)
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                          head_dim=16, norm_topk_prob=True, **common)
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=32, num_experts=8, **common)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, dtype=torch.float32,
+                         max_shard_size: str | None = None, **overrides):
+    """Write a random checkpoint + tokenizer to `path`; return the transformers model (float32, eval)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    # Random init is small; widen the router so top-k choices are decisive and outputs vary.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+    model = model.to(dtype).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    save_tokenizer(path)
+    return model
