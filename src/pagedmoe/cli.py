@@ -1,0 +1,64 @@
+"""`pagedmoe <verb>`: each verb lives in its own module, which exposes register(subparsers).
+
+A verb's handler is stored with `parser.set_defaults(func=handler)` and returns an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# verb -> module with register(subparsers). Modules are imported only when present, so a verb
+# appears in --help exactly when it exists.
+VERB_MODULES = [
+    "pagedmoe.entrypoints.generate",   # generate, chat
+    "pagedmoe.server.cli",             # serve
+    "pagedmoe.bench.cli",              # bench throughput|latency|serve|sweep
+    "pagedmoe.entrypoints.plan",       # plan
+    "pagedmoe.entrypoints.compress",   # compress, decompress
+    "pagedmoe.entrypoints.eval",       # eval
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedmoe",
+        description="Serve Mixture-of-Experts LLMs on memory-short GPUs. Every engine flag can also be "
+                    "set as PAGEDMOE_<FLAG_NAME> in the environment (flags win).")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="verb", metavar="{verb}")
+    for name in VERB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue  # the verb's module is not part of this build yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from pagedmoe import __version__
+
+        print(__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad input: one clear line, no traceback.
+        print(f"pagedmoe {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
