@@ -1,0 +1,290 @@
+"""Triton paged attention (write, decode, prefill, backend) against the PyTorch reference.
+
+CPU: the Triton interpreter runs a few small cases (fp32 and fp16; the interpreter's tl.dot reads
+bf16 as raw integers, so bf16 attention is checked on the GPU only). GPU (@pytest.mark.gpu): a grid
+over GQA ratios, block sizes, head dims, odd and long lengths, mixed and chunked batches.
+Errors are ‖out − ref‖ / ‖ref‖ against the reference run in fp32 on upcast inputs.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from pagedmoe.kernels import paged_attention as pa  # noqa: E402
+from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _fix_interpreter_index():
+    # triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses, so any
+    # loop with a runtime bound fails (triton-lang/triton#9171, fixed upstream the same way).
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _fix_interpreter_index()
+
+
+def make_batch(seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, dtype, device=DEVICE, seed=0):
+    """Random q and caches with scattered block tables; unused cache slots hold NaN to catch stray reads."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g).int()
+    width = max(blocks_per_seq) + 2
+    # Padding entries point at real blocks: a kernel that read them would give wrong numbers, not crash.
+    block_tables = perm[torch.randint(0, num_blocks, (len(seq_lens), width), generator=g)].int()
+    used = 0
+    for b, (n, s) in enumerate(zip(blocks_per_seq, seq_lens)):
+        block_tables[b, :n] = perm[used:used + n]
+        used += n
+        for i in range(s):
+            blk, off = block_tables[b, i // block_size], i % block_size
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q), to(k_cache), to(v_cache), to(block_tables), to(qsl), to(lens)
+
+
+def reference(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale):
+    return paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, qsl, seq_lens, scale)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check_decode(seq_lens, hkv, group, dim, bs, dtype, num_splits=None, max_seq_len=None):
+    q, kc, vc, bt, qsl, lens = make_batch(seq_lens, [1] * len(seq_lens), hkv, group, dim, bs, dtype)
+    scale = dim ** -0.5
+    out = torch.full_like(q, float("nan"))  # poison: every row must be written
+    pa.paged_attention_decode(q, kc, vc, bt, lens, scale, out=out, max_seq_len=max_seq_len, num_splits=num_splits)
+    ref = reference(q, kc, vc, bt, qsl, lens, scale)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"decode rel err {err:.2e}"
+
+
+def check_prefill(seq_lens, q_lens, hkv, group, dim, bs, dtype):
+    q, kc, vc, bt, qsl, lens = make_batch(seq_lens, q_lens, hkv, group, dim, bs, dtype)
+    scale = dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention_prefill(q, kc, vc, bt, qsl, lens, scale, max(q_lens), out=out)
+    ref = reference(q, kc, vc, bt, qsl, lens, scale)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"prefill rel err {err:.2e}"
+
+
+class Meta:
+    def __init__(self, slot_mapping, qsl, seq_lens, block_tables, q_lens):
+        self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables = slot_mapping, qsl, seq_lens, block_tables
+        self.max_query_len = max(q_lens)
+        self.max_seq_len = int(seq_lens.max())
+        self.is_decode_only = all(n == 1 for n in q_lens)
+
+
+def check_backend(seq_lens, q_lens, hkv, group, dim, bs, dtype):
+    """One step through TritonAttentionBackend: this step's K/V go in, attention reads them back."""
+    q, kc, vc, bt, qsl, lens = make_batch(seq_lens, q_lens, hkv, group, dim, bs, dtype)
+    k = torch.randn(q.shape[0], hkv, dim, device=q.device).to(dtype)
+    v = torch.randn_like(k)
+    slots = []
+    for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
+        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(s - n, s)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=q.device)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    meta = Meta(slot_mapping, qsl, lens, bt, q_lens)
+    assert isinstance(meta, pa.PagedAttentionMetadata)
+    out = pa.TritonAttentionBackend().forward(q, k, v, kc, vc, meta, dim ** -0.5)
+    write_kv_ref(k, v, kc_ref, vc_ref, slot_mapping)
+    assert torch.equal(kc.nan_to_num(), kc_ref.nan_to_num()) and torch.equal(vc.nan_to_num(), vc_ref.nan_to_num())
+    ref = reference(q, kc_ref, vc_ref, bt, qsl, lens, dim ** -0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def check_write(num_tokens, hkv, dim, bs, dtype, cache_dtype=None, slot_dtype=torch.int64):
+    cache_dtype = cache_dtype or dtype
+    k = torch.randn(num_tokens, hkv, dim, device=DEVICE).to(dtype)
+    v = torch.randn_like(k)
+    num_blocks = num_tokens // bs + 2
+    slots = torch.randperm(num_blocks * bs)[:num_tokens]
+    slots[::3] = -1  # padding tokens are skipped
+    slots = slots.to(DEVICE, slot_dtype)
+    kc = torch.randn(num_blocks, bs, hkv, dim, device=DEVICE).to(cache_dtype)
+    vc = torch.randn_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    pa.write_kv(k, v, kc, vc, slots)
+    write_kv_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+# ---- small cases: the interpreter on CPU, compiled on the GPU -------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_small(dtype):
+    check_write(13, 2, 80, 8, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_small(num_splits):
+    # Auto: 300 tokens split in two partitions; 3 leaves the shorter sequences' later splits empty.
+    check_decode([1, 17, 300], 2, 4, 80, 8, torch.float32, num_splits=num_splits)
+
+
+def test_decode_small_fp16_mha():
+    check_decode([15, 33], 2, 1, 64, 16, torch.float16)
+
+
+def test_decode_max_seq_len_hint_too_small_is_still_correct():
+    check_decode([40, 300], 1, 2, 64, 16, torch.float32, num_splits=2, max_seq_len=64)
+
+
+def test_prefill_small_mixed():
+    # Fresh prefill, a decode row and a chunk over 16 cached positions in one batch.
+    check_prefill([5, 15, 33], [5, 1, 17], 2, 2, 64, 16, torch.float32)
+
+
+def test_prefill_small_chunked_fp16():
+    check_prefill([40, 70], [3, 70], 1, 4, 80, 8, torch.float16)
+
+
+def test_backend_small():
+    check_backend([9, 20], [9, 4], 2, 2, 64, 8, torch.float32)
+    check_backend([9, 20, 1], [1, 1, 1], 2, 2, 64, 8, torch.float32)
+
+
+def _bad(name):
+    q, kc, vc, bt, qsl, lens = make_batch([5, 9], [1, 1], 2, 2, 64, 8, torch.float32)
+    args = dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, seq_lens=lens)
+    if name == "dtype":
+        args["q"] = q.half()
+    elif name == "heads":
+        args["q"] = torch.randn(2, 3, 64, device=q.device)
+    elif name == "stride":
+        args["q"] = torch.randn(2, 4, 128, device=q.device)[:, :, ::2]
+    elif name == "cache_shape":
+        args["v_cache"] = vc[:, :, :1]
+    elif name == "index_dtype":
+        args["seq_lens"] = lens.long()
+    elif name == "batch":
+        args["seq_lens"] = lens[:1]
+    return args
+
+
+@pytest.mark.parametrize("name", ["dtype", "heads", "stride", "cache_shape", "index_dtype", "batch"])
+def test_launchers_reject_bad_arguments(name):
+    a = _bad(name)
+    with pytest.raises(ValueError):
+        pa.paged_attention_decode(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], 0.1)
+    qsl = torch.arange(a["seq_lens"].shape[0] + 1, dtype=torch.int32, device=a["q"].device)
+    with pytest.raises(ValueError):
+        pa.paged_attention_prefill(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], qsl, a["seq_lens"], 0.1, 1)
+
+
+def test_write_kv_rejects_bad_arguments():
+    kc = torch.zeros(4, 8, 2, 64)
+    k = torch.zeros(3, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pa.write_kv(k, k, kc, kc, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k must be"):
+        pa.write_kv(torch.zeros(3, 1, 64), torch.zeros(3, 1, 64), kc, kc, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping dtype"):
+        pa.write_kv(k, k, kc, kc, torch.zeros(3))
+
+
+def test_choose_num_splits():
+    assert pa.choose_num_splits(512, 1024, 132) == 1  # batch fills the GPU
+    assert pa.choose_num_splits(8, 1024, 132) == 4  # limited by the minimum partition
+    assert pa.choose_num_splits(8, 32768, 132) == 33
+    assert pa.choose_num_splits(1, 1 << 20, 132) == 64  # capped
+
+
+# ---- GPU grid ---------------------------------------------------------------------------------------
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+DECODE_GRID = [
+    # seq_lens, Hkv, G, D, block_size, dtype
+    ([1, 15, 17, 33, 100, 1000, 1024, 2047], 8, 4, 128, 16, BF16),  # Mixtral shape
+    ([8192], 4, 8, 128, 16, BF16),  # batch 1, long: split-K
+    ([32768], 8, 4, 128, 16, BF16),
+    ([1, 2, 3, 500, 77], 8, 1, 64, 8, BF16),
+    ([15, 17, 300, 1], 2, 4, 80, 32, FP16),
+    ([1, 255, 256, 257, 1000], 2, 8, 96, 256, BF16),
+    ([33, 100, 1], 2, 4, 256, 16, FP32),
+    ([5000, 17], 4, 4, 256, 64, BF16),
+    ([100, 15, 4097], 1, 8, 64, 8, FP32),
+    ([(i * 37) % 2000 + 1 for i in range(64)], 8, 4, 128, 128, BF16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECODE_GRID, ids=lambda c: f"S{max(c[0])}-B{len(c[0])}-kv{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-{str(c[5])[6:]}")
+def test_decode_gpu(case):
+    seq_lens, hkv, group, dim, bs, dtype = case
+    check_decode(seq_lens, hkv, group, dim, bs, dtype, max_seq_len=max(seq_lens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 64])
+def test_decode_gpu_forced_splits(num_splits):
+    check_decode([1, 17, 1000, 3000], 8, 4, 128, 16, BF16, num_splits=num_splits)
+
+
+PREFILL_GRID = [
+    # seq_lens, q_lens, Hkv, G, D, block_size, dtype
+    ([17, 1, 100, 33, 600], [17, 1, 37, 1, 512], 8, 4, 128, 16, BF16),  # mixed, chunked, decode rows
+    ([4096 + 512, 300], [512, 300], 4, 8, 128, 32, BF16),  # 512-token chunk over 4k context
+    ([15, 17, 1, 100], [15, 5, 1, 100], 2, 1, 64, 8, FP16),
+    ([33, 70], [33, 7], 2, 4, 80, 16, BF16),
+    ([129, 64, 1000], [129, 1, 200], 2, 2, 96, 64, BF16),
+    ([100, 40], [50, 40], 2, 4, 256, 16, FP32),
+    ([700, 1], [300, 1], 4, 4, 256, 256, BF16),
+    ([(i * 53) % 900 + 1 for i in range(16)], [1] * 16, 8, 4, 128, 16, BF16),  # all decode rows
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PREFILL_GRID, ids=lambda c: f"S{max(c[0])}-Q{max(c[1])}-B{len(c[0])}-kv{c[2]}-g{c[3]}-d{c[4]}-bs{c[5]}-{str(c[6])[6:]}")
+def test_prefill_gpu(case):
+    check_prefill(*case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,cache_dtype", [(BF16, BF16), (FP32, BF16), (FP16, FP16)])
+def test_write_kv_gpu(dtype, cache_dtype):
+    check_write(1000, 8, 128, 16, dtype, cache_dtype, slot_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+def test_backend_gpu():
+    check_backend([600, 17, 1000], [512, 1, 1], 8, 4, 128, 16, BF16)
+    check_backend([600, 17, 1000], [1, 1, 1], 8, 4, 128, 16, BF16)
