@@ -1,0 +1,319 @@
+"""Lossless bf16 format: raw sign+mantissa bytes + Huffman-coded exponents, decodable in parallel.
+
+A bf16 weight is sign(1) | exponent(8) | mantissa(7). The exponent carries ~2.6 bits of
+information in trained (or Gaussian) weights, the rest are nearly incompressible, so:
+  raw[i]    = sign << 7 | mantissa          one byte per weight, natural order
+  exponents = length-limited canonical Huffman codes (``huffman.py``), one codebook per tensor
+
+Parallel layout (``docs/formats.md`` is the precise spec). A tensor is ``num_parts`` equal
+contiguous parts (a stacked [E, ...] expert tensor: one part per expert, sharing the codebook);
+each part is cut into blocks of ``lanes * elems_per_lane`` elements (the last one may be
+short). In a block, lane j owns elements k * lanes + j (k = 0 .. elems_per_lane - 1), so at each
+step of the decoder all lanes write one contiguous row. A lane's codes are written back to back;
+lanes follow each other in a block, blocks in a part; each part starts on a 32-bit word.
+Stored per block: its first bit (int64); per lane: its length in bits (int16). That is all a
+decoder needs to start every lane independently; a block's output offset is a closed-form
+function of its index (part * part_size + block_in_part * block_elems).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedmoe.codecs import huffman
+
+FORMAT_NAME = "pagedmoe-lossless-bf16"
+FORMAT_VERSION = 1
+PAD_SYMBOL = 256  # past-the-end element of a short block: a zero-length "code"
+
+
+class CorruptCheckpointError(ValueError):
+    """Stored compressed data does not match its checksum (or is malformed)."""
+
+
+@dataclass(frozen=True)
+class LosslessLayout:
+    """Format parameters fixed at encode time (the decoder must use the same)."""
+
+    lanes: int = 256  # lanes per block; power of two
+    elems_per_lane: int = 64
+    max_code_len: int = 12
+
+    def __post_init__(self):
+        if self.lanes < 16 or self.lanes > 4096 or self.lanes & (self.lanes - 1):
+            raise ValueError(f"lanes must be a power of two in [16, 4096], got {self.lanes}")
+        if not 8 <= self.max_code_len <= 15:
+            raise ValueError(f"max_code_len must be in [8, 15], got {self.max_code_len}")
+        if not 1 <= self.elems_per_lane or self.elems_per_lane * self.max_code_len > 32767:
+            raise ValueError("elems_per_lane * max_code_len must fit an int16 lane length")
+
+    @property
+    def block_elems(self) -> int:
+        return self.lanes * self.elems_per_lane
+
+    @property
+    def pad_words(self) -> int:
+        # NOTE: the decoders read up to 3 words past the word holding a lane's current bit
+        # (current, next, prefetched); the zero words at the end of the stream keep that in bounds.
+        return 4
+
+
+@dataclass
+class CompressedTensor:
+    """One bf16 tensor in the lossless format. All tensors live on the same device."""
+
+    shape: tuple[int, ...]
+    num_parts: int
+    layout: LosslessLayout
+    code_lengths: torch.Tensor  # uint8 [256], on the CPU
+    fill_exponent: int  # the exponent when every code length is 0 (one exponent value)
+    stream: torch.Tensor  # int32 [num_words + pad_words], codes MSB-first in each word
+    part_word_offsets: torch.Tensor  # int64 [num_parts + 1], word where each part's codes start
+    block_bit_offsets: torch.Tensor  # int64 [num_blocks], first bit of each block
+    lane_bits: torch.Tensor  # int16 [num_blocks, lanes]
+    raw: torch.Tensor  # uint8 [numel], sign << 7 | mantissa
+    checksums: tuple[int, ...] = ()  # crc32 per part over its stored bytes (checksum_parts)
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def part_size(self) -> int:
+        return self.numel // self.num_parts if self.num_parts else 0
+
+    @property
+    def blocks_per_part(self) -> int:
+        return -(-self.part_size // self.layout.block_elems)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_parts * self.blocks_per_part
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored for this tensor (what the compressed tier holds)."""
+        ts = (self.stream, self.part_word_offsets, self.block_bit_offsets, self.lane_bits, self.raw)
+        return sum(t.numel() * t.element_size() for t in ts) + 256
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / max(1, 2 * self.numel)
+
+    def to(self, device) -> "CompressedTensor":
+        mv = lambda t: t.to(device, non_blocking=True)
+        return CompressedTensor(self.shape, self.num_parts, self.layout, self.code_lengths,
+                                self.fill_exponent, mv(self.stream), mv(self.part_word_offsets),
+                                mv(self.block_bit_offsets), mv(self.lane_bits), mv(self.raw),
+                                self.checksums)
+
+    def decode_table(self, short_bits: int | None = None) -> torch.Tensor:
+        """int16 decode table on this tensor's device (built once per short_bits, then cached)."""
+        short_bits = self.layout.max_code_len if short_bits is None else short_bits
+        if short_bits not in self._tables:
+            t = huffman.decode_table(self.code_lengths.numpy(), self.layout.max_code_len,
+                                     short_bits, self.fill_exponent)
+            self._tables[short_bits] = t.to(self.device)
+        return self._tables[short_bits]
+
+
+# ---------------------------------------------------------------------------------------------
+# encoder
+
+
+def split_bf16(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int16 bf16 bit patterns -> (exponent uint8, sign << 7 | mantissa uint8)."""
+    exps = ((bits >> 7) & 0xFF).to(torch.uint8)
+    raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    return exps, raw
+
+
+def _stream_order(exps: torch.Tensor, g0: int, g1: int, part_size: int, bpp: int, layout) -> torch.Tensor:
+    """Exponents of blocks [g0, g1) in stream order: int64 [g1 - g0, lanes, elems_per_lane]."""
+    L, K, B = layout.lanes, layout.elems_per_lane, layout.block_elems
+    if part_size % B == 0:  # fast path: blocks are contiguous views
+        v = exps[g0 * B : g1 * B].view(g1 - g0, K, L).transpose(1, 2)
+        return v.to(torch.int64)
+    g = torch.arange(g0, g1, device=exps.device)
+    in_part = ((g % bpp) * B)[:, None, None] + (torch.arange(K, device=exps.device) * L)[None, None, :] \
+        + torch.arange(L, device=exps.device)[None, :, None]
+    idx = (g // bpp * part_size)[:, None, None] + in_part
+    valid = in_part < part_size
+    out = exps[idx.clamp(max=max(exps.numel() - 1, 0))].to(torch.int64)
+    return out.masked_fill_(~valid, PAD_SYMBOL)
+
+
+def _pack_words(codes: torch.Tensor, lens: torch.Tensor, pos: torch.Tensor, stream: torch.Tensor) -> None:
+    """ORs codes [n] (lengths lens, first bits pos, increasing) into the int32 stream, MSB-first.
+
+    No atomics: codes that start in one word are summed with a cumulative sum (they cover
+    disjoint bits, so sum == OR), and the at most one code per word that spills into the next
+    word adds its low part there with a unique-index scatter.
+    """
+    if codes.numel() == 0:
+        return
+    off = pos & 31
+    end = off + lens  # <= 31 + 15
+    hi = torch.where(end <= 32, codes << (32 - end).clamp(min=0), codes >> (end - 32).clamp(min=0))
+    word = pos >> 5
+    w0 = int(word[0])
+    wl = word - w0
+    num_words = int(wl[-1]) + 2
+    cum = torch.cumsum(hi, 0)
+    last = torch.ones_like(wl, dtype=torch.bool)
+    last[:-1] = wl[1:] != wl[:-1]
+    li = torch.nonzero(last).squeeze(1)
+    seg = torch.diff(cum[li], prepend=cum.new_zeros(1))
+    words = torch.zeros(num_words, dtype=torch.int64, device=codes.device)
+    words[wl[li]] = seg
+    si = torch.nonzero(end > 32).squeeze(1)
+    lo = (codes[si] << (64 - end[si])) & 0xFFFFFFFF
+    words[wl[si] + 1] += lo
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    n = min(num_words, stream.numel() - w0)
+    stream[w0 : w0 + n] |= words[:n]
+
+
+@torch.no_grad()
+def encode(x: torch.Tensor, *, num_parts: int = 1, layout: LosslessLayout = LosslessLayout(),
+           checksum: bool = True, chunk_blocks: int | None = None) -> CompressedTensor:
+    """Compresses a bf16 tensor (CPU or CUDA; the result lives on the same device).
+
+    num_parts: equal contiguous parts with their own checksum and independently decodable
+    range (a stacked [E, ...] expert tensor: num_parts = E). chunk_blocks bounds the
+    temporary memory of the packing pass (~80 bytes per element of a chunk).
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"lossless encode takes bf16, got {x.dtype}")
+    if num_parts < 1 or x.numel() % num_parts:
+        raise ValueError(f"numel {x.numel()} is not a multiple of num_parts {num_parts}")
+    dev = x.device
+    bits = x.contiguous().view(torch.int16).reshape(-1)
+    exps, raw = split_bf16(bits)
+    hist = torch.bincount(exps.to(torch.int32), minlength=256).cpu().numpy()
+    lengths = huffman.code_lengths_from_histogram(hist, layout.max_code_len)
+    codes = huffman.canonical_codes(lengths)
+    fill = int(np.argmax(hist)) if hist.any() else 0
+    len_t = torch.tensor(np.append(lengths, 0), dtype=torch.int64, device=dev)  # [257], pad = 0
+    code_t = torch.tensor(np.append(codes, 0), dtype=torch.int64, device=dev)
+
+    P = x.numel() // num_parts
+    bpp = -(-P // layout.block_elems)
+    nb = num_parts * bpp
+    if chunk_blocks is None:
+        chunk_blocks = max(1, (1 << 24) // layout.block_elems)
+    # pass 1: bits per lane -> block and part offsets
+    lane_bits = torch.empty(nb, layout.lanes, dtype=torch.int32, device=dev)
+    for g0 in range(0, nb, chunk_blocks):
+        g1 = min(nb, g0 + chunk_blocks)
+        lane_bits[g0:g1] = len_t[_stream_order(exps, g0, g1, P, bpp, layout)].sum(-1)
+    block_bits = lane_bits.sum(1, dtype=torch.int64).view(num_parts, bpp)
+    part_words = (block_bits.sum(1) + 31) // 32
+    part_word_offsets = torch.zeros(num_parts + 1, dtype=torch.int64, device=dev)
+    part_word_offsets[1:] = torch.cumsum(part_words, 0)
+    block_bit_offsets = (part_word_offsets[:-1, None] * 32 + torch.cumsum(block_bits, 1) - block_bits).reshape(-1)
+    stream = torch.zeros(int(part_word_offsets[-1]) + layout.pad_words, dtype=torch.int32, device=dev)
+    # pass 2: codes -> words
+    for g0 in range(0, nb, chunk_blocks):
+        g1 = min(nb, g0 + chunk_blocks)
+        sym = _stream_order(exps, g0, g1, P, bpp, layout).reshape(g1 - g0, -1)
+        lens = len_t[sym]
+        cum = torch.cumsum(lens, 1) - lens  # exclusive, within each block
+        pos = (block_bit_offsets[g0:g1, None] + cum).reshape(-1)
+        _pack_words(code_t[sym].reshape(-1), lens.reshape(-1), pos, stream)
+    ct = CompressedTensor(tuple(x.shape), num_parts, layout, torch.from_numpy(lengths), fill, stream,
+                          part_word_offsets, block_bit_offsets, lane_bits.to(torch.int16), raw)
+    if checksum:
+        ct.checksums = compute_checksums(ct)
+    return ct
+
+
+# ---------------------------------------------------------------------------------------------
+# checksums
+
+
+def _part_buffers(ct: CompressedTensor, cpu: dict, p: int) -> list:
+    """The stored bytes that belong to part p (what its crc32 covers), as numpy views."""
+    pwo = cpu["part_word_offsets"]
+    bpp, P = ct.blocks_per_part, ct.part_size
+    head = np.concatenate([ct.code_lengths.numpy(), np.array([ct.fill_exponent], np.uint8)])
+    return [head, cpu["block_bit_offsets"][p * bpp : (p + 1) * bpp], cpu["lane_bits"][p * bpp : (p + 1) * bpp],
+            cpu["stream"][pwo[p] : pwo[p + 1]], cpu["raw"][p * P : (p + 1) * P]]
+
+
+def compute_checksums(ct: CompressedTensor, max_workers: int = 16) -> tuple[int, ...]:
+    """crc32 per part over its stored bytes (codebook, offsets, lane lengths, codes, raw bytes)."""
+    names = ("part_word_offsets", "block_bit_offsets", "lane_bits", "stream", "raw")
+    cpu = {n: getattr(ct, n).cpu().numpy() for n in names}
+
+    def crc(p: int) -> int:
+        c = 0
+        for buf in _part_buffers(ct, cpu, p):
+            c = zlib.crc32(np.ascontiguousarray(buf).view(np.uint8), c)
+        return c
+
+    with ThreadPoolExecutor(min(max_workers, max(1, ct.num_parts))) as pool:
+        return tuple(pool.map(crc, range(ct.num_parts)))
+
+
+def verify(ct: CompressedTensor, name: str = "tensor") -> None:
+    """Raises CorruptCheckpointError naming the tensor and part (expert) whose bytes changed."""
+    if len(ct.checksums) != ct.num_parts:
+        raise CorruptCheckpointError(f"{name}: {len(ct.checksums)} checksums for {ct.num_parts} parts")
+    for p, (want, got) in enumerate(zip(ct.checksums, compute_checksums(ct))):
+        if want != got:
+            raise CorruptCheckpointError(
+                f"{name}: part {p} (expert {p} of a stacked tensor) fails its crc32 "
+                f"(stored {want:#010x}, computed {got:#010x}); the file is corrupted")
+
+
+# ---------------------------------------------------------------------------------------------
+# reference decoder (CPU or any device; vectorised over lanes, one Python step per element of a lane)
+
+
+@torch.no_grad()
+def decode_reference(ct: CompressedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bit-exact decode with torch ops; mirrors the Triton kernel's lane walk."""
+    lay, dev = ct.layout, ct.device
+    if out is None:
+        out = torch.empty(ct.shape, dtype=torch.bfloat16, device=dev)
+    if out.dtype != torch.bfloat16 or out.numel() != ct.numel or not out.is_contiguous():
+        raise ValueError("out must be a contiguous bf16 tensor with the tensor's numel")
+    if ct.numel == 0:
+        return out
+    L, K, B, ML = lay.lanes, lay.elems_per_lane, lay.block_elems, lay.max_code_len
+    table = ct.decode_table(ML).to(torch.int64)
+    words = ct.stream.to(torch.int64) & 0xFFFFFFFF
+    nb, bpp, P = ct.num_blocks, ct.blocks_per_part, ct.part_size
+    lane_bits = ct.lane_bits.to(torch.int64)
+    start = ct.block_bit_offsets[:, None] + torch.cumsum(lane_bits, 1) - lane_bits  # [nb, L]
+    g = torch.arange(nb, device=dev)
+    elem0 = (g // bpp) * P + (g % bpp) * B  # first element of each block
+    n_valid = torch.clamp(P - (g % bpp) * B, max=B)
+    lane = torch.arange(L, device=dev)
+    exps = torch.empty(ct.numel, dtype=torch.int64, device=dev)
+    pos = start
+    last_word = words.numel() - 2
+    for k in range(K):
+        w = (pos >> 5).clamp(max=last_word)
+        window = (((words[w] << 32) | words[w + 1]) << (pos & 31)) >> 32 & 0xFFFFFFFF
+        e = table[window >> (32 - ML)]
+        pos = pos + (e & huffman.LEN_MASK)
+        idx = k * L + lane
+        valid = idx[None, :] < n_valid[:, None]
+        exps[(elem0[:, None] + idx[None, :])[valid]] = (e >> huffman.EXP_SHIFT)[valid]
+    sm = ct.raw.view(torch.int8).to(torch.int64)
+    bits = (sm & 0x807F) | (exps << huffman.EXP_SHIFT)
+    bits = torch.where(bits >= 1 << 15, bits - (1 << 16), bits)
+    out.view(torch.int16).view(-1).copy_(bits.to(torch.int16))
+    return out

@@ -1,0 +1,141 @@
+"""Triton decoder for the lossless bf16 format (``codecs/lossless.py``; spec in docs/formats.md).
+
+One program decodes one block: ``lanes`` lanes, each walking its own Huffman code stream from a
+stored start bit, ``elems_per_lane`` steps. At step k, lane j produces element k * lanes + j, so
+every step reads one contiguous row of raw bytes and writes one contiguous row of bf16.
+
+A lane keeps three stream words in registers (cur, nxt, and a prefetched third) and a bit offset
+into cur. Each step: a 32-bit window = funnel shift of (cur, nxt) by the offset, one decode-table
+lookup by its top ``short_bits`` bits (a second, masked lookup for the rare longer codes), then
+the offset advances by the code length; crossing a word boundary shifts the words along and
+issues the load of the word after next, so its latency is hidden behind the following steps.
+The decode table is a few hundred bytes to 8 KB of int16 and stays in L1.
+Output: bf16 bits = (sign-extended raw byte & 0x807F) | (table entry & 0x7F80), one bit-select.
+
+The PyTorch reference is ``pagedmoe.codecs.lossless.decode_reference``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmoe.codecs.lossless import CompressedTensor
+
+
+@triton.jit
+def _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
+                LANES: tl.constexpr, K: tl.constexpr, MAX_LEN: tl.constexpr,
+                SHORT_BITS: tl.constexpr, MASKED: tl.constexpr):
+    for k in range(K):
+        win = (((cur.to(tl.uint64) << 32) | nxt.to(tl.uint64)) << off.to(tl.uint64)) >> 32
+        win = win.to(tl.uint32)
+        e = tl.load(lut_ptr + (win >> (32 - SHORT_BITS)).to(tl.int32)).to(tl.int32)
+        if SHORT_BITS < MAX_LEN:
+            # rare codes longer than SHORT_BITS: second table indexed by the full MAX_LEN bits
+            is_long = e < 0
+            e2 = tl.load(lut_ptr + (1 << SHORT_BITS) + (win >> (32 - MAX_LEN)).to(tl.int32),
+                         mask=is_long, other=0)
+            e = tl.where(is_long, e2.to(tl.int32), e)
+        off = off + (e & 15)
+        adv = off >= 32
+        off = off & 31
+        cur = tl.where(adv, nxt, cur)
+        nxt = tl.where(adv, nn, nxt)
+        wpos = wpos + adv.to(tl.int32)
+        idx = k * LANES + lane
+        if MASKED:
+            valid = idx < n_valid
+            fresh = tl.load(sptr + wpos + 2, mask=adv & valid, other=0)
+            r = tl.load(rptr + idx, mask=valid, other=0)
+        else:
+            fresh = tl.load(sptr + wpos + 2, mask=adv, other=0)
+            r = tl.load(rptr + idx)
+        nn = tl.where(adv, fresh.to(tl.uint32, bitcast=True), nn)
+        o = ((r.to(tl.int32) & 0x807F) | (e & 0x7F80)).to(tl.int16)
+        if MASKED:
+            tl.store(optr + idx, o, mask=valid)
+        else:
+            tl.store(optr + idx, o)
+
+
+@triton.jit
+def lossless_decode_kernel(
+    stream_ptr,  # *int32 [num_words]
+    block_bit_ptr,  # *int64 [num_blocks]
+    lane_bits_ptr,  # *int16 [num_blocks, LANES]
+    raw_ptr,  # *int8 [numel]
+    lut_ptr,  # *int16 [2**SHORT_BITS (+ 2**MAX_LEN)]
+    out_ptr,  # *int16 [numel of the decoded part range]
+    block_start,  # first block decoded by program 0
+    out_start,  # element index that lands at out_ptr[0]
+    part_size,
+    blocks_per_part,
+    LANES: tl.constexpr,
+    K: tl.constexpr,
+    MAX_LEN: tl.constexpr,
+    SHORT_BITS: tl.constexpr,
+):
+    blk = block_start + tl.program_id(0)
+    part = blk // blocks_per_part
+    bip = blk - part * blocks_per_part
+    elem0 = part.to(tl.int64) * part_size + bip.to(tl.int64) * (LANES * K)
+    n_valid = tl.minimum(part_size - bip.to(tl.int64) * (LANES * K), LANES * K).to(tl.int32)
+
+    lane = tl.arange(0, LANES)
+    lb = tl.load(lane_bits_ptr + blk.to(tl.int64) * LANES + lane).to(tl.int32)
+    base = tl.load(block_bit_ptr + blk)
+    bit = (base & 31).to(tl.int32) + tl.cumsum(lb, 0) - lb  # lane start, relative to word base>>5
+    sptr = stream_ptr + (base >> 5)
+    wpos = bit >> 5
+    off = bit & 31
+    cur = tl.load(sptr + wpos).to(tl.uint32, bitcast=True)
+    nxt = tl.load(sptr + wpos + 1).to(tl.uint32, bitcast=True)
+    nn = tl.load(sptr + wpos + 2).to(tl.uint32, bitcast=True)
+    rptr = raw_ptr + elem0
+    optr = out_ptr + (elem0 - out_start)
+    if n_valid == LANES * K:
+        _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
+                    LANES, K, MAX_LEN, SHORT_BITS, False)
+    else:
+        _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
+                    LANES, K, MAX_LEN, SHORT_BITS, True)
+
+
+def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int, int] | None = None,
+                    short_bits: int = 8, num_warps: int = 4) -> torch.Tensor:
+    """Decodes ct (or its parts [p0, p1)) into out, a contiguous bf16 tensor on ct's device.
+
+    out may be a view into a larger buffer (an expert compute buffer); only its numel and
+    contiguity matter. Launches one kernel; no host sync. short_bits: index width of the first
+    decode table (codes up to that length need one lookup); a performance knob only.
+    """
+    p0, p1 = (0, ct.num_parts) if parts is None else parts
+    if not 0 <= p0 <= p1 <= ct.num_parts:
+        raise ValueError(f"parts {parts} out of range for {ct.num_parts} parts")
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"out must be bf16, got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.numel() != (p1 - p0) * ct.part_size:
+        raise ValueError(f"out has {out.numel()} elements, parts [{p0}, {p1}) hold {(p1 - p0) * ct.part_size}")
+    if out.device != ct.device:
+        raise ValueError(f"out is on {out.device}, the compressed tensor on {ct.device}")
+    lay = ct.layout
+    short_bits = min(short_bits, lay.max_code_len)
+    for name, t, dtype in (("stream", ct.stream, torch.int32), ("block_bit_offsets", ct.block_bit_offsets, torch.int64),
+                           ("lane_bits", ct.lane_bits, torch.int16), ("raw", ct.raw, torch.uint8)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
+    if ct.lane_bits.shape != (ct.num_blocks, lay.lanes):
+        raise ValueError(f"lane_bits shape {tuple(ct.lane_bits.shape)} != {(ct.num_blocks, lay.lanes)}")
+    num_blocks = (p1 - p0) * ct.blocks_per_part
+    if num_blocks == 0:
+        return out
+    lossless_decode_kernel[(num_blocks,)](
+        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw.view(torch.int8), ct.decode_table(short_bits),
+        out.view(torch.int16), p0 * ct.blocks_per_part, p0 * ct.part_size, ct.part_size, ct.blocks_per_part,
+        LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=short_bits,
+        num_warps=num_warps,
+    )
+    return out
