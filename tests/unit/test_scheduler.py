@@ -1,0 +1,107 @@
+"""Scheduler budgets, chunked prefill, preemption and FCFS order, on fake requests (no model)."""
+import random
+
+from pagedmoe.engine.request import Request, RequestStatus
+from pagedmoe.engine.scheduler import Scheduler
+from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.sampling_params import SamplingParams
+
+
+def _req(rid, n_prompt, max_tokens=4):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                   max_tokens=max_tokens)
+
+
+def _run_step(sched):
+    """Schedule, pretend to execute, append a token for every request that samples; finish at max_tokens."""
+    out = sched.schedule()
+    sched.update(out.scheduled)
+    for s in out.scheduled:
+        if s.samples:
+            s.request.output_token_ids.append(7)
+            if len(s.request.output_token_ids) >= s.request.max_tokens:
+                sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = _req("a", 25), _req("b", 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
+    assert not out.scheduled[0].samples
+    sched.update(out.scheduled)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
+    sched.update(out.scheduled)
+    out = sched.schedule()  # a's last 5 prompt tokens, then b's prompt fills the rest of the budget
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 5), ("b", 3)]
+    assert all(s.samples for s in out.scheduled)
+    assert out.num_batched_tokens <= 10
+
+
+def test_max_num_seqs():
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(5):
+        sched.add_request(_req(str(i), 3))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and sched.num_waiting == 3
+
+
+def test_fcfs_order_of_admission():
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    reqs = [_req(str(i), 2, max_tokens=1) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    order = []
+    while sched.has_unfinished():
+        out = _run_step(sched)
+        order.extend(s.request.request_id for s in out.scheduled)
+    assert order == ["0", "1", "2", "3"]
+
+
+def test_preemption_frees_latest_arrival_and_recomputes():
+    # 4 blocks of 4 tokens. Two requests of 8 prompt tokens take 2 blocks each; the first decode token
+    # of each needs a third block -> the later request is preempted, its blocks freed.
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    _run_step(sched)                          # both prefills (8 + 8 tokens, 4 blocks)
+    assert kv.num_free_blocks == 0
+    out = _run_step(sched)                    # a needs block 3: b is preempted
+    assert out.preempted_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert sched.waiting[0] is b
+    while sched.has_unfinished():
+        _run_step(sched)
+    assert a.is_finished and b.is_finished
+    assert len(b.output_token_ids) == 3 and b.num_preemptions >= 1
+    assert kv.num_free_blocks == 4
+
+
+def test_random_workload_invariants():
+    """Random arrivals and lengths: budgets hold every step, every request finishes, no block leaks."""
+    rng = random.Random(0)
+    kv = KVCacheManager(24, 4)
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=16)
+    reqs = []
+    for step in range(400):
+        if step < 60 and rng.random() < 0.5:
+            r = _req(f"r{step}", rng.randint(1, 40), max_tokens=rng.randint(1, 12))
+            reqs.append(r)
+            sched.add_request(r)
+        out = _run_step(sched)
+        assert out.num_batched_tokens <= 16
+        assert len(sched.running) <= 6
+        assert kv.num_free_blocks >= 0
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids))
+        if not sched.has_unfinished() and step >= 60:
+            break
+    assert all(r.is_finished for r in reqs)
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+    assert kv.num_free_blocks == kv.num_blocks
