@@ -1,0 +1,324 @@
+"""The bridge between the HTTP handlers (asyncio) and the engine (one background thread).
+
+NOTE: LLMEngine is not thread-safe, and a step blocks for as long as the model runs. So exactly one
+thread, "pagedmoe-engine", ever calls into the engine. Handlers never touch it: they append commands
+(add / abort) to a deque and wake the thread; the thread applies all pending commands between two
+steps, and hands each step's outputs back to the event loop with ONE loop.call_soon_threadsafe, where
+they are routed to per-request asyncio queues. Hence:
+  - an abort (client gone, timeout) is applied before the next step starts: the request's KV blocks are
+    free within one engine step of the handler noticing;
+  - the waiting-queue bound is checked on the loop thread against the last stats snapshot plus the adds
+    not yet applied, so concurrent handlers cannot overshoot it (the loop is single-threaded);
+  - the engine's stats are read in the engine thread (`get_stats()` after commands and after each
+    step) and published as one dict; /metrics reads that snapshot, never the live engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
+
+from pagedmoe.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger("pagedmoe.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (a step raised, or the server is shutting down)."""
+
+
+class OverloadedError(RuntimeError):
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Track:
+    """Per-request timing, kept by the engine thread for the latency histograms."""
+
+    arrival: float
+    num_prompt_tokens: int
+    last_token: Optional[float] = None
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_waiting_requests: Optional[int] = 1024,
+                 request_timeout: Optional[float] = None, metrics=None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests or None  # 0 / None: unbounded
+        self.request_timeout = request_timeout or None
+        self.metrics = metrics
+        self.on_dead: Optional[Callable[[BaseException], None]] = None  # called on the loop thread
+        self.dead: Optional[BaseException] = None
+        self.stats: dict = dict(engine.get_stats())
+        # Loop-thread state.
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._num_pending_adds = 0
+        # Shared state: deque appends/pops and Event are thread-safe.
+        self._commands: collections.deque = collections.deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self._finish_times: collections.deque = collections.deque(maxlen=512)
+        # Engine-thread state.
+        self._tracks: dict[str, _Track] = {}
+
+    # -- lifecycle (loop thread) -----------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedmoe-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort whatever is still queued or running, stop the engine thread and wait for it."""
+        self._stopping = True
+        self._wakeup.set()
+        deadline = time.monotonic() + timeout_s
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._thread is not None and self._thread.is_alive():
+            logger.error("the engine thread did not stop within %.0f s", timeout_s)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self.stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+
+    def stats_snapshot(self) -> dict:
+        stats = dict(self.stats)
+        stats["num_requests_waiting"] = self.num_waiting
+        return stats
+
+    # -- requests (loop thread) ------------------------------------------------------------------
+    def check_capacity(self, num_new: int) -> None:
+        if self.dead is not None or self._stopping:
+            raise EngineDeadError("the engine is not running" + (f" ({self.dead!r})" if self.dead else ""))
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting + num_new > limit:
+            raise OverloadedError(f"the server is overloaded: {self.num_waiting} requests are waiting "
+                                  f"(--max-waiting-requests {limit}); retry later", self._retry_after_s())
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue has likely drained: waiting requests / recent completion rate."""
+        now, window = time.monotonic(), 30.0
+        recent = sum(1 for t in list(self._finish_times) if now - t < window)
+        if recent == 0:
+            return 1
+        return int(min(60, max(1, math.ceil(self.num_waiting / (recent / window)))))
+
+    def submit(self, request_id: str, prompts: list[tuple[Optional[str], list[int]]],
+               params: SamplingParams, arrival: Optional[float] = None) -> "RequestHandle":
+        """Queue one engine request per prompt (ids `{request_id}-{i}`) and return their handle.
+
+        Synchronous on purpose: the capacity check and the enqueue happen in one go on the loop thread,
+        so concurrent handlers cannot overshoot --max-waiting-requests. The caller must see that
+        `handle.close()` runs however the HTTP exchange ends (it is idempotent).
+        """
+        arrival = time.monotonic() if arrival is None else arrival
+        self.check_capacity(len(prompts))
+        handle = RequestHandle(self, [f"{request_id}-{i}" for i in range(len(prompts))],
+                               arrival + self.request_timeout if self.request_timeout else None)
+        for i, rid in enumerate(handle.rids):
+            self._streams[rid] = (handle.queue, i)  # registered before the add: no output can be missed
+        for rid, (text, ids) in zip(handle.rids, prompts):
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.append(("add", rid, text, ids, params, arrival, fut))
+            wrapped = asyncio.wrap_future(fut)
+            self._num_pending_adds += 1
+            wrapped.add_done_callback(self._add_done)
+            handle.add_futures.append(wrapped)
+        self._wakeup.set()
+        return handle
+
+    def _add_done(self, _fut) -> None:
+        self._num_pending_adds -= 1
+
+    def _release(self, handle: "RequestHandle", reason: str) -> None:
+        for fut in handle.add_futures:
+            fut.cancel()  # an add the engine thread has not taken yet is dropped there
+        for rid in handle.rids:
+            self._streams.pop(rid, None)
+        unfinished = [rid for rid, done in zip(handle.rids, handle.finished) if not done]
+        if unfinished and self.dead is None:
+            for rid in unfinished:
+                self._commands.append(("abort", rid))
+            self._wakeup.set()
+            if self.metrics is not None:
+                self.metrics.count_aborted(reason, len(unfinished))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                target[0].put_nowait((target[1], out))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue, _ in list(self._streams.values()):
+            queue.put_nowait(exc)
+
+    def _on_engine_dead(self, exc: BaseException) -> None:
+        self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def _call_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wakeup.clear()
+                self._apply_commands()
+                if self._stopping:
+                    for rid in list(engine.requests):
+                        engine.abort_request(rid)
+                    self._tracks.clear()
+                    self.stats = dict(engine.get_stats())
+                    return
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
+                steps_before = engine.num_steps
+                outputs = engine.step()
+                now = time.monotonic()
+                self._record(outputs, now)
+                self.stats = dict(engine.get_stats())
+                if outputs:
+                    self._call_loop(self._dispatch, outputs)
+                if engine.num_steps == steps_before and not outputs:
+                    self._wakeup.wait(0.005)  # nothing could be scheduled: do not spin
+        except BaseException as exc:  # noqa: BLE001 - a dead engine must be reported, whatever killed it
+            logger.exception("the engine thread stopped")
+            self.dead = exc
+            if self._loop is not None:
+                self._call_loop(self._on_engine_dead, exc)
+
+    def _apply_commands(self) -> None:
+        """Apply queued adds/aborts in order; publish stats before resolving the adds' futures."""
+        resolved = []
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "abort":
+                if self.engine.abort_request(cmd[1]):
+                    self._tracks.pop(cmd[1], None)
+                continue
+            _, rid, text, ids, params, arrival, fut = cmd
+            if not fut.set_running_or_notify_cancel():
+                continue  # the handler went away before we got here: never add it
+            try:
+                self.engine.add_request(rid, text, params, prompt_token_ids=ids)
+            except Exception as e:  # noqa: BLE001 - bad input goes back to the handler as a 400
+                resolved.append((fut, e))
+                continue
+            self._tracks[rid] = _Track(arrival, len(ids))
+            resolved.append((fut, None))
+        if resolved:
+            self.stats = dict(self.engine.get_stats())
+            for fut, err in resolved:
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(err)
+
+    def _record(self, outputs: list[RequestOutput], now: float) -> None:
+        m = self.metrics
+        for out in outputs:
+            track = self._tracks.get(out.request_id)
+            if track is None:
+                continue
+            if m is not None:
+                if track.last_token is None:
+                    m.observe_ttft(now - track.arrival)
+                else:
+                    m.observe_itl(now - track.last_token)
+            track.last_token = now
+            if out.finished:
+                self._tracks.pop(out.request_id, None)
+                self._finish_times.append(now)
+                if m is not None:
+                    m.observe_finished(now - track.arrival, track.num_prompt_tokens,
+                                       len(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+
+
+class RequestHandle:
+    """The prompts of one HTTP request inside the engine: iterate `outputs()`, then `close()`."""
+
+    def __init__(self, bridge: AsyncEngine, rids: list[str], deadline: Optional[float]) -> None:
+        self.bridge, self.rids, self.deadline = bridge, rids, deadline
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.add_futures: list[asyncio.Future] = []
+        self.finished = [False] * len(rids)
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, newest output) until every prompt has finished.
+
+        Outputs carry the full text and tokens so far; when the consumer falls behind, only the newest
+        output per prompt is yielded. Leaving early (cancelled on a disconnect, a timeout, an error)
+        aborts what has not finished.
+        """
+        reason = "client"
+        try:
+            results = await self._wait(asyncio.gather(*self.add_futures, return_exceptions=True))
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            remaining = len(self.rids)
+            while remaining:
+                items = [await self._wait(self.queue.get())]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                latest: dict[int, RequestOutput] = {}
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    latest[item[0]] = item[1]
+                for i in sorted(latest):
+                    if latest[i].finished and not self.finished[i]:
+                        self.finished[i] = True
+                        remaining -= 1
+                    yield i, latest[i]
+        except asyncio.CancelledError:
+            reason = "disconnect"
+            raise
+        except RequestTimeoutError:
+            reason = "timeout"
+            raise
+        finally:
+            self.close(reason)
+
+    async def _wait(self, awaitable):
+        if self.deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"the request did not finish within --request-timeout "
+                                      f"{self.bridge.request_timeout:g} s") from None
+
+    def close(self, reason: str = "client") -> None:
+        """Abort every prompt that has not finished (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.bridge._release(self, reason)

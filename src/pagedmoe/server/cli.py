@@ -1,0 +1,107 @@
+"""`pagedmoe serve [MODEL]`: load the engine, then run the OpenAI-compatible server under uvicorn."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+from typing import Any, Optional
+
+from pagedmoe.config import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("pagedmoe.server")
+
+
+def _env(name: str, conv, default: Any) -> Any:
+    """Server flags follow the engine flags' rule: PAGEDMOE_<FLAG_NAME> sets the default, the flag wins."""
+    value = os.environ.get("PAGEDMOE_" + name.upper())
+    return conv(value) if value not in (None, "") else default
+
+
+def _optional_float(text: str) -> Optional[float]:
+    return None if text.lower() in ("", "none", "0") else float(text)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                                   "/metrics). Server flags also read PAGEDMOE_<FLAG_NAME>.")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=_env("host", str, "127.0.0.1"),
+                   help="address to bind (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=_env("port", int, 8000))
+    g.add_argument("--api-key", default=_env("api_key", str, None),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+    g.add_argument("--max-waiting-requests", type=int, default=_env("max_waiting_requests", int, 1024),
+                   help="answer 503 with Retry-After when this many requests wait for the engine (0: no bound)")
+    g.add_argument("--request-timeout", type=_optional_float,
+                   default=_env("request_timeout", _optional_float, None),
+                   help="seconds a request may take from arrival to its last token (default: no limit); "
+                        "past it the request is aborted and answered 504")
+    g.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", float, 30.0),
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   default=_env("disable_uvicorn_access_log", lambda v: v.lower() in ("1", "true", "yes"), False))
+    add_engine_args(p)  # includes --served-model-name
+    p.set_defaults(func=run_serve)
+
+
+def _make_server(config):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die of the
+        signal (exit status -15). Here the signal only starts the graceful shutdown: exit status 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.server.app import build_app
+
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    engine = LLMEngine(engine_config_from_args(args, model=args.model))
+    app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout,
+                            access_log=not args.disable_uvicorn_access_log,
+                            log_level=logging.getLevelName(logging.getLogger().level).lower())
+    server = _make_server(config)
+    dead = []
+
+    def on_dead(exc: BaseException) -> None:
+        # A dead engine cannot recover: exit non-zero so a supervisor restarts the server.
+        dead.append(exc)
+        server.should_exit = True
+
+    app.state.bridge.on_dead = on_dead
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.served_model_name, args.host,
+                args.port, engine.max_model_len)
+    server.run()
+    if dead:
+        logger.error("the engine stopped (%r); exiting", dead[0])
+        return 1
+    return 0

@@ -1,0 +1,186 @@
+"""OpenAI-compatible request bodies (pydantic) and the error type the routes raise.
+
+Field names, defaults and meanings follow OpenAI's API; the extra sampling fields vLLM accepts
+(`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) are accepted too. Unknown fields
+are ignored, as vLLM does. A field pagedmoe cannot honour (penalties, `n > 1`, tools, ...) is a 400, not
+a silent no-op.
+
+Responses are plain dicts built in `serving.py`: they are written once per token while streaming, and
+building pydantic objects there would only cost time.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+# torch.Generator.manual_seed accepts exactly this range; larger values would fail inside the engine.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MAX_STOP_STRINGS = 64  # the engine scans every stop string after every token
+MAX_PROMPTS_PER_REQUEST = 256
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Union[str, int, None] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.type = message, status_code, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(message, 400, "invalid_request_error", param)
+
+
+TokenIds = list[StrictInt]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[StrictStr] = None
+    temperature: Optional[StrictFloat] = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: Optional[StrictFloat] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: Optional[StrictFloat] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[StrictFloat] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, Any]] = None
+    user: Optional[StrictStr] = None
+    # vLLM's extra sampling fields
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[StrictFloat] = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[StrictFloat] = None
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: Optional[TokenIds] = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    def check_unsupported(self) -> None:
+        """Refuse what the engine cannot do rather than ignoring it."""
+        if self.n != 1:
+            raise invalid("n must be 1: parallel sampling is not supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise invalid(f"{name} is not supported (only 0)", name)
+        if self.repetition_penalty not in (None, 1.0):
+            raise invalid("repetition_penalty is not supported (only 1.0)", "repetition_penalty")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        if any(not s for s in stops):
+            raise invalid("stop strings must not be empty", "stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise invalid("best_of must be 1", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[StrictStr, list[dict[str, Any]], None] = None
+    name: Optional[StrictStr] = None
+
+    def text(self, index: int) -> str:
+        """The message's text; a list of parts must be text parts only."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"messages[{index}].content[{j}]: only parts of type 'text' are supported "
+                              f"(got {str(part.get('type'))[:40]!r})", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise invalid("tools are not supported", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise invalid("tool_choice is not supported", "tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise invalid("response_format: only type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
+
+    @property
+    def max_output_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Base):
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Base):
+    model: Optional[StrictStr] = None
+    tokens: TokenIds

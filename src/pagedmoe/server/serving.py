@@ -1,0 +1,295 @@
+"""/v1/completions and /v1/chat/completions: request -> prompts + SamplingParams -> responses / SSE.
+
+Everything here runs on the event loop thread. It tokenizes with its own tokenizer instance (see
+app.py: a fast tokenizer must not be used from two threads at once, and the engine thread decodes).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from pagedmoe.sampling_params import RequestOutput, SamplingParams
+from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
+from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
+                                      CompletionRequest, _SamplingFields, invalid)
+
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                             "continue_final_message", "chat_template", "tools", "documents"}
+
+
+def _lp(value: float) -> float:
+    return max(float(value), -9999.0)  # JSON has no -inf
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class _ChoiceState:
+    """What one choice has already streamed."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+
+@dataclass
+class Prepared:
+    prompts: list[tuple[Optional[str], list[int]]]
+    params: SamplingParams
+    echo: list[str] = field(default_factory=list)
+
+
+class OpenAIServing:
+    def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
+                 vocab_size: int) -> None:
+        self.bridge, self.tokenizer = bridge, tokenizer
+        self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
+
+    # -- validation and prompts ------------------------------------------------------------------
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"The model `{model[:200]}` does not exist.", 404, "invalid_request_error", "model",
+                           "model_not_found")
+
+    def check_prompt(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
+        if not ids:
+            raise invalid("the prompt is empty", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise invalid(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise invalid(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                          f"{n} tokens (at most {limit - 1} leave room for one new token).", param)
+        if max_tokens is not None and n + max_tokens > limit:
+            raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                          f"Please reduce the length of the prompt or completion.", "max_tokens")
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
+                        ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if not req.top_k else req.top_k,  # vLLM: 0 and -1 both disable
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except (ValueError, TypeError) as e:
+            raise invalid(str(e)) from None
+
+    def completion_prompts(self, req: CompletionRequest) -> Prepared:
+        p = req.prompt
+        if isinstance(p, str):
+            raw = [p]
+        elif not p:
+            raise invalid("prompt must not be empty", "prompt")
+        elif isinstance(p[0], int):
+            raw = [p]
+        else:
+            raw = list(p)
+        if len(raw) > MAX_PROMPTS_PER_REQUEST:
+            raise invalid(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        prompts, echo = [], []
+        for item in raw:
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item)
+                text = item
+            else:
+                ids, text = list(item), None
+            self.check_prompt(ids, req.max_tokens, "prompt")
+            prompts.append((text, ids))
+            if req.echo:
+                echo.append(text if text is not None else self.tokenizer.decode(ids))
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        return Prepared(prompts, params, echo)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+        conversation = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
+                        for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors, raise_exception)
+            raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> Prepared:
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                req.chat_template_kwargs)
+        # The template already wrote any BOS/special tokens it wants.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_prompt(ids, req.max_output_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs))
+
+    # -- running ---------------------------------------------------------------------------------
+    def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        return response_id, self.bridge.submit(response_id, prepared.prompts, prepared.params, arrival)
+
+    @staticmethod
+    async def final_outputs(handle: RequestHandle, n: int) -> list[RequestOutput]:
+        last: list[Optional[RequestOutput]] = [None] * n
+        async for i, out in handle.outputs():
+            last[i] = out
+        return last  # type: ignore[return-value]
+
+    @staticmethod
+    def usage(outputs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def holdback(params: SamplingParams) -> int:
+        """Characters kept back while streaming, so text a stop string will cut off is never sent."""
+        return max((len(s) for s in params.stop), default=1) - 1
+
+    @staticmethod
+    def advance(out: RequestOutput, state: _ChoiceState, holdback: int) -> tuple[str, int, int]:
+        """The text not yet streamed and the token range [start, end) it covers; updates `state`."""
+        c = out.outputs[0]
+        text = c.text
+        end = len(text)
+        if not out.finished:
+            end -= holdback
+            if text.endswith("\ufffd"):
+                end = min(end, len(text) - 1)  # an incomplete UTF-8 character: wait for its next bytes
+        end = max(end, state.num_chars)
+        delta = text[state.num_chars:end]
+        state.num_chars = end
+        start, state.num_tokens = state.num_tokens, len(c.token_ids)
+        state.done = out.finished
+        return delta, start, state.num_tokens
+
+    # -- logprobs --------------------------------------------------------------------------------
+    def completion_logprobs(self, out: RequestOutput, start: int, end: int, state: _ChoiceState) -> dict:
+        c = out.outputs[0]
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for pos in range(start, end):
+            entry = c.logprobs[pos]
+            tid = c.token_ids[pos]
+            tok = entry[tid].decoded_token if entry[tid].decoded_token is not None else self.tokenizer.decode([tid])
+            tokens.append(tok)
+            token_lps.append(_lp(entry[tid].logprob))
+            tops.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
+            offsets.append(state.text_offset)
+            state.text_offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def chat_logprobs(out: RequestOutput, start: int, end: int, num_top: int) -> dict:
+        c = out.outputs[0]
+        content = []
+        for pos in range(start, end):
+            entry = c.logprobs[pos]
+            sampled = entry[c.token_ids[pos]]
+            tok = sampled.decoded_token or ""
+            top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)[:num_top]
+            content.append({"token": tok, "logprob": _lp(sampled.logprob), "bytes": list(tok.encode("utf-8")),
+                            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": _lp(lp.logprob),
+                                              "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                                             for lp in top]})
+        return {"content": content}
+
+    # -- /v1/completions -------------------------------------------------------------------------
+    def completion_response(self, response_id: str, req: CompletionRequest, prepared: Prepared,
+                            outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            prefix = prepared.echo[i] if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(out, 0, len(c.token_ids), _ChoiceState(text_offset=len(prefix)))
+            choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": response_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs),
+                "system_fingerprint": None}
+
+    async def completion_stream(self, response_id: str, req: CompletionRequest, prepared: Prepared,
+                                handle: RequestHandle) -> AsyncIterator[str]:
+        created, n = int(time.time()), len(prepared.prompts)
+        states = [_ChoiceState() for _ in range(n)]
+        last: list[Optional[RequestOutput]] = [None] * n
+        holdback = self.holdback(prepared.params)
+        base = {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name}
+        usage_field = {"usage": None} if req.include_usage else {}
+        if req.echo:
+            for i, text in enumerate(prepared.echo):
+                states[i].text_offset = len(text)
+                yield sse({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+                           **usage_field})
+        async for i, out in handle.outputs():
+            last[i] = out
+            delta, start, end = self.advance(out, states[i], holdback)
+            if not delta and not out.finished and (req.logprobs is None or start == end):
+                continue
+            logprobs = self.completion_logprobs(out, start, end, states[i]) if req.logprobs is not None else None
+            c = out.outputs[0]
+            choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            chunk = {**base, "choices": [choice], **usage_field}
+            if req.continuous_usage:
+                chunk["usage"] = self.usage([o for o in last if o is not None])
+            yield sse(chunk)
+        if req.include_usage:
+            yield sse({**base, "choices": [], "usage": self.usage(last)})  # type: ignore[arg-type]
+        yield SSE_DONE
+
+    # -- /v1/chat/completions --------------------------------------------------------------------
+    def chat_response(self, response_id: str, req: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict:
+        out = outputs[0]
+        c = out.outputs[0]
+        logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                  "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_model_name, "choices": [choice], "usage": self.usage(outputs),
+                "system_fingerprint": None}
+
+    async def chat_stream(self, response_id: str, req: ChatCompletionRequest, prepared: Prepared,
+                          handle: RequestHandle) -> AsyncIterator[str]:
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.served_model_name}
+        usage_field = {"usage": None} if req.include_usage else {}
+        state, last = _ChoiceState(), None
+        holdback = self.holdback(prepared.params)
+        yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **usage_field})
+        async for _, out in handle.outputs():
+            last = out
+            delta, start, end = self.advance(out, state, holdback)
+            if not delta and not out.finished and (not req.logprobs or start == end):
+                continue
+            logprobs = self.chat_logprobs(out, start, end, req.top_logprobs or 0) if req.logprobs else None
+            c = out.outputs[0]
+            chunk = {**base, "choices": [{"index": 0, "delta": {"content": delta} if delta else {},
+                                          "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                          "stop_reason": c.stop_reason}], **usage_field}
+            if req.continuous_usage:
+                chunk["usage"] = self.usage([out])
+            yield sse(chunk)
+        if req.include_usage and last is not None:
+            yield sse({**base, "choices": [], "usage": self.usage([last])})
+        yield SSE_DONE
