@@ -117,14 +117,15 @@ class CompressedTensor:
                                 mv(self.block_bit_offsets), mv(self.lane_bits), mv(self.raw),
                                 self.checksums)
 
-    def decode_table(self, short_bits: int | None = None) -> torch.Tensor:
-        """int16 decode table on this tensor's device (built once per short_bits, then cached)."""
+    def decode_table(self, short_bits: int | None = None, dtype: torch.dtype = torch.int16) -> torch.Tensor:
+        """Decode table on this tensor's device (``huffman.decode_table``), built once, then cached."""
         short_bits = self.layout.max_code_len if short_bits is None else short_bits
-        if short_bits not in self._tables:
+        key = (short_bits, dtype)
+        if key not in self._tables:
             t = huffman.decode_table(self.code_lengths.numpy(), self.layout.max_code_len,
                                      short_bits, self.fill_exponent)
-            self._tables[short_bits] = t.to(self.device)
-        return self._tables[short_bits]
+            self._tables[key] = t.to(dtype).to(self.device)
+        return self._tables[key]
 
 
 # ---------------------------------------------------------------------------------------------

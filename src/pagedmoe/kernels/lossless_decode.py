@@ -24,10 +24,12 @@ from pagedmoe.codecs.lossless import CompressedTensor
 
 
 @triton.jit
-def _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
+def _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
                 LANES: tl.constexpr, K: tl.constexpr, MAX_LEN: tl.constexpr,
-                SHORT_BITS: tl.constexpr, MASKED: tl.constexpr):
-    for k in range(K):
+                SHORT_BITS: tl.constexpr, MASKED: tl.constexpr, UNROLL: tl.constexpr):
+    # wptr: per-lane pointer to the word holding cur (a pointer, not an index: one 64-bit add
+    # per step instead of index arithmetic and an address computation)
+    for k in tl.range(K, loop_unroll_factor=UNROLL):
         win = (((cur.to(tl.uint64) << 32) | nxt.to(tl.uint64)) << off.to(tl.uint64)) >> 32
         win = win.to(tl.uint32)
         e = tl.load(lut_ptr + (win >> (32 - SHORT_BITS)).to(tl.int32)).to(tl.int32)
@@ -42,14 +44,14 @@ def _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_vali
         off = off & 31
         cur = tl.where(adv, nxt, cur)
         nxt = tl.where(adv, nn, nxt)
-        wpos = wpos + adv.to(tl.int32)
+        wptr = wptr + adv.to(tl.int32)
         idx = k * LANES + lane
         if MASKED:
             valid = idx < n_valid
-            fresh = tl.load(sptr + wpos + 2, mask=adv & valid, other=0)
+            fresh = tl.load(wptr + 2, mask=adv & valid, other=0)
             r = tl.load(rptr + idx, mask=valid, other=0)
         else:
-            fresh = tl.load(sptr + wpos + 2, mask=adv, other=0)
+            fresh = tl.load(wptr + 2, mask=adv, other=0)
             r = tl.load(rptr + idx)
         nn = tl.where(adv, fresh.to(tl.uint32, bitcast=True), nn)
         o = ((r.to(tl.int32) & 0x807F) | (e & 0x7F80)).to(tl.int16)
@@ -75,6 +77,7 @@ def lossless_decode_kernel(
     K: tl.constexpr,
     MAX_LEN: tl.constexpr,
     SHORT_BITS: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     blk = block_start + tl.program_id(0)
     part = blk // blocks_per_part
@@ -86,29 +89,31 @@ def lossless_decode_kernel(
     lb = tl.load(lane_bits_ptr + blk.to(tl.int64) * LANES + lane).to(tl.int32)
     base = tl.load(block_bit_ptr + blk)
     bit = (base & 31).to(tl.int32) + tl.cumsum(lb, 0) - lb  # lane start, relative to word base>>5
-    sptr = stream_ptr + (base >> 5)
-    wpos = bit >> 5
+    wptr = stream_ptr + (base >> 5) + (bit >> 5)
     off = bit & 31
-    cur = tl.load(sptr + wpos).to(tl.uint32, bitcast=True)
-    nxt = tl.load(sptr + wpos + 1).to(tl.uint32, bitcast=True)
-    nn = tl.load(sptr + wpos + 2).to(tl.uint32, bitcast=True)
+    cur = tl.load(wptr).to(tl.uint32, bitcast=True)
+    nxt = tl.load(wptr + 1).to(tl.uint32, bitcast=True)
+    nn = tl.load(wptr + 2).to(tl.uint32, bitcast=True)
     rptr = raw_ptr + elem0
     optr = out_ptr + (elem0 - out_start)
     if n_valid == LANES * K:
-        _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
-                    LANES, K, MAX_LEN, SHORT_BITS, False)
+        _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
+                    LANES, K, MAX_LEN, SHORT_BITS, False, UNROLL)
     else:
-        _lane_steps(sptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, wpos, n_valid,
-                    LANES, K, MAX_LEN, SHORT_BITS, True)
+        _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
+                    LANES, K, MAX_LEN, SHORT_BITS, True, 1)
 
 
 def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int, int] | None = None,
-                    short_bits: int = 8, num_warps: int = 4) -> torch.Tensor:
+                    short_bits: int = 8, num_warps: int = 4, unroll: int = 1,
+                    table_dtype: torch.dtype = torch.int16) -> torch.Tensor:
     """Decodes ct (or its parts [p0, p1)) into out, a contiguous bf16 tensor on ct's device.
 
     out may be a view into a larger buffer (an expert compute buffer); only its numel and
-    contiguity matter. Launches one kernel; no host sync. short_bits: index width of the first
-    decode table (codes up to that length need one lookup); a performance knob only.
+    contiguity matter. Launches one kernel; no host sync. Performance knobs only (any value
+    decodes the same bits): short_bits, the index width of the first decode table (codes up to
+    that length need one lookup); num_warps; unroll, the step loop's unroll factor;
+    table_dtype, int16 or int32 decode-table entries.
     """
     p0, p1 = (0, ct.num_parts) if parts is None else parts
     if not 0 <= p0 <= p1 <= ct.num_parts:
@@ -133,9 +138,9 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
     if num_blocks == 0:
         return out
     lossless_decode_kernel[(num_blocks,)](
-        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw.view(torch.int8), ct.decode_table(short_bits),
+        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw.view(torch.int8), ct.decode_table(short_bits, table_dtype),
         out.view(torch.int16), p0 * ct.blocks_per_part, p0 * ct.part_size, ct.part_size, ct.blocks_per_part,
         LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=short_bits,
-        num_warps=num_warps,
+        UNROLL=unroll, num_warps=num_warps,
     )
     return out

@@ -1,0 +1,223 @@
+"""Lossless codec on the GPU: bit-exactness, decode throughput per variant, ratio, encode speed.
+
+    PYTHONPATH=src python benchmarks/bench_codec.py [--quick] [--out DIR] [--commit SHA]
+
+Decode throughput is GB/s of bf16 output (2 bytes per weight) on N(0, 0.02) weights, each call
+decoding >= 256 MB of output, rotating between two independently drawn inputs (together far
+larger than the 50 MB L2). Every variant is checked bit-exact (torch.equal on the int16 view,
+output poisoned first) before it is timed. The encoder is timed on one Mixtral-8x7B stacked
+expert matrix [8, 14336, 4096] (0.47 G weights) and extrapolated to the 45.1 G expert weights of
+the model (32 layers x 3 such matrices). Writes bench_codec.json to --out (default $OUT or .).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+
+from pagedmoe.codecs.lossless import LosslessLayout, decode_reference, encode
+from pagedmoe.kernels.lossless_decode import lossless_decode
+
+MIXTRAL_EXPERT_WEIGHTS = 32 * 3 * 8 * 14336 * 4096  # 45.1e9
+
+
+def cuda_time(fn, iters: int) -> list[float]:
+    """Seconds per call, one CUDA event pair per call."""
+    ts = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return ts
+
+
+def copy_bandwidth(n_bytes: int) -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM ceiling)."""
+    src = torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t = statistics.median(cuda_time(lambda i: dst.copy_(src), 20))
+    return 2 * n_bytes / t
+
+
+def check_small(log) -> list[str]:
+    """Bit-exactness on awkward inputs, GPU encode == CPU encode, and the kernel's masked path."""
+    failures = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cases = [
+        ("all 65536 patterns", torch.arange(-32768, 32768, dtype=torch.int32, device="cuda")
+         .to(torch.int16).view(torch.bfloat16), 1, LosslessLayout(256, 64, 12)),
+        ("odd size, 3 parts", (torch.randn(3, 70001, device="cuda", generator=g) * 0.02).bfloat16(), 3,
+         LosslessLayout(512, 64, 8)),
+        ("constant", torch.full((100003,), -1.5, dtype=torch.bfloat16, device="cuda"), 1, LosslessLayout()),
+        ("scale 1e-30", (torch.randn(50000, device="cuda", generator=g) * 1e-30).bfloat16(), 1,
+         LosslessLayout(256, 32, 10)),
+    ]
+    for name, x, parts, lay in cases:
+        ct = encode(x, num_parts=parts, layout=lay)
+        ct_cpu = encode(x.cpu(), num_parts=parts, layout=lay)
+        if not torch.equal(ct.stream.cpu(), ct_cpu.stream) or not torch.equal(ct.lane_bits.cpu(), ct_cpu.lane_bits):
+            failures.append(f"{name}: GPU and CPU encoders differ")
+        if ct.checksums != ct_cpu.checksums:
+            failures.append(f"{name}: checksums differ")
+        for sb in sorted({lay.max_code_len, 7, 8}):
+            out = torch.full_like(x, float("nan"))
+            lossless_decode(ct, out, short_bits=sb)
+            if not torch.equal(out.view(torch.int16), x.view(torch.int16)):
+                failures.append(f"{name}: triton decode (short_bits={sb}) not bit-exact")
+        ref = decode_reference(ct)
+        if not torch.equal(ref.view(torch.int16), x.view(torch.int16)):
+            failures.append(f"{name}: reference decode on GPU not bit-exact")
+        log(f"check {name}: ratio {ct.ratio:.4f}")
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer variants, smaller encode test")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", ""))
+    ap.add_argument("--numel", type=int, default=128 << 20, help="weights per decode call (256 MB out)")
+    ap.add_argument("--sweep-budget-s", type=float, default=130, help="stop starting variants after this")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    logf = open(os.path.join(args.out, "bench_codec.log"), "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    commit = args.commit
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = "unknown"
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "commit": commit, "numel_per_call": args.numel,
+           "variants": [], "failures": []}
+    path = os.path.join(args.out, "bench_codec.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    res["copy_bw_bytes_per_s"] = copy_bandwidth(1 << 30)
+    log(f"{res['gpu']}  commit {commit}  d2d copy {res['copy_bw_bytes_per_s'] / 1e12:.2f} TB/s (read+write)")
+    res["failures"] += check_small(log)
+    save()
+
+    # (layout, [(short_bits, num_warps, unroll, table dtype)]) in order of interest
+    i16, i32 = torch.int16, torch.int32
+    grid = [
+        (LosslessLayout(512, 64, 8), [(8, 4, 1, i16), (8, 4, 1, i32), (8, 8, 1, i16), (8, 4, 2, i16), (8, 2, 1, i16)]),
+        (LosslessLayout(512, 64, 12), [(12, 4, 1, i16), (12, 4, 1, i32), (8, 4, 1, i16), (7, 4, 1, i16), (6, 4, 1, i16)]),
+        (LosslessLayout(512, 64, 10), [(10, 4, 1, i16), (10, 4, 1, i32)]),
+        (LosslessLayout(1024, 32, 8), [(8, 4, 1, i16), (8, 8, 1, i16), (8, 8, 2, i16)]),
+        (LosslessLayout(1024, 64, 8), [(8, 8, 1, i16), (8, 4, 1, i16)]),
+        (LosslessLayout(512, 128, 8), [(8, 4, 1, i16), (8, 4, 1, i32)]),
+        (LosslessLayout(256, 64, 8), [(8, 2, 1, i16), (8, 1, 1, i16)]),
+        (LosslessLayout(2048, 32, 8), [(8, 8, 1, i16), (8, 16, 1, i16)]),
+    ]
+    if args.quick:
+        grid = [(grid[0][0], grid[0][1][:2]), (grid[1][0], grid[1][1][:3])]
+    n = args.numel
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [(torch.randn(n, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(2)]
+    outs = [torch.empty_like(x) for x in xs]
+    for lay, knobs in grid:
+        torch.cuda.synchronize()
+        t0 = time.time()
+        cts = [encode(x, layout=lay, checksum=False) for x in xs]
+        torch.cuda.synchronize()
+        enc_s = (time.time() - t0) / 2
+        ratio = cts[0].ratio
+        floor = (cts[0].nbytes + 2 * n) / res["copy_bw_bytes_per_s"]
+        for sb, nw, un, td in knobs:
+            if time.time() - t_start > args.sweep_budget_s:
+                break
+            v = {"lanes": lay.lanes, "elems_per_lane": lay.elems_per_lane, "max_code_len": lay.max_code_len,
+                 "short_bits": sb, "num_warps": nw, "unroll": un, "table": str(td).split(".")[-1],
+                 "ratio": ratio, "encode_s_128M": enc_s}
+            kw = dict(short_bits=sb, num_warps=nw, unroll=un, table_dtype=td)
+            try:
+                t0 = time.time()
+                ok = True
+                for ct, x, o in zip(cts, xs, outs):
+                    o.fill_(float("nan"))
+                    lossless_decode(ct, o, **kw)
+                    ok &= torch.equal(o.view(torch.int16), x.view(torch.int16))
+                v["compile_s"] = time.time() - t0
+                v["bit_exact"] = bool(ok)
+                if not ok:
+                    res["failures"].append(f"variant {v} not bit-exact")
+                ts = cuda_time(lambda i: lossless_decode(cts[i % 2], outs[i % 2], **kw), 30)[4:]
+                t = statistics.median(ts)
+                v.update(decode_s=t, decode_tb_s=2 * n / t / 1e12, spread=(max(ts) - min(ts)) / t,
+                         hbm_floor_tb_s=2 * n / floor / 1e12)
+            except Exception as e:  # keep the other variants' numbers
+                v["error"] = repr(e)[:300]
+            res["variants"].append(v)
+            log(f"{lay.lanes:5d} {lay.elems_per_lane:4d} L{lay.max_code_len:<3d} sb{sb:<3d} w{nw:<3d} u{un} {v['table']:5s} "
+                f"ratio {ratio:.4f}  exact {v.get('bit_exact')}  decode {v.get('decode_tb_s', 0):.3f} TB/s "
+                f"(floor {v.get('hbm_floor_tb_s', 0):.2f})  {v.get('error', '')}")
+            save()
+        del cts
+        if time.time() - t_start > args.sweep_budget_s:
+            log("time budget spent: remaining variants skipped")
+            break
+    del xs, outs
+    torch.cuda.empty_cache()
+
+    # encoder: one Mixtral stacked expert matrix, extrapolated to the whole model
+    shape = (8, 14336, 4096) if not args.quick else (8, 1792, 4096)
+    x = (torch.randn(shape, device="cuda", generator=g) * 0.02).bfloat16()
+    encode(x[:1], num_parts=1)  # warm-up
+    enc = {}
+    for checksum in (False, True):
+        torch.cuda.synchronize()
+        t0 = time.time()
+        ct = encode(x, num_parts=8, checksum=checksum)
+        torch.cuda.synchronize()
+        enc["with_checksum_s" if checksum else "gpu_only_s"] = time.time() - t0
+    enc.update(shape=list(shape), numel=x.numel(), ratio=ct.ratio)
+    for k in ("gpu_only_s", "with_checksum_s"):
+        enc[k.replace("_s", "_weights_per_s")] = x.numel() / enc[k]
+        enc[k.replace("_s", "_mixtral_s")] = enc[k] * MIXTRAL_EXPERT_WEIGHTS / x.numel()
+    out = torch.empty_like(x)
+    lossless_decode(ct, out)
+    enc["bit_exact"] = bool(torch.equal(out.view(torch.int16), x.view(torch.int16)))
+    res["encode"] = enc
+    log(f"encode {tuple(shape)}: {enc['gpu_only_s']:.3f} s GPU only ({enc['gpu_only_weights_per_s'] / 1e9:.2f} G/s, "
+        f"Mixtral {enc['gpu_only_mixtral_s']:.1f} s), with crc32 {enc['with_checksum_s']:.3f} s "
+        f"(Mixtral {enc['with_checksum_mixtral_s']:.1f} s), ratio {enc['ratio']:.4f}, exact {enc['bit_exact']}")
+    save()
+
+    ok = [v for v in res["variants"] if "decode_tb_s" in v]
+    ok.sort(key=lambda v: -v["decode_tb_s"])
+    log("\n=== lossless decode, best first (TB/s of bf16 output) ===")
+    log(f"{'lanes':>5} {'K':>4} {'L':>3} {'sb':>3} {'w':>3} {'u':>2} {'table':>6} {'ratio':>7} {'TB/s':>7} {'floor':>6} exact")
+    for v in ok:
+        log(f"{v['lanes']:5d} {v['elems_per_lane']:4d} {v['max_code_len']:3d} {v['short_bits']:3d} {v['num_warps']:3d} "
+            f"{v['unroll']:2d} {v['table']:>6} {v['ratio']:7.4f} {v['decode_tb_s']:7.3f} {v['hbm_floor_tb_s']:6.2f} {v['bit_exact']}")
+    log(f"failures: {res['failures'] or 'none'}   total {time.time() - t_start:.0f} s")
+    save()
+    return 1 if res["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

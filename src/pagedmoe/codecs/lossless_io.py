@@ -1,0 +1,124 @@
+"""Lossless tensors in safetensors files: arrays as tensors, codebooks and checksums as JSON.
+
+File layout (docs/formats.md): for a compressed tensor NAME the file holds
+  NAME.lx.stream  int32   NAME.lx.part_word_offsets  int64   NAME.lx.block_bit_offsets  int64
+  NAME.lx.lane_bits  int16   NAME.lx.raw  uint8
+and ``__metadata__["pagedmoe.lossless"]`` is a JSON object {"format", "version", "tensors":
+{NAME: {shape, dtype, num_parts, lanes, elems_per_lane, max_code_len, code_lengths,
+fill_exponent, checksums}}}. Uncompressed tensors (the backbone) sit beside them under their
+own names. Loading checks every part's crc32 before anything is returned.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedmoe.codecs import huffman
+from pagedmoe.codecs.lossless import (FORMAT_NAME, FORMAT_VERSION, CompressedTensor, CorruptCheckpointError,
+                                      LosslessLayout, compute_checksums, verify)
+
+METADATA_KEY = "pagedmoe.lossless"
+SUFFIX = ".lx."
+ARRAYS = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
+
+
+def _header(ct: CompressedTensor) -> dict:
+    lay = ct.layout
+    return {"shape": list(ct.shape), "dtype": "bfloat16", "num_parts": ct.num_parts, "lanes": lay.lanes,
+            "elems_per_lane": lay.elems_per_lane, "max_code_len": lay.max_code_len,
+            "code_lengths": [int(v) for v in ct.code_lengths.tolist()], "fill_exponent": ct.fill_exponent,
+            "checksums": list(ct.checksums)}
+
+
+def save_compressed(path: str, tensors: dict[str, CompressedTensor], plain: dict[str, torch.Tensor] | None = None,
+                    metadata: dict[str, str] | None = None) -> None:
+    """Writes compressed (and optionally plain) tensors to one safetensors file."""
+    out: dict[str, torch.Tensor] = {}
+    headers = {}
+    for name, ct in tensors.items():
+        if not ct.checksums:
+            ct.checksums = compute_checksums(ct)
+        headers[name] = _header(ct)
+        for a in ARRAYS:
+            out[name + SUFFIX + a] = getattr(ct, a).detach().cpu().contiguous()
+    for name, t in (plain or {}).items():
+        if SUFFIX in name or name in out:
+            raise ValueError(f"plain tensor name {name!r} collides with a compressed tensor's arrays")
+        out[name] = t.detach().cpu().contiguous()
+    meta = dict(metadata or {})
+    meta[METADATA_KEY] = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "tensors": headers})
+    save_file(out, path, metadata=meta)
+
+
+def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise CorruptCheckpointError(f"{name}: stored {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
+
+
+def _from_file(f, name: str, h: dict) -> CompressedTensor:
+    try:
+        layout = LosslessLayout(h["lanes"], h["elems_per_lane"], h["max_code_len"])
+        lengths = np.asarray(h["code_lengths"], dtype=np.int64)
+        huffman.check_lengths(lengths, layout.max_code_len)
+        shape, num_parts = tuple(int(s) for s in h["shape"]), int(h["num_parts"])
+        if h.get("dtype") != "bfloat16" or num_parts < 1 or int(np.prod(shape)) % num_parts \
+                or not 0 <= int(h["fill_exponent"]) < 256:
+            raise ValueError("bad dtype, shape, num_parts or fill_exponent")
+        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in ARRAYS}
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{name}: malformed lossless header or missing array ({e})") from e
+    ct = CompressedTensor(shape, num_parts, layout, torch.from_numpy(lengths.astype(np.uint8)),
+                          int(h["fill_exponent"]), checksums=tuple(int(c) for c in h["checksums"]), **arrays)
+    _expect(f"{name}.raw", ct.raw, torch.uint8, (ct.numel,))
+    _expect(f"{name}.lane_bits", ct.lane_bits, torch.int16, (ct.num_blocks, layout.lanes))
+    _expect(f"{name}.block_bit_offsets", ct.block_bit_offsets, torch.int64, (ct.num_blocks,))
+    _expect(f"{name}.part_word_offsets", ct.part_word_offsets, torch.int64, (num_parts + 1,))
+    pwo = ct.part_word_offsets
+    if int(pwo[0]) != 0 or bool((pwo[1:] < pwo[:-1]).any()):
+        raise CorruptCheckpointError(f"{name}: part word offsets are not increasing from 0")
+    _expect(f"{name}.stream", ct.stream, torch.int32, (int(pwo[-1]) + layout.pad_words,))
+    verify(ct, name)
+    # the checksums cover the bytes; also refuse offsets that would send a decoder out of bounds
+    bbo = ct.block_bit_offsets.view(num_parts, -1) if ct.num_blocks else None
+    if bbo is not None:
+        lane_end = bbo + ct.lane_bits.to(torch.int64).view(num_parts, -1, layout.lanes).sum(-1)
+        if bool((bbo[:, 0] != pwo[:-1] * 32).any()) or bool((lane_end > pwo[1:, None] * 32).any()) \
+                or bool((ct.lane_bits < 0).any()):
+            raise CorruptCheckpointError(f"{name}: block offsets disagree with the part offsets")
+    return ct
+
+
+def load_compressed(path: str, device: str | torch.device = "cpu", names: list[str] | None = None
+                    ) -> tuple[dict[str, CompressedTensor], dict[str, torch.Tensor]]:
+    """Reads (compressed, plain) tensors, checking each part's crc32 on the host first.
+
+    Raises CorruptCheckpointError naming the tensor and part when the file was altered.
+    names restricts which compressed tensors are read (plain tensors are always read).
+    """
+    try:
+        f = safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own types for a broken header
+        raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    with f:
+        meta = f.metadata() or {}
+        if METADATA_KEY not in meta:
+            raise CorruptCheckpointError(f"{path}: no {METADATA_KEY!r} metadata; not a pagedmoe lossless file")
+        try:
+            info = json.loads(meta[METADATA_KEY])
+        except json.JSONDecodeError as e:
+            raise CorruptCheckpointError(f"{path}: lossless metadata is not JSON ({e})") from e
+        if info.get("format") != FORMAT_NAME or info.get("version") != FORMAT_VERSION:
+            raise CorruptCheckpointError(f"{path}: format {info.get('format')} v{info.get('version')}, "
+                                         f"this build reads {FORMAT_NAME} v{FORMAT_VERSION}")
+        headers = info["tensors"]
+        compressed = {n: _from_file(f, n, h) for n, h in headers.items() if names is None or n in names}
+        plain = {k: f.get_tensor(k) for k in f.keys() if SUFFIX not in k}
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        compressed = {n: ct.to(dev) for n, ct in compressed.items()}
+        plain = {k: t.to(dev) for k, t in plain.items()}
+    return compressed, plain
