@@ -1,0 +1,196 @@
+"""The server driven by the official `openai` client, checked against the offline engine (same weights)."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from server_utils import MAX_MODEL_LEN, MODEL_NAME
+
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    """The offline API on the same checkpoint: the reference for greedy outputs."""
+    from pagedmoe.llm import LLM
+
+    return LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+
+
+def greedy(ref, prompt, max_tokens, **kw):
+    from pagedmoe import SamplingParams
+
+    out = ref.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), use_tqdm=False)[0]
+    return out.outputs[0]
+
+
+def test_models_health_version(server):
+    models = httpx.get(server.base_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/version").json()["version"]
+
+
+def test_completion_matches_offline_engine(server, client, ref):
+    want = greedy(ref, PROMPT, 12, ignore_eos=True)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL_NAME
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    # The same prompt as token ids (vLLM's list-of-ints prompt) gives the same completion.
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r2 = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert r2.choices[0].text == want.text and r2.usage.prompt_tokens == len(ids)
+
+
+def test_batch_of_prompts_and_echo(client, ref):
+    prompts = [PROMPT, "class Point:"]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        assert c.text == prompts[c.index] + greedy(ref, prompts[c.index], 5, ignore_eos=True).text
+    assert r.usage.completion_tokens == 10
+
+
+def test_chat_matches_offline_chat(client, ref):
+    from pagedmoe import SamplingParams
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print('hello world')"}]
+    want = ref.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    # Text parts are joined like a plain string.
+    r2 = client.chat.completions.create(model=MODEL_NAME, max_tokens=10, temperature=0,
+                                        messages=[messages[0], {"role": "user", "content": [
+                                            {"type": "text", "text": "print('hello "},
+                                            {"type": "text", "text": "world')"}]}],
+                                        extra_body={"ignore_eos": True})
+    assert r2.choices[0].message.content == want.outputs[0].text
+
+
+def test_streaming_completion_with_usage(client):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text_chunks, last = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert all(c.usage is None for c in text_chunks)
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_streaming_chat_with_usage_ends_with_done(server, client):
+    messages = [{"role": "user", "content": "hi"}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # The raw stream: `data: {json}` events separated by blank lines, the last one `data: [DONE]`.
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 3, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequence(client, ref, stream):
+    text = greedy(ref, PROMPT, 16, ignore_eos=True).text
+    stop = text[4:6]
+    assert stop and stop in text
+    want = text[: text.index(stop)]
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        r = client.completions.create(**kwargs)
+        got, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert got == want and reason == "stop"
+    r = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}})
+    assert r.choices[0].text == want + stop
+
+
+def test_seeded_sampling_is_reproducible_under_load(server, client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kwargs).choices[0].text
+    b = client.completions.create(seed=1234, **kwargs).choices[0].text
+    c = client.completions.create(seed=4321, **kwargs).choices[0].text
+    assert a == b and a != c
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        others = [aclient.completions.create(**{**kwargs, "max_tokens": 8}) for _ in range(4)]
+        mine = aclient.completions.create(seed=1234, **kwargs)
+        results = await asyncio.gather(mine, *others)
+        await aclient.close()
+        return results[0].choices[0].text
+
+    assert asyncio.run(together()) == a  # other requests in the batch do not change a seeded stream
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and token_lp <= 0  # decoded strings of different tokens may collide
+        assert token_lp == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+    c = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = c.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, temperature=0, logprobs=True, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [e.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content])
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == PROMPT
+    chat = httpx.post(server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
