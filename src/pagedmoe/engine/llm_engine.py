@@ -30,12 +30,16 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str, load_format: str):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
+        if load_format == "dummy":
+            # Shape-only benchmark folders (a config.json) need no tokenizer: prompts are token ids.
+            logger.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
+            return None
         raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
 
 
@@ -44,7 +48,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_hf_config(self.model_path)
-        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path, config.load_format)
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
@@ -64,13 +68,18 @@ class LLMEngine:
                     time.perf_counter() - t0, self.plan.summary())
         self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
-                                  self.dtype, config.attention_backend, config.moe_backend)
+                                  self.dtype, config.attention_backend, config.moe_backend,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+        # Wall time of steps that carry prefill tokens vs decode-only steps (each step ends with a sync).
+        self.step_time = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_steps": 0, "decode_steps": 0,
+                          "decode_tokens": 0, "prefill_tokens": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -111,6 +120,8 @@ class LLMEngine:
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer: pass prompt token ids")
                 text = prompt
                 prompt_token_ids = self.tokenizer.encode(prompt)
             elif isinstance(prompt, (list, tuple)):
@@ -150,10 +161,28 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         logits, rows = self.runner.execute(sched, self.kv)
+        try:
+            return self._finish_step(sched, logits, rows)
+        finally:
+            self._record_step_time(sched, time.perf_counter() - t0)
+
+    def _record_step_time(self, sched, seconds: float) -> None:
+        st = self.step_time
+        if all(s.num_new_tokens == 1 for s in sched.scheduled):
+            st["decode_s"] += seconds
+            st["decode_steps"] += 1
+            st["decode_tokens"] += len(sched.scheduled)
+        else:
+            st["prefill_s"] += seconds
+            st["prefill_steps"] += 1
+            st["prefill_tokens"] += sched.num_batched_tokens
+
+    def _finish_step(self, sched, logits, rows) -> list[RequestOutput]:
         self.scheduler.update(sched.scheduled)
         self.num_steps += 1
         if not rows:
@@ -186,4 +215,5 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
+            **{f"step_{k}": v for k, v in self.step_time.items()},
         }

@@ -59,7 +59,7 @@ class OutputProcessor:
             request.first_token_time = now
         if logprobs is not None:
             for t, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([t])
+                lp.decoded_token = self.tokenizer.decode([t]) if self.tokenizer is not None else None
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += sampled_logprob
         n_out = len(request.output_token_ids)
@@ -69,8 +69,9 @@ class OutputProcessor:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        request.output_text = self.tokenizer.decode(request.output_token_ids,
-                                                    skip_special_tokens=p.skip_special_tokens)
+        if self.tokenizer is not None:
+            request.output_text = self.tokenizer.decode(request.output_token_ids,
+                                                        skip_special_tokens=p.skip_special_tokens)
         if status is None and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(request)
         if status is None and n_out >= request.max_tokens:

@@ -4,6 +4,7 @@ Shapes: T tokens in the step, B scheduled sequences, N sequences that sample a t
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +13,11 @@ from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import allocate_kv_cache
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
-from pagedmoe.models.layers.moe import MOE_BACKENDS
+from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.worker.cuda_graph import DecodeCudaGraphs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,7 +31,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto") -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
+                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True) -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         dims = model.dims
         self.kv_caches = allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
@@ -39,6 +44,17 @@ class ModelRunner:
             raise ValueError(f"unknown MoE backend {moe_backend!r}; known: {sorted(MOE_BACKENDS)}")
         for moe in model.moe_layers():
             moe.experts_fn = MOE_BACKENDS[moe_backend]
+        self.graphs = None
+        if device.type == "cuda" and not enforce_eager:
+            moes = model.moe_layers()
+            probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
+            if moes and not sync_free(moes[0].experts_fn, probe, moes[0].w13, moes[0].w2):
+                logger.warning("CUDA graphs off: the %s expert path syncs with the host (use bfloat16)",
+                               moe_backend)
+            else:
+                self.graphs = DecodeCudaGraphs(model, max_num_seqs, -(-max_model_len // block_size),
+                                               max_model_len, device)
+                self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         bs = self.block_size
@@ -90,5 +106,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample)."""
         inputs = self.prepare(out, kv)
+        if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(out.scheduled)):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return logits[inputs.logits_indices].float(), inputs.sampling_rows
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return logits, inputs.sampling_rows

@@ -54,7 +54,11 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_idx = order // A
-    offs = torch.cumsum(torch.bincount(flat_ids, minlength=E), 0).to(torch.int32)
+    # scatter_add rather than bincount: bincount sizes its output from the data (a host sync on CUDA,
+    # which would also break CUDA-graph capture).
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[token_idx]                                                  # [T*A, H]
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)          # [T*A, 2I]
     gate, up = h.chunk(2, dim=-1)
@@ -64,6 +68,13 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_idx, y)
     return out.to(x.dtype)
+
+
+def sync_free(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether this expert path runs without host syncs (a requirement for CUDA-graph capture)."""
+    if experts_fn is experts_grouped_mm:
+        return True
+    return experts_fn is experts_auto and _grouped_mm_ok(x, w13, w2)
 
 
 def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""`pagedmoe bench latency`: prefill time and per-step decode time, each decode step next to its HBM floor."""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from pagedmoe.bench.common import environment, write_json
+from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, random_prompts
+from pagedmoe.bench.roofline import H200_HBM_BYTES_PER_S, decode_step_bytes, measure_hbm_bandwidth
+
+
+def register(sub) -> None:
+    p = sub.add_parser("latency", help="prefill and per-step decode time against the HBM floor",
+                       description="Time the prefill of a batch and each decode step after it.")
+    add_offline_bench_args(p)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--hbm-bandwidth", type=float, default=None,
+                   help="bytes/s for the floor (default: measured on the GPU, else the H200 figure)")
+    p.set_defaults(func=run)
+
+
+def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw: float, seed: int = 0) -> dict:
+    from pagedmoe.sampling_params import SamplingParams
+
+    if batch_size > engine.config.max_num_seqs:
+        raise ValueError(f"--batch-size {batch_size} exceeds --max-num-seqs {engine.config.max_num_seqs}")
+    if input_len + output_len > engine.max_model_len:
+        raise ValueError(f"input + output ({input_len + output_len}) exceeds max_model_len {engine.max_model_len}")
+    prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, p in enumerate(prompts[:batch_size]):
+        engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
+    prefill_s, decode = 0.0, []
+    while engine.has_unfinished_requests():
+        decode_steps_before = engine.step_time["decode_steps"]
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if engine.step_time["decode_steps"] > decode_steps_before:
+            decode.append(dt)
+        else:
+            prefill_s += dt
+    dims = engine.model.dims
+    num_moe = len(engine.model.moe_layers())
+    context = input_len + output_len // 2
+    bytes_ = decode_step_bytes(dims, engine.dtype.itemsize, batch_size, context, num_moe,
+                               dims.num_layers - num_moe, engine.model.spec.shared_intermediate_size)
+    floor = bytes_.total / hbm_bw
+    median = statistics.median(decode) if decode else float("nan")
+    return {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "prefill_time_s": prefill_s, "prefill_tokens_per_s": batch_size * input_len / prefill_s,
+        "decode_steps": len(decode), "median_decode_step_ms": 1e3 * median,
+        "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
+        "decode_floor_ms": 1e3 * floor, "floor_over_measured": floor / median if decode else float("nan"),
+        "step_bytes": {"experts": bytes_.expert_bytes, "backbone": bytes_.backbone_bytes, "kv": bytes_.kv_bytes},
+        "hbm_bytes_per_s": hbm_bw, "decode_step_ms": [1e3 * d for d in decode],
+    }
+
+
+def run(args) -> int:
+    import torch
+
+    engine, config = make_engine(args)
+    bw = args.hbm_bandwidth or (measure_hbm_bandwidth() if torch.cuda.is_available() else H200_HBM_BYTES_PER_S)
+    r = run_latency(engine, args.batch_size, args.input_len, args.output_len, bw, seed=args.seed)
+    print(f"Prefill: {r['prefill_time_s'] * 1e3:.2f} ms for {args.batch_size} x {args.input_len} tokens "
+          f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
+    print(f"Decode step (median of {r['decode_steps']}): {r['median_decode_step_ms']:.3f} ms; HBM floor "
+          f"{r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
+          f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
+          f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
+    if args.output_json:
+        write_json(Path(args.output_json), {**r, "config": config, **environment()})
+    return 0
