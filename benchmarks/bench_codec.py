@@ -27,11 +27,23 @@ from pagedmoe.codecs.lossless import LosslessLayout, decode_reference, encode
 from pagedmoe.kernels.lossless_decode import lossless_decode
 
 MIXTRAL_EXPERT_WEIGHTS = 32 * 3 * 8 * 14336 * 4096  # 45.1e9
+DEV = "cuda"  # --device cpu runs a smoke test of this script under TRITON_INTERPRET=1 (no timings)
+
+
+def sync():
+    if DEV == "cuda":
+        sync()
 
 
 def cuda_time(fn, iters: int) -> list[float]:
     """Seconds per call, one CUDA event pair per call."""
     ts = []
+    if DEV != "cuda":
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t0)
+        return ts
     for i in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -44,7 +56,7 @@ def cuda_time(fn, iters: int) -> list[float]:
 
 def copy_bandwidth(n_bytes: int) -> float:
     """Device-to-device copy, bytes read + written per second (the HBM ceiling)."""
-    src = torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, device="cuda")
+    src = torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
@@ -55,14 +67,14 @@ def copy_bandwidth(n_bytes: int) -> float:
 def check_small(log) -> list[str]:
     """Bit-exactness on awkward inputs, GPU encode == CPU encode, and the kernel's masked path."""
     failures = []
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device=DEV).manual_seed(1)
     cases = [
-        ("all 65536 patterns", torch.arange(-32768, 32768, dtype=torch.int32, device="cuda")
+        ("all 65536 patterns", torch.arange(-32768, 32768, dtype=torch.int32, device=DEV)
          .to(torch.int16).view(torch.bfloat16), 1, LosslessLayout(256, 64, 12)),
-        ("odd size, 3 parts", (torch.randn(3, 70001, device="cuda", generator=g) * 0.02).bfloat16(), 3,
+        ("odd size, 3 parts", (torch.randn(3, 70001, device=DEV, generator=g) * 0.02).bfloat16(), 3,
          LosslessLayout(512, 64, 8)),
-        ("constant", torch.full((100003,), -1.5, dtype=torch.bfloat16, device="cuda"), 1, LosslessLayout()),
-        ("scale 1e-30", (torch.randn(50000, device="cuda", generator=g) * 1e-30).bfloat16(), 1,
+        ("constant", torch.full((100003,), -1.5, dtype=torch.bfloat16, device=DEV), 1, LosslessLayout()),
+        ("scale 1e-30", (torch.randn(50000, device=DEV, generator=g) * 1e-30).bfloat16(), 1,
          LosslessLayout(256, 32, 10)),
     ]
     for name, x, parts, lay in cases:
@@ -91,7 +103,11 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("COMMIT", ""))
     ap.add_argument("--numel", type=int, default=128 << 20, help="weights per decode call (256 MB out)")
     ap.add_argument("--sweep-budget-s", type=float, default=130, help="stop starting variants after this")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--encode-shape", default="8,14336,4096")
     args = ap.parse_args()
+    global DEV
+    DEV = args.device
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     logf = open(os.path.join(args.out, "bench_codec.log"), "w")
@@ -107,7 +123,7 @@ def main():
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         except OSError:
             commit = "unknown"
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    res = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "commit": commit, "numel_per_call": args.numel,
            "variants": [], "failures": []}
     path = os.path.join(args.out, "bench_codec.json")
@@ -136,14 +152,14 @@ def main():
     if args.quick:
         grid = [(grid[0][0], grid[0][1][:2]), (grid[1][0], grid[1][1][:3])]
     n = args.numel
-    g = torch.Generator(device="cuda").manual_seed(0)
-    xs = [(torch.randn(n, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(2)]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    xs = [(torch.randn(n, device=DEV, generator=g) * 0.02).bfloat16() for _ in range(2)]
     outs = [torch.empty_like(x) for x in xs]
     for lay, knobs in grid:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.time()
         cts = [encode(x, layout=lay, checksum=False) for x in xs]
-        torch.cuda.synchronize()
+        sync()
         enc_s = (time.time() - t0) / 2
         ratio = cts[0].ratio
         floor = (cts[0].nbytes + 2 * n) / res["copy_bw_bytes_per_s"]
@@ -184,15 +200,15 @@ def main():
     torch.cuda.empty_cache()
 
     # encoder: one Mixtral stacked expert matrix, extrapolated to the whole model
-    shape = (8, 14336, 4096) if not args.quick else (8, 1792, 4096)
-    x = (torch.randn(shape, device="cuda", generator=g) * 0.02).bfloat16()
+    shape = tuple(int(v) for v in args.encode_shape.split(","))
+    x = (torch.randn(shape, device=DEV, generator=g) * 0.02).bfloat16()
     encode(x[:1], num_parts=1)  # warm-up
     enc = {}
     for checksum in (False, True):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.time()
         ct = encode(x, num_parts=8, checksum=checksum)
-        torch.cuda.synchronize()
+        sync()
         enc["with_checksum_s" if checksum else "gpu_only_s"] = time.time() - t0
     enc.update(shape=list(shape), numel=x.numel(), ratio=ct.ratio)
     for k in ("gpu_only_s", "with_checksum_s"):
