@@ -52,20 +52,21 @@ def make_batch(seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, dtyp
     blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).int()
     width = max(blocks_per_seq) + 2
     # Padding entries point at real blocks: a kernel that read them would give wrong numbers, not crash.
     block_tables = perm[torch.randint(0, num_blocks, (len(seq_lens), width), generator=g)].int()
+    valid = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     used = 0
     for b, (n, s) in enumerate(zip(blocks_per_seq, seq_lens)):
         block_tables[b, :n] = perm[used:used + n]
         used += n
-        for i in range(s):
-            blk, off = block_tables[b, i // block_size], i % block_size
-            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
-            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(s)
+        valid[block_tables[b, pos // block_size].long() * block_size + pos % block_size] = True
+    k_cache.view(-1, num_kv_heads, head_dim)[~valid] = float("nan")
+    v_cache.view(-1, num_kv_heads, head_dim)[~valid] = float("nan")
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -186,7 +186,10 @@ def paged_attention_decode(
         max_seq_len = block_tables.shape[1] * block_size
     head_dim_pad = max(16, next_pow2(head_dim))
     if block_n is None:
-        block_n = 64 if head_dim_pad <= 128 else 32
+        if q.dtype == torch.float32:  # exact fp32 dots run on FMA units: smaller tiles keep them out of spills
+            block_n = 32 if head_dim_pad <= 64 else 16
+        else:
+            block_n = 64 if head_dim_pad <= 128 else 32
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, _sm_count(q.device))
     if not 1 <= num_splits <= 1024:

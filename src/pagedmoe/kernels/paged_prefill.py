@@ -180,10 +180,14 @@ def paged_attention_prefill(
     if num_seqs == 0 or max_query_len == 0:
         return out
     head_dim_pad = max(16, next_pow2(head_dim))
+    fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles keep them out of spills
     if block_m is None:
-        block_m = 64 if max_query_len * group >= 64 else max(16, next_pow2(max_query_len * group))
+        block_m = min((16 if head_dim_pad > 128 else 32) if fp32 else 64, max(16, next_pow2(max_query_len * group)))
     if block_n is None:
-        block_n = 64 if head_dim_pad <= 128 else 32
+        if fp32:
+            block_n = 32 if head_dim_pad <= 64 else 16
+        else:
+            block_n = 64 if head_dim_pad <= 128 else 32
     if num_warps is None:
         num_warps = 4 if block_m <= 64 else 8
     grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
