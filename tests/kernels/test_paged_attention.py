@@ -75,7 +75,9 @@ def make_batch(seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, dtyp
 
 
 def reference(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale):
-    return paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, qsl, seq_lens, scale)
+    # On the CPU: attention_ref builds its causal positions with a plain torch.arange (CPU tensors).
+    args = [t.cpu() for t in (q.float(), k_cache.float(), v_cache.float(), block_tables, qsl, seq_lens)]
+    return paged_attention_ref(*args, scale).to(q.device)
 
 
 def rel_err(out, ref):
