@@ -158,7 +158,7 @@ def test_write_kv_small(dtype):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_decode_small(num_splits):
-    # Auto: 300 tokens split in two partitions; 3 leaves the shorter sequences' later splits empty.
+    # Auto: 300 tokens in five 64-token partitions; 3 leaves the shorter sequences' later splits empty.
     check_decode([1, 17, 300], 2, 4, 80, 8, torch.float32, num_splits=num_splits)
 
 
@@ -225,7 +225,8 @@ def test_write_kv_rejects_bad_arguments():
 
 def test_choose_num_splits():
     assert pa.choose_num_splits(512, 1024, 132) == 1  # batch fills the GPU
-    assert pa.choose_num_splits(8, 1024, 132) == 4  # limited by the minimum partition
+    assert pa.choose_num_splits(8, 1024, 132) == 16  # limited by the minimum partition (64 tokens)
+    assert pa.choose_num_splits(128, 1024, 132) == 3
     assert pa.choose_num_splits(8, 32768, 132) == 33
     assert pa.choose_num_splits(1, 1 << 20, 132) == 64  # capped
 
