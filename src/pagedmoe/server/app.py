@@ -75,6 +75,10 @@ def parse(model: type[BaseModel], obj: dict):
         return model.model_validate(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
+        if len(errors) > 1 and all(err["loc"][:1] == ("prompt",) for err in errors):
+            # One error per branch of the prompt's union: say what is accepted instead.
+            raise invalid("prompt must be a string, a list of strings, a list of token ids (integers) or a "
+                          "list of lists of token ids", "prompt") from None
         parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in errors[:3]]
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None

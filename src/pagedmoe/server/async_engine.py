@@ -216,9 +216,10 @@ class AsyncEngine:
 
     def _apply_commands(self) -> None:
         """Apply queued adds/aborts in order; publish stats before resolving the adds' futures."""
-        resolved = []
+        resolved, applied = [], False
         while self._commands:
             cmd = self._commands.popleft()
+            applied = True
             if cmd[0] == "abort":
                 if self.engine.abort_request(cmd[1]):
                     self._tracks.pop(cmd[1], None)
@@ -233,7 +234,7 @@ class AsyncEngine:
                 continue
             self._tracks[rid] = _Track(arrival, len(ids))
             resolved.append((fut, None))
-        if resolved:
+        if applied:
             self.stats = dict(self.engine.get_stats())
             for fut, err in resolved:
                 if err is None:

@@ -9,13 +9,17 @@ Two sources:
 Paging keys in `get_stats()` (written by the expert-paging work; absent keys mean "every expert
 resident, nothing moved"):
   expert_bytes_loaded_total       {tier: bytes}                    -> counter{tier}
-  experts                         {(tier, precision): count} or {tier: {precision: count}}
-                                                                   -> gauge{tier, precision}
-  expert_wait_seconds_total       float                            -> counter
+      (else the pager's flat counters: expert_bytes_h2d -> tier "host", expert_bytes_d2d -> "resident",
+       expert_bytes_decoded -> "compressed")
+  experts                         {(tier, precision): count}, {"tier/precision": count}
+                                  or {tier: {precision: count}}    -> gauge{tier, precision}
+  expert_wait_seconds_total       float (else expert_wait_s)       -> counter
   expert_precision_changes_total  {direction: count}               -> counter{direction}
+  expert_<tier>_bytes             bytes held by a tier             -> gauge expert_tier_bytes{tier}
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -35,6 +39,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 DEFAULT_TIERS = ("compressed", "host")
 DEFAULT_DIRECTIONS = ("up", "down")
+PAGER_BYTE_COUNTERS = {"expert_bytes_h2d": "host", "expert_bytes_d2d": "resident", "expert_bytes_decoded": "compressed"}
+_TIER_BYTES = re.compile(r"^expert_(\w+?)_bytes$")
 
 
 def _precision_name(dtype) -> str:
@@ -63,6 +69,16 @@ def _experts_items(value) -> Iterable[tuple[str, str, float]]:
         else:  # "tier/precision"
             tier, _, precision = str(key).partition("/")
             yield tier, precision or "unknown", float(v)
+
+
+def _bytes_loaded(s: dict) -> dict:
+    if s.get("expert_bytes_loaded_total"):
+        return s["expert_bytes_loaded_total"]
+    out = {t: 0 for t in DEFAULT_TIERS}
+    for key, tier in PAGER_BYTE_COUNTERS.items():
+        if key in s:
+            out[tier] = out.get(tier, 0) + s[key]
+    return out
 
 
 class EngineStatsCollector:
@@ -103,9 +119,17 @@ class EngineStatsCollector:
         loaded = CounterMetricFamily(P + "expert_bytes_loaded_total",
                                      "Expert bytes brought into the compute buffers, per source tier.",
                                      labels=["model_name", "tier"])
-        for tier, n in (s.get("expert_bytes_loaded_total") or {t: 0 for t in DEFAULT_TIERS}).items():
+        for tier, n in _bytes_loaded(s).items():
             loaded.add_metric(m + [str(tier)], float(n))
         yield loaded
+
+        held = GaugeMetricFamily(P + "expert_tier_bytes", "Bytes of expert weights each tier holds.",
+                                 labels=["model_name", "tier"])
+        for key, value in s.items():
+            match = _TIER_BYTES.match(key)
+            if match and isinstance(value, (int, float)):
+                held.add_metric(m + [match.group(1)], float(value))
+        yield held
 
         experts = GaugeMetricFamily(P + "experts", "Experts per tier and precision.",
                                     labels=["model_name", "tier", "precision"])
@@ -114,7 +138,7 @@ class EngineStatsCollector:
         yield experts
 
         yield counter("expert_wait_seconds_total", "Seconds the compute stream waited for experts.",
-                      s.get("expert_wait_seconds_total", 0.0))
+                      s.get("expert_wait_seconds_total", s.get("expert_wait_s", 0.0)))
 
         changes = CounterMetricFamily(P + "expert_precision_changes_total",
                                       "Expert precision changes (up: promoted, down: demoted).",

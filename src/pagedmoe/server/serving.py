@@ -87,7 +87,8 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except (ValueError, TypeError) as e:
-            raise invalid(str(e)) from None
+            first = str(e).split(" ", 1)[0]
+            raise invalid(str(e), first if first in type(req).model_fields else None) from None
 
     def completion_prompts(self, req: CompletionRequest) -> Prepared:
         p = req.prompt

@@ -1,0 +1,139 @@
+"""API key, a full waiting queue (503 + Retry-After), the per-request timeout (504), and the metrics' names."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_utils import MODEL_NAME, ServerThread, assert_openai_error, make_engine, slow_down
+
+LONG = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True}
+
+
+def test_api_key(tiny_model_dir):
+    with ServerThread(make_engine(tiny_model_dir, max_num_seqs=4), api_key="sekret") as server:
+        url = server.base_url
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}), 401)
+        err = assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"},
+                                             headers={"Authorization": "Bearer wrong"}), 401)
+        assert err["code"] == "invalid_api_key"
+        assert_openai_error(httpx.get(url + "/v1/models", headers={"Authorization": "Basic sekret"}), 401)
+        assert_openai_error(httpx.post(url + "/tokenize", json={"prompt": "hi"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        # Health and metrics stay open for probes and scrapers.
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    slow_down(engine, 0.02)
+    with ServerThread(engine, max_waiting_requests=1) as server:
+        with httpx.Client(base_url=server.base_url, timeout=30) as c1, \
+                httpx.Client(base_url=server.base_url, timeout=30) as c2:
+            with c1.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+                # NOTE: keep the line iterator: when it is garbage-collected, httpx closes the connection.
+                running_lines = running.iter_lines()
+                next(line for line in running_lines if line.startswith("data: "))  # it runs now
+                with c2.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as waiting:
+                    assert waiting.status_code == 200
+                    assert server.bridge.num_waiting == 1  # max_num_seqs=1: the second one waits
+                    resp = httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=30)
+                    err = assert_openai_error(resp, 503)
+                    assert err["code"] == "server_overloaded"
+                    assert int(resp.headers["Retry-After"]) >= 1
+                    chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                                      json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+                    assert_openai_error(chat, 503)
+        # Both clients hung up: the running and the waiting request are gone, every block is free.
+        m = server.wait_idle()
+        assert m['pagedmoe:num_requests_rejected_total{reason="queue_full"}'] == 2
+        assert m['pagedmoe:num_requests_aborted_total{reason="disconnect"}'] == 2
+        r = httpx.post(server.base_url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+
+
+def test_request_timeout(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_seqs=4)
+    slow_down(engine, 0.02)
+    with ServerThread(engine, request_timeout=0.3) as server:
+        resp = httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=30)
+        assert assert_openai_error(resp, 504)["code"] == "request_timeout"
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**LONG, "stream": True},
+                          timeout=30) as stream:
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        m = server.wait_idle()
+        assert m['pagedmoe:num_requests_aborted_total{reason="timeout"}'] == 2
+        assert not engine.requests
+        short = httpx.post(server.base_url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+        assert short.status_code == 200
+
+
+def test_metrics_names_and_paging_defaults(server):
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4,
+                                                              "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200
+    m = server.wait_idle()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "expert_wait_seconds_total"):
+        assert "pagedmoe:" + name in m, name
+    assert m["pagedmoe:prompt_tokens_total"] >= 3 and m["pagedmoe:generation_tokens_total"] >= 4
+    assert m["pagedmoe:inter_token_latency_seconds_count"] >= 3
+    # Without paging (the default placement): every expert (2 layers x 8) resident, nothing loaded.
+    resident = {k: v for k, v in m.items() if k.startswith("pagedmoe:experts{") and 'tier="resident"' in k}
+    assert sum(resident.values()) == 2 * 8, resident
+    assert sum(v for k, v in m.items() if k.startswith("pagedmoe:experts{")) == 2 * 8
+    assert m['pagedmoe:expert_bytes_loaded_total{tier="host"}'] == 0
+    assert m['pagedmoe:expert_precision_changes_total{direction="down"}'] == 0
+
+
+def test_paging_stats_are_exported():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedmoe.server.metrics import ServerMetrics
+
+    stats = {"num_requests_running": 3, "expert_bytes_loaded_total": {"host": 1024, "compressed": 2048},
+             "experts": {("resident", "bf16"): 100, ("host", "bf16"): 20, ("compressed", "lossless"): 8},
+             "expert_wait_seconds_total": 1.5, "expert_precision_changes_total": {"down": 4, "up": 1}}
+    metrics = ServerMetrics("m")
+    metrics.attach_engine(lambda: stats, {("resident", "bf16"): 128})
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("pagedmoe:num_requests_running", ())] == 3
+    assert samples[("pagedmoe:expert_bytes_loaded_total", (("tier", "compressed"),))] == 2048
+    assert samples[("pagedmoe:experts", (("precision", "lossless"), ("tier", "compressed")))] == 8
+    assert ("pagedmoe:experts", (("precision", "bf16"), ("tier", "resident"))) in samples
+    assert samples[("pagedmoe:experts", (("precision", "bf16"), ("tier", "resident")))] == 100
+    assert samples[("pagedmoe:expert_wait_seconds_total", ())] == 1.5
+    assert samples[("pagedmoe:expert_precision_changes_total", (("direction", "down"),))] == 4
+    stats["experts"] = {"host": {"int4": 7}}  # the nested form
+    text = metrics.render().decode()
+    assert 'pagedmoe:experts{model_name="m",precision="int4",tier="host"} 7.0' in text
+
+
+def test_pager_flat_stats_are_exported():
+    """The pager's own counters (expert_bytes_h2d, expert_wait_s, expert_<tier>_bytes) map onto the metrics."""
+    from pagedmoe.server.metrics import ServerMetrics
+
+    stats = {"expert_bytes_h2d": 4096, "expert_bytes_d2d": 512, "expert_wait_s": 0.25,
+             "experts": {"resident/bf16": 6, "host/bf16": 2}, "expert_host_bytes": 1000, "expert_resident_bytes": 3000}
+    metrics = ServerMetrics("m")
+    metrics.attach_engine(lambda: stats, {("resident", "bf16"): 8})
+    text = metrics.render().decode()
+    for line in ('pagedmoe:expert_bytes_loaded_total{model_name="m",tier="host"} 4096.0',
+                 'pagedmoe:expert_bytes_loaded_total{model_name="m",tier="resident"} 512.0',
+                 'pagedmoe:expert_bytes_loaded_total{model_name="m",tier="compressed"} 0.0',
+                 'pagedmoe:expert_wait_seconds_total{model_name="m"} 0.25',
+                 'pagedmoe:experts{model_name="m",precision="bf16",tier="host"} 2.0',
+                 'pagedmoe:expert_tier_bytes{model_name="m",tier="host"} 1000.0',
+                 'pagedmoe:expert_tier_bytes{model_name="m",tier="resident"} 3000.0'):
+        assert line in text, line
