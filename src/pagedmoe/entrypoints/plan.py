@@ -1,0 +1,203 @@
+"""`pagedmoe plan [MODEL] --gpu-memory-gb X [X ...]`: the memory split and modelled throughput of each expert
+placement, from the model's config.json alone (no weights are read, no GPU is needed).
+
+Budgets are GiB, or `weights+X` / `weights-X` (the model's bf16 weights plus or minus X GiB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _env(flag: str, default, conv=str):
+    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win)."""
+    value = os.environ.get("PAGEDMOE_" + flag.upper())
+    return default if value is None else conv(value)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="print the memory split and modelled throughput of each expert placement",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder with a config.json "
+                                                          "(default: the embedded model)")
+    p.add_argument("--gpu-memory-gb", nargs="+", required=_env("gpu_memory_gb", None) is None,
+                   default=_env("gpu_memory_gb", None, lambda v: v.split()),
+                   help="device budget(s) in GiB, or weights+X / weights-X")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (workload)")
+    p.add_argument("--output-len", type=int, default=1024, help="output tokens per request (workload)")
+    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+                   help="longest sequence the KV cache must hold (default: input + output length)")
+    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))
+    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
+    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=sorted(_DTYPE_BYTES),
+                   help="weight and KV dtype (auto: bfloat16, as on the GPU)")
+    p.add_argument("--expert-placement", default=_env("expert_placement", None),
+                   choices=["resident", "paged", "auto"], help="the placement to mark as selected (default auto)")
+    p.add_argument("--num-gpu-experts", type=int, default=_env("num_gpu_experts", None, int),
+                   help="resident experts per layer of the selected paged placement")
+    p.add_argument("--cpu-moe", action="store_true", default=_env("cpu_moe", False, lambda v: v.lower() in
+                                                                   ("1", "true", "yes", "on")),
+                   help="select the placement that pages every expert (--num-gpu-experts 0)")
+    p.add_argument("--expert-buffers", default=_env("expert_buffers", "vmm"), choices=["vmm", "plain", "auto"],
+                   help="vmm: resident experts mapped into the buffers (2 MiB slots); plain: two full "
+                        "double buffers (auto = vmm)")
+    p.add_argument("--compression-ratio", type=float, default=None,
+                   help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")
+    p.add_argument("--hardware-json", type=Path, default=None,
+                   help="measured rates (HardwareProfile keys); default: the H200 of shared/H200.md")
+    p.add_argument("--json", "--output-json", dest="json", type=Path, default=None, help="write the tables here")
+    p.set_defaults(func=run_plan)
+
+
+def resolve_placement_flags(expert_placement: Optional[str], num_gpu_experts: Optional[int],
+                            cpu_moe: bool) -> tuple[str, Optional[int]]:
+    """(mode, N): --cpu-moe is paged N=0, --num-gpu-experts N implies paged; contradictions are errors."""
+    if cpu_moe and num_gpu_experts not in (None, 0):
+        raise ValueError(f"--cpu-moe pages every expert; it contradicts --num-gpu-experts {num_gpu_experts}")
+    n = 0 if cpu_moe else num_gpu_experts
+    if n is not None:
+        if expert_placement in ("resident", "auto"):
+            flag = "--cpu-moe" if cpu_moe else "--num-gpu-experts"
+            raise ValueError(f"{flag} fixes a paged placement; it cannot take effect with --expert-placement "
+                             f"{expert_placement}")
+        return "paged", n
+    return expert_placement or "auto", None
+
+
+def parse_budget(text: str, weight_bytes: int) -> int:
+    from pagedmoe.engine.memory import GiB
+
+    t = text.strip().lower().replace(" ", "")
+    try:
+        if t.startswith("weights"):
+            rest = t[len("weights"):]
+            return int(weight_bytes + (float(rest) * GiB if rest else 0))
+        return int(float(t) * GiB)
+    except ValueError:
+        raise ValueError(f"--gpu-memory-gb {text!r}: expected GiB (e.g. 64) or weights+X") from None
+
+
+def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
+    """(label, plan or PlacementBudgetError, is_auto, is_selected) for the table."""
+    from pagedmoe.experts.placement import Placement
+    from pagedmoe.experts.planner import PlacementBudgetError, plan_memory, plan_placement
+
+    L, E = shape.num_moe_layers, shape.num_experts
+    ns = sorted({0, E // 4, E // 2, (3 * E) // 4, E - 1} | ({num_gpu} if num_gpu is not None else set()))
+    rows = []
+
+    def add(label, placement, selected=False):
+        try:
+            rows.append((label, plan_placement(inputs, placement), False, selected))
+        except PlacementBudgetError as e:
+            rows.append((label, e, False, selected))
+
+    add("resident", Placement.resident(L, E), mode == "resident" or (mode == "paged" and num_gpu == E))
+    for n in ns:
+        if 0 <= n < E:
+            add(f"paged N={n}" + (" (cpu-moe)" if n == 0 else ""), Placement.uniform(L, E, n),
+                mode == "paged" and n == num_gpu)
+    kwargs = dict(max_model_len=inputs.max_model_len, block_size=inputs.block_size, workload=inputs.workload,
+                  max_num_seqs=inputs.max_num_seqs, max_num_batched_tokens=inputs.max_num_batched_tokens,
+                  hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio)
+    for auto_mode in (("auto", "paged") if mode == "paged" and num_gpu is None else ("auto",)):
+        try:
+            plan = plan_memory(shape, inputs.budget_bytes, inputs.activation_bytes, auto_mode, **kwargs)
+            label = ("auto: " if auto_mode == "auto" else "paged best: ") + plan.placement.label()
+            rows.append((label, plan, auto_mode == "auto", mode == auto_mode))
+        except PlacementBudgetError as e:
+            rows.append((auto_mode, e, auto_mode == "auto", mode == auto_mode))
+    return rows
+
+
+def format_table(rows) -> str:
+    from pagedmoe.engine.memory import GiB
+
+    head = (f"  {'placement':<26}{'backbone':>9}{'resident':>9}{'compr':>7}{'host':>7}{'buffers':>8}{'act':>6}"
+            f"{'KV':>7}{'KV tokens':>11}{'seqs':>6}{'step ms':>9}{'pcie':>8}{'hbm':>7}{'compute':>8}"
+            f"{'prefill/seq':>12}{'out tok/s':>11}")
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+    for label, plan, is_auto, selected in rows:
+        mark = ("*" if is_auto else " ") + (">" if selected else " ")
+        if isinstance(plan, Exception):
+            lines.append(f"{mark}{label:<26}does not fit (needs {plan.min_budget_bytes / GiB:.2f} GiB)")
+            continue
+        d, e = plan.estimate.decode, plan.estimate
+        lines.append(
+            f"{mark}{label:<26}{g(plan.backbone_bytes):>9}{g(plan.resident_expert_bytes):>9}"
+            f"{g(plan.compressed_expert_bytes):>7}{g(plan.host_tier_bytes):>7}{g(plan.buffer_bytes):>8}"
+            f"{g(plan.activation_bytes):>6}{g(plan.kv_bytes):>7}{plan.kv_capacity_tokens:>11}{plan.num_seqs:>6}"
+            f"{d.total_s * 1e3:>9.1f}{d.pcie_s * 1e3:>8.1f}{d.hbm_s * 1e3:>7.1f}{d.compute_s * 1e3:>8.1f}"
+            f"{e.prefill_s_per_seq * 1e3:>12.1f}{plan.output_throughput:>11.1f}")
+    return "\n".join(lines)
+
+
+def run_plan(args) -> int:
+    from pagedmoe.config import resolve_model
+    from pagedmoe.engine.memory import GiB, estimate_activation_bytes
+    from pagedmoe.experts.cost_model import H200, HardwareProfile
+    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.experts.planner import PlanInputs
+
+    mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
+    hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
+    path = resolve_model(args.model)
+    shape = ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype])
+    if num_gpu is not None and not 0 <= num_gpu <= shape.num_experts:
+        raise ValueError(f"--num-gpu-experts {num_gpu} is outside [0, {shape.num_experts}] for this model")
+    if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
+        raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
+    max_model_len = args.max_model_len or args.input_len + args.output_len
+    act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
+                                    shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
+    buffers = "vmm" if args.expert_buffers == "auto" else args.expert_buffers
+    name = shape.name or path
+    print(f"pagedmoe plan {name}: {shape.num_layers} layers ({shape.num_moe_layers} MoE) x {shape.num_experts} "
+          f"experts, top-{shape.top_k}; weights {shape.weight_bytes / GiB:.2f} GiB (backbone "
+          f"{shape.backbone_bytes / GiB:.2f} + experts {shape.all_expert_bytes / GiB:.2f}; one expert "
+          f"{shape.expert_bytes / 2**20:.1f} MiB); KV {shape.kv_bytes_per_token / 1024:.1f} KiB/token")
+    print(f"workload {args.input_len} in / {args.output_len} out, max_model_len {max_model_len}, max_num_seqs "
+          f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, {buffers} buffers; "
+          f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
+          f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms")
+    print("GiB columns; step = modelled decode step (max of the floors + pipeline fill + overhead); "
+          "* = auto pick, > = selected by the flags")
+    report = {"model": name, "shape": shape.to_dict(), "hardware": json.loads(hw.to_json()),
+              "workload": {"input_len": args.input_len, "output_len": args.output_len},
+              "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+              "buffers": buffers, "compression_ratio": args.compression_ratio, "selected_mode": mode,
+              "selected_num_gpu_experts": num_gpu, "budgets": []}
+    first_error = None
+    for text in args.gpu_memory_gb:
+        budget = parse_budget(text, shape.weight_bytes)
+        inputs = PlanInputs(shape, budget, act, max_model_len, args.block_size, (args.input_len, args.output_len),
+                            args.max_num_seqs, args.max_num_batched_tokens, hw, None, None, buffers)
+        rows = _rows(shape, inputs, mode, num_gpu, args.compression_ratio)
+        print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
+        print(format_table(rows))
+        selected = [r for r in rows if r[3]]
+        if selected and isinstance(selected[0][1], Exception) and first_error is None:
+            first_error = selected[0][1]
+        report["budgets"].append({
+            "budget_bytes": budget, "budget_gib": budget / GiB, "budget_arg": text,
+            "rows": [{"label": label, "auto": is_auto, "selected": sel, "fits": not isinstance(plan, Exception),
+                      **({"min_budget_bytes": plan.min_budget_bytes, "error": str(plan)}
+                         if isinstance(plan, Exception) else plan.to_dict())}
+                     for label, plan, is_auto, sel in rows]})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    if first_error is not None:
+        raise first_error
+    sys.stdout.flush()
+    return 0

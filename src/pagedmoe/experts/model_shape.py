@@ -1,0 +1,156 @@
+"""The sizes the planner needs from a model, derived from its config alone (no weights, no torch.cuda).
+
+Shapes: E experts per MoE layer, A (= top_k) active per token, H hidden, I expert intermediate size,
+V vocabulary, D head dim. One expert is w13 [2I, H] + w2 [H, I] = 3*H*I weights, the unit of paging.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int
+    num_moe_layers: int
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    qkv_bias: bool = False
+    qk_norm: Optional[str] = None   # None | "head" | "full", as in models/moe_decoder.ArchSpec
+    tie_word_embeddings: bool = False
+    dtype_bytes: int = 2            # weights and KV cache
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_moe_layers <= self.num_layers:
+            raise ValueError(f"num_moe_layers {self.num_moe_layers} not in [0, {self.num_layers}]")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} not in [1, num_experts={self.num_experts}]")
+
+    # -- builders --------------------------------------------------------------------------------
+    @classmethod
+    def from_model_dims(cls, dims, spec, dtype_bytes: int = 2, name: str = "") -> "ModelShape":
+        """From the engine's `ModelDims` and `ArchSpec` (models/moe_decoder.py)."""
+        return cls(
+            vocab_size=dims.vocab_size, hidden_size=dims.hidden_size, num_layers=dims.num_layers,
+            num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+            num_experts=dims.num_experts, top_k=dims.top_k, moe_intermediate_size=dims.moe_intermediate_size,
+            dense_intermediate_size=dims.dense_intermediate_size,
+            num_moe_layers=dims.num_layers - len(spec.dense_layers),
+            shared_intermediate_size=spec.shared_intermediate_size,
+            shared_expert_gate=bool(spec.shared_intermediate_size and spec.shared_expert_gate),
+            qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, tie_word_embeddings=dims.tie_word_embeddings,
+            dtype_bytes=dtype_bytes, name=name,
+        )
+
+    @classmethod
+    def from_hf_config(cls, path_or_config, dtype_bytes: int = 2) -> "ModelShape":
+        """From a checkpoint folder's config.json (or a transformers config object), as
+        `models/loader.py::build_model` reads it; no weights are loaded."""
+        from pagedmoe.models.registry import spec_builder
+
+        name = ""
+        config = path_or_config
+        if isinstance(path_or_config, (str, bytes)) or hasattr(path_or_config, "__fspath__"):
+            from pagedmoe.models.loader import load_hf_config
+
+            name = str(path_or_config).rstrip("/").split("/")[-1]
+            config = load_hf_config(str(path_or_config))
+        dims, spec = spec_builder(config)(config)
+        return cls.from_model_dims(dims, spec, dtype_bytes, name=name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # -- weights ---------------------------------------------------------------------------------
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def expert_bytes(self) -> int:
+        """One expert: w13 [2I, H] + w2 [H, I]."""
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def num_expert_slots(self) -> int:
+        """(layer, expert) pairs: the experts the placement distributes."""
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return self.num_expert_slots * self.expert_bytes
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def _attention_matmul_params(self) -> int:
+        H, D = self.hidden_size, self.head_dim
+        return H * D * (2 * self.num_heads + 2 * self.num_kv_heads)   # q, o + k, v
+
+    def _moe_backbone_matmul_params(self) -> int:
+        """Router, shared expert and its gate: read by every token of a MoE layer."""
+        H = self.hidden_size
+        gate = H if self.shared_expert_gate else 0
+        return self.num_experts * H + 3 * H * self.shared_intermediate_size + gate
+
+    def _backbone_matmul_params(self) -> int:
+        """Every non-expert weight a step reads whole (the embedding table is only gathered)."""
+        return (self.num_layers * self._attention_matmul_params()
+                + self.num_moe_layers * self._moe_backbone_matmul_params()
+                + self.num_dense_layers * 3 * self.hidden_size * self.dense_intermediate_size
+                + self.vocab_size * self.hidden_size)                                    # lm_head
+
+    @property
+    def backbone_params(self) -> int:
+        """Every parameter that is not a routed expert; equals the module tree's count (tested)."""
+        H, D = self.hidden_size, self.head_dim
+        per_layer = 2 * H                                                               # two norms
+        if self.qkv_bias:
+            per_layer += D * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm == "head":
+            per_layer += 2 * D
+        elif self.qk_norm == "full":
+            per_layer += D * (self.num_heads + self.num_kv_heads)
+        embed = 0 if self.tie_word_embeddings else self.vocab_size * H
+        return self._backbone_matmul_params() + self.num_layers * per_layer + H + embed
+
+    @property
+    def backbone_bytes(self) -> int:
+        return self.backbone_params * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.backbone_bytes + self.all_expert_bytes
+
+    @property
+    def backbone_read_bytes(self) -> int:
+        """Backbone bytes one step reads from HBM (norms and gathered embedding rows are negligible)."""
+        return self._backbone_matmul_params() * self.dtype_bytes
+
+    # -- KV cache and FLOPs ----------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer (kvcache/kv_cache.py::kv_bytes_per_block / block_size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Weights one token multiplies: the backbone matmuls plus top_k experts per MoE layer."""
+        return self._backbone_matmul_params() + self.num_moe_layers * self.top_k * self.expert_params
+
+    def flops_per_token(self, context_len: float) -> float:
+        """2 FLOPs per active weight, plus attention over `context_len` cached tokens
+        (QK^T and PV: 2 * 2 * heads * D per cached token, every layer)."""
+        attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * context_len
+        return 2.0 * self.active_params_per_token + attention

@@ -1,0 +1,310 @@
+"""Memory planner: one device budget -> backbone, activations, expert tiers, expert buffers, KV blocks.
+
+Pure Python (no torch): the engine calls `plan_memory` at start-up with a `ModelShape` and measured
+sizes; `pagedmoe plan` calls it from a config.json alone. The cost model is in experts/cost_model.py.
+
+Device budget = backbone + activations + resident experts + compressed tier + expert buffers + KV blocks
+(+ less than one block left over, or more when `max_kv_blocks` caps the KV cache). The host tier lives
+in pinned host memory, outside the budget.
+
+Expert buffers: streamed experts (host or compressed tier) land in stable-address compute buffers for
+two MoE layers at a time. With CUDA VMM buffers ("vmm", the H200 default) resident experts are mapped
+into the layer's range, so the physical buffers hold 2 * (largest number of streamed experts of a
+layer) expert slots, and every expert slot is rounded up to the 2 MiB mapping granularity. With the
+plain double buffer ("plain") each buffer holds all E experts and resident rows are copied in too
+(device to device, every step). The all-resident placement has no buffers.
+
+Later tiers slot in as further per-layer counts of `Placement` with their own bytes per expert: the
+lossless compressed tier (issue 6) is modelled already (`num_compressed_experts`, `compression_ratio`);
+lower precisions (issue 7) would add counts per precision the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
+
+from pagedmoe.engine.memory import GiB, BudgetError
+from pagedmoe.experts.cost_model import H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload
+from pagedmoe.experts.model_shape import ModelShape
+from pagedmoe.experts.placement import Placement
+
+# NOTE: must match experts/layout.py::VMM_GRANULARITY_BYTES (kept here so the planner needs no torch).
+VMM_GRANULARITY_BYTES = 2 << 20
+BUFFER_KINDS = ("vmm", "plain")
+PLACEMENT_MODES = ("resident", "paged", "auto")
+
+
+class PlacementBudgetError(BudgetError):
+    """The budget cannot hold this placement; `min_budget_bytes` is the smallest budget that can."""
+
+    def __init__(self, message: str, min_budget_bytes: int) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The split of one budget for one placement, and its modelled performance."""
+
+    placement: Placement
+    buffers: str                 # "vmm" | "plain" | "none" (all resident)
+    budget_bytes: int
+    backbone_bytes: int
+    activation_bytes: int
+    expert_slot_bytes: int       # one expert as stored (rounded up to the buffer granularity)
+    resident_expert_bytes: int
+    compressed_expert_bytes: int
+    buffer_bytes: int
+    host_tier_bytes: int         # pinned host memory, not part of the device budget
+    kv_bytes_per_block: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    traffic: StepTraffic
+    estimate: WorkloadEstimate
+
+    @property
+    def mode(self) -> str:
+        return "resident" if self.placement.is_resident else "paged"
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.backbone_bytes + self.activation_bytes + self.resident_expert_bytes
+                + self.compressed_expert_bytes + self.buffer_bytes + self.kv_bytes)
+
+    @property
+    def unused_bytes(self) -> int:
+        return self.budget_bytes - self.device_bytes
+
+    @property
+    def num_seqs(self) -> int:
+        return self.estimate.num_seqs
+
+    @property
+    def output_throughput(self) -> float:
+        return self.estimate.output_throughput
+
+    def summary(self) -> str:
+        g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+        p = self.placement
+        comp = f", compressed tier {g(self.compressed_expert_bytes)} GiB" if p.total_compressed else ""
+        return (f"budget {g(self.budget_bytes)} GiB, experts {p.label()}: backbone {g(self.backbone_bytes)} GiB, "
+                f"resident experts {g(self.resident_expert_bytes)} GiB{comp}, host tier {g(self.host_tier_bytes)} "
+                f"GiB (pinned), expert buffers {g(self.buffer_bytes)} GiB, activations {g(self.activation_bytes)} "
+                f"GiB, KV cache {g(self.kv_bytes)} GiB ({self.num_kv_blocks} blocks, "
+                f"{self.kv_capacity_tokens} tokens)")
+
+    def to_dict(self) -> dict:
+        names = ("budget_bytes", "backbone_bytes", "activation_bytes", "expert_slot_bytes", "resident_expert_bytes",
+                 "compressed_expert_bytes", "buffer_bytes", "host_tier_bytes", "kv_bytes_per_block",
+                 "num_kv_blocks", "block_size", "max_model_len", "kv_bytes", "kv_capacity_tokens",
+                 "unused_bytes", "mode", "buffers")
+        return {"placement": self.placement.to_dict(), **{n: getattr(self, n) for n in names},
+                "traffic": {"h2d_bytes": self.traffic.h2d_bytes, "d2d_bytes": self.traffic.d2d_bytes,
+                            "decode_out_bytes": self.traffic.decode_out_bytes,
+                            "decode_in_bytes": self.traffic.decode_in_bytes},
+                "workload": self.estimate.to_dict()}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything but the placement: what `plan_placement` needs to size and cost one plan."""
+
+    shape: ModelShape
+    budget_bytes: int
+    activation_bytes: int
+    max_model_len: int
+    block_size: int = 16
+    workload: Optional[tuple[int, int]] = None   # (input_len, output_len); None: min(1024, max_model_len // 2) each
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    hw: HardwareProfile = H200
+    backbone_bytes: Optional[int] = None         # measured; None: from the shape
+    max_kv_blocks: Optional[int] = None          # cap on useful KV blocks (the rest stays unused)
+    buffers: str = "vmm"
+
+    def __post_init__(self) -> None:
+        if self.buffers not in BUFFER_KINDS:
+            raise ValueError(f"buffers must be one of {', '.join(BUFFER_KINDS)}; got {self.buffers!r}")
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.workload is None:
+            n = max(1, min(1024, self.max_model_len // 2))
+            object.__setattr__(self, "workload", (n, n))
+        input_len, output_len = self.workload
+        if input_len < 1 or output_len < 1 or input_len + output_len > self.max_model_len:
+            raise ValueError(f"workload {input_len} in + {output_len} out must be >= 1 each and fit in "
+                             f"max_model_len={self.max_model_len}")
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.shape.kv_bytes_per_token * self.block_size
+
+    @property
+    def min_kv_blocks(self) -> int:
+        """One sequence of max_model_len tokens."""
+        return -(-self.max_model_len // self.block_size)
+
+
+def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
+    shape = inputs.shape
+    streamed = not placement.is_resident
+    align = VMM_GRANULARITY_BYTES if streamed and inputs.buffers == "vmm" else 16
+    slot = _round_up(shape.expert_bytes, align)
+    if not streamed:
+        buffer_slots = 0
+    elif inputs.buffers == "vmm":
+        buffer_slots = 2 * placement.max_streamed
+    else:
+        buffer_slots = 2 * shape.num_experts
+    buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
+    compressed_one = int(shape.expert_bytes * placement.compression_ratio)
+    backbone = shape.backbone_bytes if inputs.backbone_bytes is None else inputs.backbone_bytes
+    return {
+        "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,
+        "compressed_expert_bytes": placement.total_compressed * compressed_one,
+        "buffer_bytes": buffer_slots * slot, "host_tier_bytes": placement.total_host * slot,
+        "traffic": StepTraffic(
+            # Copies move an expert's weights, not its slot padding.
+            h2d_bytes=placement.total_host * shape.expert_bytes,
+            d2d_bytes=2 * placement.total_gpu * shape.expert_bytes if streamed and inputs.buffers == "plain" else 0,
+            decode_out_bytes=placement.total_compressed * shape.expert_bytes,
+            decode_in_bytes=placement.total_compressed * compressed_one),
+    }
+
+
+def _fixed_bytes(inputs: PlanInputs, s: dict) -> int:
+    return (s["backbone_bytes"] + inputs.activation_bytes + s["resident_expert_bytes"]
+            + s["compressed_expert_bytes"] + s["buffer_bytes"])
+
+
+def minimum_budget_bytes(inputs: PlanInputs, placement: Placement) -> int:
+    """The smallest budget that holds `placement` and one max_model_len sequence."""
+    return _fixed_bytes(inputs, _sizes(inputs, placement)) + inputs.min_kv_blocks * inputs.kv_bytes_per_block
+
+
+def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
+    """Size one placement: KV blocks get everything left; raises PlacementBudgetError if it cannot fit."""
+    shape = inputs.shape
+    if placement.num_experts != shape.num_experts or len(placement.num_gpu_experts) != shape.num_moe_layers:
+        raise ValueError(f"placement for {len(placement.num_gpu_experts)} layers x {placement.num_experts} "
+                         f"experts does not match the model ({shape.num_moe_layers} x {shape.num_experts})")
+    s = _sizes(inputs, placement)
+    free = inputs.budget_bytes - _fixed_bytes(inputs, s)
+    per_block = inputs.kv_bytes_per_block
+    num_blocks = max(free, 0) // per_block
+    if num_blocks < inputs.min_kv_blocks:
+        need = minimum_budget_bytes(inputs, placement)
+        g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+        raise PlacementBudgetError(
+            f"a budget of {g(inputs.budget_bytes)} GiB cannot hold placement {placement.label()}: backbone "
+            f"{g(s['backbone_bytes'])} + resident experts {g(s['resident_expert_bytes'])} + compressed "
+            f"{g(s['compressed_expert_bytes'])} + expert buffers {g(s['buffer_bytes'])} + activations "
+            f"{g(inputs.activation_bytes)} + one sequence of max_model_len={inputs.max_model_len} "
+            f"{g(inputs.min_kv_blocks * per_block)} GiB; it needs {g(need)} GiB", need)
+    if inputs.max_kv_blocks is not None:
+        num_blocks = min(num_blocks, max(inputs.max_kv_blocks, inputs.min_kv_blocks))
+    input_len, output_len = inputs.workload
+    blocks_per_seq = -(-(input_len + output_len) // inputs.block_size)
+    num_seqs = min(inputs.max_num_seqs, num_blocks // blocks_per_seq)
+    estimate = estimate_workload(shape, inputs.hw, s["traffic"], num_seqs, input_len, output_len,
+                                 inputs.max_num_batched_tokens)
+    buffers = inputs.buffers if not placement.is_resident else "none"
+    return MemoryPlan(placement, buffers, inputs.budget_bytes, s["backbone_bytes"], inputs.activation_bytes,
+                      s["expert_slot_bytes"], s["resident_expert_bytes"], s["compressed_expert_bytes"],
+                      s["buffer_bytes"], s["host_tier_bytes"], per_block, int(num_blocks), inputs.block_size,
+                      inputs.max_model_len, s["traffic"], estimate)
+
+
+def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> MemoryPlan:
+    """The candidate with the best modelled output throughput (ties: more resident experts)."""
+    best, cheapest = None, None
+    for placement in candidates:
+        try:
+            plan = plan_placement(inputs, placement)
+        except PlacementBudgetError as e:
+            if cheapest is None or e.min_budget_bytes < cheapest.min_budget_bytes:
+                cheapest = e
+            continue
+        key = (plan.output_throughput, placement.total_gpu, -placement.total_compressed)
+        if best is None or key > best[0]:
+            best = (key, plan)
+    if best is None:
+        if cheapest is None:
+            raise ValueError("no placement to choose from")
+        raise PlacementBudgetError(f"no placement fits; the cheapest: {cheapest}", cheapest.min_budget_bytes)
+    return best[1]
+
+
+def auto_candidates(shape: ModelShape, compression_ratio: Optional[float] = None,
+                    paged_only: bool = False) -> list[Placement]:
+    """Uniform placements: N resident per layer in 0..E (and C compressed in 0..E-N with a ratio)."""
+    L, E = shape.num_moe_layers, shape.num_experts
+    out = []
+    for n in range(E if paged_only else E + 1):
+        for c in range(E - n + 1) if compression_ratio else (0,):
+            if paged_only and n + c == E and c == 0:
+                continue
+            out.append(Placement.uniform(L, E, n, c, compression_ratio or 0.0))
+    return out
+
+
+def _refine(inputs: PlanInputs, plan: MemoryPlan, paged_only: bool) -> MemoryPlan:
+    """Around the best uniform N, try every total resident count within one expert per layer (spread
+    evenly): one more resident expert in a few layers frees less KV than a whole N step."""
+    shape, p = inputs.shape, plan.placement
+    L, E = shape.num_moe_layers, shape.num_experts
+    n, c = p.num_gpu_experts[0], p.num_compressed_experts[0]
+    top = (E - c) * L - (1 if paged_only and c == 0 else 0)
+    totals = range(max(0, (n - 1) * L), min(top, (n + 1) * L) + 1)
+    spread = [Placement.spread(L, E, t, c, p.compression_ratio) for t in totals]
+    return best_plan(inputs, [p, *spread])
+
+
+def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, placement_mode: str = "auto",
+                num_gpu_experts: Union[int, Sequence[int], None] = None, *, max_model_len: int,
+                block_size: int = 16, workload: Optional[tuple[int, int]] = None, max_num_seqs: int = 256,
+                max_num_batched_tokens: int = 8192, hw: HardwareProfile = H200,
+                backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
+                buffers: str = "vmm", compression_ratio: Optional[float] = None) -> MemoryPlan:
+    """Split `budget_bytes` for `placement_mode`:
+    - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
+    - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest
+      streamed from the host; None lets the planner pick the best N < E;
+    - "auto": the best modelled throughput over N in 0..E (N = E is resident), refined per layer.
+    `compression_ratio` (issue 6) adds the lossless compressed tier to the search. Raises
+    PlacementBudgetError (a BudgetError, a ValueError) naming the minimum budget when nothing fits."""
+    if placement_mode not in PLACEMENT_MODES:
+        raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
+    inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
+                        max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers)
+    L, E = shape.num_moe_layers, shape.num_experts
+    if num_gpu_experts is not None:
+        counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)
+        if placement_mode == "auto":
+            raise ValueError("num_gpu_experts fixes the placement; it cannot be combined with placement 'auto'")
+        if len(counts) != L or any(not 0 <= n <= E for n in counts):
+            raise ValueError(f"num_gpu_experts must be in [0, {E}] for each of the {L} MoE layers; got "
+                             f"{num_gpu_experts}")
+        if placement_mode == "resident" and any(n != E for n in counts):
+            raise ValueError(f"resident placement keeps all {E} experts per layer; num_gpu_experts "
+                             f"{num_gpu_experts} needs placement 'paged'")
+        return plan_placement(inputs, Placement(E, counts))
+    if placement_mode == "resident":
+        return plan_placement(inputs, Placement.resident(L, E))
+    paged_only = placement_mode == "paged"
+    best = best_plan(inputs, auto_candidates(shape, compression_ratio, paged_only))
+    return _refine(inputs, best, paged_only) if L > 1 else best
