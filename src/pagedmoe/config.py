@@ -16,6 +16,8 @@ _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _MOE_BACKENDS = ("auto", "grouped_mm", "loop")
+_PLACEMENTS = ("resident", "paged", "auto")
+_EXPERT_BUFFERS = ("auto", "plain", "vmm")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -47,6 +49,14 @@ class EngineConfig:
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
     moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)
+    expert_placement: str = _flag("auto", "resident: every expert in GPU memory; paged: experts stream "
+                                              "from pinned host memory one layer ahead (with "
+                                              "--num-gpu-experts resident per layer); auto: the planner picks",
+                                  _PLACEMENTS)
+    num_gpu_experts: Optional[int] = _flag(None, "experts per layer kept resident when paged", type_=int)
+    cpu_moe: bool = _flag(False, "page every expert from host memory (llama.cpp's --cpu-moe)", type_=bool)
+    expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
+                                        "mapped in place), plain (double buffer), auto", _EXPERT_BUFFERS)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -60,10 +70,27 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.num_gpu_experts is not None and self.num_gpu_experts < 0:
+            raise ValueError(f"num_gpu_experts must be >= 0, got {self.num_gpu_experts}")
+        if self.expert_placement == "resident" and (self.cpu_moe or self.num_gpu_experts is not None):
+            flag = "--cpu-moe" if self.cpu_moe else "--num-gpu-experts"
+            raise ValueError(f"{flag} pages experts and cannot take effect with --expert-placement resident")
+        if self.cpu_moe and self.num_gpu_experts not in (None, 0):
+            raise ValueError("--cpu-moe pages every expert; it contradicts --num-gpu-experts "
+                             f"{self.num_gpu_experts}")
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
-                              ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS)):
+                              ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
+                              ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+
+    def placement(self) -> tuple[str, Optional[int]]:
+        """(resident|paged|auto, resident experts per layer or None when not fixed by a flag)."""
+        if self.cpu_moe:
+            return "paged", 0
+        if self.num_gpu_experts is not None:
+            return "paged", self.num_gpu_experts
+        return self.expert_placement, None
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

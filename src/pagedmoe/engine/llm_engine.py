@@ -61,11 +61,18 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or self.model_path.rstrip("/").split("/")[-1]
 
         t0 = time.perf_counter()
+        placement, num_gpu_experts = self._resolve_placement()
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
-                               self.device, self.dtype, config.seed)
+                               self.device, self.dtype, config.seed, placement, num_gpu_experts,
+                               config.expert_buffers)
+        self.expert_store = self.model.expert_store
+        self.pager = self.model.pager
         self.plan = self._plan_memory()
+        store = self.expert_store
         logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
                     time.perf_counter() - t0, self.plan.summary())
+        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB host tier, %.2f GiB expert buffers",
+                    placement, store.resident_bytes / GiB, store.host_bytes / GiB, store.buffer_bytes / GiB)
         self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
@@ -84,9 +91,22 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     # -- memory ----------------------------------------------------------------------------------
+    def _resolve_placement(self) -> tuple[str, Optional[int]]:
+        placement, n = self.config.placement()
+        if placement == "auto":
+            placement = "resident"  # TODO(planner): pick the best modelled plan for the budget
+        if n is not None:
+            from pagedmoe.models.registry import spec_builder
+
+            num_experts = spec_builder(self.hf_config)(self.hf_config)[0].num_experts
+            if n > num_experts:
+                raise ValueError(f"--num-gpu-experts {n} exceeds the model's {num_experts} experts per layer")
+        return placement, n
+
     def _plan_memory(self):
         c, dims = self.config, self.model.dims
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = (sum(p.numel() * p.element_size() for p in self.model.parameters())
+                        + self.model.expert_store.device_bytes)
         per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size,
                                        self.dtype)
         blocks_per_seq = -(-self.max_model_len // c.block_size)
@@ -191,6 +211,8 @@ class LLMEngine:
         logits = self.outputs.mask_min_tokens(logits, sampling)
         sample = self.sampler.sample(logits, [r.params for r in sampling],
                                      [self._generators.get(r.request_id) for r in sampling])
+        if self.pager is not None:
+            self.pager.end_step()  # the sample reached the host: every event of the step is done
         results = []
         now = time.monotonic()
         for i, request in enumerate(sampling):
@@ -216,4 +238,15 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
             **{f"step_{k}": v for k, v in self.step_time.items()},
+            **self.expert_stats(),
         }
+
+    def expert_stats(self) -> dict:
+        store = self.expert_store
+        out = {"expert_placement": "paged" if store.paged else "resident",
+               "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
+               "expert_resident_bytes": store.resident_bytes, "expert_host_bytes": store.host_bytes,
+               "expert_buffer_bytes": store.buffer_bytes}
+        if self.pager is not None:
+            out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})
+        return out

@@ -68,8 +68,8 @@ def paged_attention_ref(
         k_b = k_b.repeat_interleave(group, dim=1)
         v_b = v_b.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k_b) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[b]:starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v_b).to(q.dtype)

@@ -70,7 +70,8 @@ class ModelDims:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, dims: ModelDims, spec: ArchSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, dims: ModelDims, spec: ArchSpec, layer_idx: int, rotary: RotaryEmbedding,
+                 moe_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
                                    rotary, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
@@ -80,7 +81,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = layer_idx not in spec.dense_layers
         if self.is_moe:
             moe = FusedMoE(dims.hidden_size, dims.moe_intermediate_size, dims.num_experts, dims.top_k,
-                           spec.renormalize, layer_idx, spec.shared_intermediate_size,
+                           spec.renormalize, moe_idx, spec.shared_intermediate_size,
                            spec.shared_expert_gate)
         else:
             moe = GatedMLP(dims.hidden_size, dims.dense_intermediate_size)
@@ -102,7 +103,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(dims.head_dim, max_position, dims.rope_theta)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(dims, spec, i, self.rotary) for i in range(dims.num_layers))
+        moe_layers = [i for i in range(dims.num_layers) if i not in spec.dense_layers]
+        self.layers = nn.ModuleList(
+            DecoderLayer(dims, spec, i, self.rotary, moe_layers.index(i) if i in moe_layers else -1)
+            for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
 
@@ -114,6 +118,10 @@ class MoEForCausalLM(nn.Module):
         self.hf_config, self.dims, self.spec = hf_config, dims, spec
         self.model = DecoderModel(dims, spec, max_position)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        # Set by the expert subsystem: the store that holds expert weights (loader sink) and, for
+        # paged placement, the pager that is told where each forward and layer begins.
+        self.expert_store = None
+        self.pager = None
 
     def tie_weights(self) -> None:
         if self.dims.tie_word_embeddings:
@@ -128,7 +136,12 @@ class MoEForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
+        pager = self.pager
+        if pager is not None:
+            pager.begin_forward()
         for layer in self.model.layers:
+            if pager is not None and layer.is_moe:
+                pager.before_layer(layer.ffn.moe_idx)
             h = layer(h, positions, meta)
         if logits_indices is not None:
             h = h[logits_indices]
@@ -137,7 +150,7 @@ class MoEForCausalLM(nn.Module):
 
     # -- weight loading ------------------------------------------------------------------------
     def expert_tensor_name(self, name: str) -> Optional[tuple[int, int, str]]:
-        """Map a per-expert checkpoint tensor name to (layer, expert, 'gate'|'up'|'down'), else None."""
+        """Map a per-expert checkpoint tensor name to (decoder layer, expert, 'gate'|'up'|'down'), else None."""
         parts = name.split(".")
         # model.layers.{l}.{moe_prefix}.experts.{e}.{proj}.weight
         if len(parts) != 8 or parts[:2] != ["model", "layers"] or parts[4] != "experts" or parts[7] != "weight":
@@ -147,31 +160,31 @@ class MoEForCausalLM(nn.Module):
         kind = ("gate", "up", "down")[self.spec.expert_names.index(parts[6])]
         return int(parts[2]), int(parts[5]), kind
 
+    def _moe_idx(self, layer: int, name: str) -> int:
+        if not 0 <= layer < len(self.model.layers) or not self.model.layers[layer].is_moe:
+            raise KeyError(name)
+        return self.model.layers[layer].ffn.moe_idx
+
     def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
-        """Copy one checkpoint tensor into place. Returns the parameter names (re)written."""
+        """Copy one checkpoint tensor into place. Returns the names of the units (re)written."""
         expert = self.expert_tensor_name(name)
         if expert is not None:
             layer, e, kind = expert
-            prefix = f"model.layers.{layer}.{self.spec.moe_prefix}"
-            w13, w2 = params[f"{prefix}.w13"], params[f"{prefix}.w2"]
-            inter = w2.shape[2]
-            if kind == "gate":
-                w13[e, :inter].copy_(tensor)
-            elif kind == "up":
-                w13[e, inter:].copy_(tensor)
-            else:
-                w2[e].copy_(tensor)
-            return [f"{prefix}.w13[{e}].{kind}" if kind != "down" else f"{prefix}.w2[{e}]"]
+            if not 0 <= e < self.dims.num_experts:
+                raise KeyError(name)
+            self.expert_store.write(self._moe_idx(layer, name), e, kind, tensor)
+            return [f"experts.{layer}.{e}.{kind}"]
         # Fused HF v5 layout: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I].
-        for fused, ours in ((".experts.gate_up_proj", ".w13"), (".experts.down_proj", ".w2")):
+        for fused, kind in ((".experts.gate_up_proj", "w13"), (".experts.down_proj", "w2")):
             if name.endswith(fused):
-                target = name[: -len(fused)] + ours
-                if target in params:
-                    params[target].copy_(tensor)
-                    E = self.dims.num_experts
-                    if ours == ".w13":
-                        return [f"{target}[{e}].{k}" for e in range(E) for k in ("gate", "up")]
-                    return [f"{target}[{e}]" for e in range(E)]
+                layer = int(name.split(".")[2])
+                moe_idx = self._moe_idx(layer, name)
+                if tensor.shape[0] != self.dims.num_experts:
+                    raise ValueError(f"{name}: {tensor.shape[0]} experts, expected {self.dims.num_experts}")
+                for e in range(self.dims.num_experts):
+                    self.expert_store.write(moe_idx, e, kind, tensor[e])
+                kinds = ("gate", "up") if kind == "w13" else ("down",)
+                return [f"experts.{layer}.{e}.{k}" for e in range(self.dims.num_experts) for k in kinds]
         if name not in params:
             if name == "lm_head.weight" and self.dims.tie_word_embeddings:
                 return []
@@ -186,15 +199,10 @@ class MoEForCausalLM(nn.Module):
         return [name]
 
     def expected_tensor_names(self) -> set[str]:
-        """Every unit load_tensor must write exactly once for a complete checkpoint."""
-        names = set()
-        for pname, _ in self.named_parameters(remove_duplicate=True):
-            if pname.endswith(".w13"):
-                for e in range(self.dims.num_experts):
-                    names.add(f"{pname}[{e}].gate")
-                    names.add(f"{pname}[{e}].up")
-            elif pname.endswith(".w2"):
-                names.update(f"{pname}[{e}]" for e in range(self.dims.num_experts))
-            else:
-                names.add(pname)
+        """Every unit load_tensor must write for a complete checkpoint."""
+        names = {pname for pname, _ in self.named_parameters(remove_duplicate=True)}
+        for i, layer in enumerate(self.model.layers):
+            if layer.is_moe:
+                names.update(f"experts.{i}.{e}.{k}" for e in range(self.dims.num_experts)
+                              for k in ("gate", "up", "down"))
         return names

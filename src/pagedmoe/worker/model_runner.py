@@ -48,7 +48,8 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager:
             moes = model.moe_layers()
             probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
-            if moes and not sync_free(moes[0].experts_fn, probe, moes[0].w13, moes[0].w2):
+            w13, w2 = model.expert_store.views(0) if moes else (None, None)
+            if moes and not sync_free(moes[0].experts_fn, probe, w13, w2):
                 logger.warning("CUDA graphs off: the %s expert path syncs with the host (use bfloat16)",
                                moe_backend)
             else:
@@ -108,6 +109,8 @@ class ModelRunner:
         inputs = self.prepare(out, kv)
         if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(out.scheduled)):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if self.model.pager is not None:
+                self.model.pager.account_replay()
             return logits[inputs.logits_indices].float(), inputs.sampling_rows
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return logits, inputs.sampling_rows

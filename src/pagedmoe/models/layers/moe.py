@@ -93,16 +93,15 @@ class FusedMoE(nn.Module):
     """Router + routed experts (+ optional shared expert with a sigmoid gate, as in Qwen2-MoE)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, layer_idx: int, shared_intermediate_size: int = 0,
+                 renormalize: bool, moe_idx: int, shared_intermediate_size: int = 0,
                  shared_expert_gate: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
-        self.layer_idx = layer_idx
+        self.moe_idx = moe_idx  # index among the MoE layers: the expert table's layer index
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.shared_expert: Optional[GatedMLP] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if shared_intermediate_size:
@@ -110,22 +109,27 @@ class FusedMoE(nn.Module):
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.experts_fn: Callable = experts_auto
-        # Hook for the expert subsystem: returns the (w13, w2) tensors the GEMMs read for this layer.
+        # The expert subsystem (experts/) sets these. weights_provider(moe_idx) returns the
+        # (w13 [E, 2I, H], w2 [E, H, I]) tensors the GEMMs read; on_experts_done(moe_idx) is told
+        # when the GEMMs reading them are issued (the pager may then reuse the buffer).
         self.weights_provider: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = None
+        self.on_experts_done: Optional[Callable[[int], None]] = None
         # Hook for the activity table: called with the router's top-k ids (device tensor, no sync).
         self.on_route: Optional[Callable[[int, torch.Tensor], None]] = None
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.weights_provider is not None:
-            return self.weights_provider(self.layer_idx)
-        return self.w13, self.w2
+        if self.weights_provider is None:
+            raise RuntimeError("expert weights are not attached (no expert store)")
+        return self.weights_provider(self.moe_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         if self.on_route is not None:
-            self.on_route(self.layer_idx, topk_ids)
+            self.on_route(self.moe_idx, topk_ids)
         w13, w2 = self.expert_weights()
         out = self.experts_fn(x, w13, w2, topk_weights, topk_ids)
+        if self.on_experts_done is not None:
+            self.on_experts_done(self.moe_idx)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -1,0 +1,143 @@
+"""The prefetch pipeline: layer l+1's experts are copied into its compute buffer while layer l computes.
+
+On CUDA the copies run on a dedicated copy stream and are ordered by events, with no host sync:
+
+    compute stream:  [attn l] [wait loaded[l]] [MoE l] (record free[l % 2]) [attn l+1] ...
+    copy stream:        (wait free[(l+1) % 2])  [copy layer l+1 rows] (record loaded[l+1])
+
+# NOTE: buffer (l+1) % 2 was last read by layer l-1's MoE; the copy stream waits for the event
+# recorded after that MoE before overwriting it. The first copy of a forward waits on a fork event
+# recorded on the compute stream, so a CUDA-graph capture sees the copy stream join and leave it.
+
+On CPU the same calls copy synchronously when the layer asks for its weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedmoe.experts.store import ExpertStore
+from pagedmoe.experts.table import HOST, RESIDENT
+
+
+@dataclass
+class PagerStats:
+    bytes_h2d: int = 0          # host -> device, paged experts
+    bytes_d2d: int = 0          # resident rows copied into a shared buffer (plain double buffer only)
+    copy_s: float = 0.0         # time the copy stream spent copying (CUDA events)
+    wait_s: float = 0.0         # time the compute stream waited for experts (CUDA events)
+    layers_loaded: int = 0
+    steps: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ExpertPager:
+    def __init__(self, store: ExpertStore, timing: bool = True) -> None:
+        self.store = store
+        self.num_layers = store.table.num_layers
+        self.cuda = store.device.type == "cuda"
+        self.stats = PagerStats()
+        self.timing = timing and self.cuda
+        # Host-side plan of the copies of each layer: (destination row, source row, is_host).
+        self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
+        self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h),
+                                  sum(s.numel() * s.element_size() for _, s, h in c if not h))
+                                 for c in self._copies]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(store.device)
+            ev = (lambda: torch.cuda.Event(enable_timing=self.timing))
+            self.loaded = [ev() for _ in range(self.num_layers)]
+            self.copy_start = [ev() for _ in range(self.num_layers)]
+            self.want = [ev() for _ in range(self.num_layers)]
+            self.free = [torch.cuda.Event(), torch.cuda.Event()]
+            self.fork = torch.cuda.Event()
+        self._issued: list[bool] = [False] * self.num_layers
+        self._pending_timing: list[int] = []
+
+    def _layer_copies(self, layer: int):
+        store, table = self.store, self.store.table
+        dst = store.buffers.packed(layer)
+        copies = [(dst[e], store.row(layer, e), True) for e in table.ids(layer, HOST)]
+        if not store.buffers.maps_resident:
+            copies += [(dst[e], store.row(layer, e), False) for e in table.ids(layer, RESIDENT)]
+        return copies
+
+    # -- called by the model ----------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._issued = [False] * self.num_layers
+        if self.cuda:
+            # Everything before this point on the compute stream (earlier MoE reads of both buffers
+            # included) precedes these events, so both buffers count as free from here; recording
+            # them here keeps every event a CUDA-graph capture waits on inside that capture.
+            self.fork.record()
+            self.free[0].record()
+            self.free[1].record()
+            self.copy_stream.wait_event(self.fork)
+        self._issue(0)
+
+    def before_layer(self, layer: int) -> None:
+        """Start of MoE layer `layer`'s decoder layer (before its attention): prefetch the next one."""
+        if layer + 1 < self.num_layers:
+            self._issue(layer + 1)
+
+    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (w13, w2) views, once its experts are in place (the compute stream waits)."""
+        if not self._issued[layer]:
+            self._issue(layer)
+        if self.cuda:
+            if self.timing and not torch.cuda.is_current_stream_capturing():
+                self.want[layer].record()
+                self._pending_timing.append(layer)
+            torch.cuda.current_stream().wait_event(self.loaded[layer])
+        return self.store.views(layer)
+
+    def after_experts(self, layer: int) -> None:
+        """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""
+        if self.cuda:
+            self.free[layer % 2].record()
+
+    # -- copies -----------------------------------------------------------------------------------
+    def _issue(self, layer: int) -> None:
+        self._issued[layer] = True
+        if not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            self._account(layer)
+        if not self.cuda:
+            for dst, src, _ in self._copies[layer]:
+                dst.copy_(src)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.free[layer % 2])
+            if self.timing and not torch.cuda.is_current_stream_capturing():
+                self.copy_start[layer].record()
+            for dst, src, _ in self._copies[layer]:
+                dst.copy_(src, non_blocking=True)
+            self.loaded[layer].record()
+
+    def _account(self, layer: int) -> None:
+        h2d, d2d = self._bytes_per_layer[layer]
+        self.stats.bytes_h2d += h2d
+        self.stats.bytes_d2d += d2d
+        self.stats.layers_loaded += 1
+
+    def account_replay(self) -> None:
+        """A CUDA-graph replay moved every layer's experts without running this Python code."""
+        for layer in range(self.num_layers):
+            self._account(layer)
+
+    @property
+    def bytes_per_forward(self) -> int:
+        return sum(h for h, _ in self._bytes_per_layer)
+
+    def end_step(self) -> None:
+        """After the step's results reached the host (all events done): fold event timings into stats."""
+        self.stats.steps += 1
+        if not self._pending_timing:
+            return
+        for layer in self._pending_timing:
+            self.stats.copy_s += self.copy_start[layer].elapsed_time(self.loaded[layer]) / 1e3
+            waited = self.want[layer].elapsed_time(self.loaded[layer]) / 1e3
+            self.stats.wait_s += max(0.0, waited)
+        self._pending_timing.clear()

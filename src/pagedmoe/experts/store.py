@@ -1,0 +1,122 @@
+"""Where expert bytes live, per tier, and the compute buffers the expert GEMMs read.
+
+Placements:
+- resident: every layer owns a device tensor packed [E, stride]; the GEMMs read its views, no copies.
+- paged: resident experts of layer l in `resident[l]` (device rows), the others in `host[l]` (pinned
+  rows). Before layer l's MoE runs, its experts are assembled in a compute buffer whose address is
+  fixed per layer: `buffers.packed(l)`. With the plain double buffer, layers l and l+2 share one
+  buffer, so resident rows are copied in too (device to device); with CUDA VMM (experts/vmm.py) the
+  resident rows are mapped into the layer's range and only host rows are copied.
+
+Shapes: E experts, H hidden, I expert intermediate size (see experts/layout.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedmoe.experts.layout import expert_stride, expert_views, row_part
+from pagedmoe.experts.table import HOST, RESIDENT, ExpertTable
+
+
+class PlainDoubleBuffer:
+    """Two [E, stride] device buffers; layer l uses buffer l % 2. Works anywhere (CPU included)."""
+
+    maps_resident = False  # resident rows must be copied in
+
+    def __init__(self, num_experts: int, stride: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffers = [torch.empty(num_experts, stride, dtype=dtype, device=device) for _ in range(2)]
+
+    def packed(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer % 2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class ExpertStore:
+    def __init__(self, table: ExpertTable, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
+                 paged: bool, stride_align_bytes: int = 16, buffers_factory=None) -> None:
+        self.table, self.hidden, self.inter = table, hidden, inter
+        self.dtype, self.device, self.paged = dtype, device, paged
+        elem = torch.empty(0, dtype=dtype).element_size()
+        self.stride = expert_stride(hidden, inter, elem, stride_align_bytes)
+        self.row_bytes = self.stride * elem
+        L, E = table.num_layers, table.num_experts
+        pin = device.type == "cuda"
+        self.buffers = None
+        self.host: list[Optional[torch.Tensor]] = [None] * L
+        if not paged:
+            self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
+            return
+        if buffers_factory is not None:
+            self.buffers = buffers_factory(self)
+        else:
+            self.buffers = PlainDoubleBuffer(E, self.stride, dtype, device)
+        self.resident = []
+        for layer in range(L):
+            n_res, n_host = table.count(layer, RESIDENT), table.count(layer, HOST)
+            if self.buffers.maps_resident:
+                self.resident.append(self.buffers.resident_rows(layer))
+            else:
+                self.resident.append(torch.empty(n_res, self.stride, dtype=dtype, device=device))
+            self.host[layer] = torch.empty(n_host, self.stride, dtype=dtype, pin_memory=pin)
+
+    # -- where an expert's bytes live ---------------------------------------------------------
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """The master copy of one expert: a 1-D [stride] tensor in its tier."""
+        if not self.paged:
+            return self.resident[layer][expert]
+        entry = self.table._entries[layer][expert]
+        store = self.resident[layer] if entry.tier == RESIDENT else self.host[layer]
+        return store[entry.slot]
+
+    def write(self, layer: int, expert: int, kind: str, tensor: torch.Tensor) -> None:
+        """Loader sink: one checkpoint tensor ('gate', 'up', 'down', 'w13' or 'w2') of one expert."""
+        dst = row_part(self.row(layer, expert), self.hidden, self.inter, kind)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"expert {expert} of MoE layer {layer}: {kind} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def init_random(self, seed: int, std: float = 0.02) -> None:
+        """N(0, std) weights, generated on the device (fast) and copied to their tier."""
+        gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        n = 3 * self.inter * self.hidden
+        for layer in range(self.table.num_layers):
+            rows = torch.empty(self.table.num_experts, self.stride, dtype=self.dtype, device=self.device)
+            rows.normal_(0.0, std, generator=gen)
+            for e in range(self.table.num_experts):
+                self.row(layer, e)[:n].copy_(rows[e, :n])
+            del rows
+
+    # -- what the GEMMs read --------------------------------------------------------------------
+    def compute_packed(self, layer: int) -> torch.Tensor:
+        return self.buffers.packed(layer) if self.paged else self.resident[layer]
+
+    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return expert_views(self.compute_packed(layer), self.hidden, self.inter)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def _bytes(self, tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def resident_bytes(self) -> int:
+        if self.paged and self.buffers.maps_resident:
+            return sum(self.table.count(l, RESIDENT) for l in range(self.table.num_layers)) * self.row_bytes
+        return self._bytes(self.resident)
+
+    @property
+    def host_bytes(self) -> int:
+        return self._bytes(self.host)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.buffers.nbytes if self.paged else 0
+
+    @property
+    def device_bytes(self) -> int:
+        return self.resident_bytes + self.buffer_bytes
