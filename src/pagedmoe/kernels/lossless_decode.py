@@ -46,14 +46,14 @@ def _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
         nxt = tl.where(adv, nn, nxt)
         wptr = wptr + adv.to(tl.int32)
         idx = k * LANES + lane
+        # the load keeps nn where it does not fire (other=nn): no separate select
         if MASKED:
             valid = idx < n_valid
-            fresh = tl.load(wptr + 2, mask=adv & valid, other=0)
+            nn = tl.load(wptr + 2, mask=adv & valid, other=nn.to(tl.int32, bitcast=True)).to(tl.uint32, bitcast=True)
             r = tl.load(rptr + idx, mask=valid, other=0)
         else:
-            fresh = tl.load(wptr + 2, mask=adv, other=0)
+            nn = tl.load(wptr + 2, mask=adv, other=nn.to(tl.int32, bitcast=True)).to(tl.uint32, bitcast=True)
             r = tl.load(rptr + idx)
-        nn = tl.where(adv, fresh.to(tl.uint32, bitcast=True), nn)
         o = ((r.to(tl.int32) & 0x807F) | (e & 0x7F80)).to(tl.int16)
         if MASKED:
             tl.store(optr + idx, o, mask=valid)
@@ -125,7 +125,7 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
     if out.numel() != (p1 - p0) * ct.part_size:
         raise ValueError(f"out has {out.numel()} elements, parts [{p0}, {p1}) hold {(p1 - p0) * ct.part_size}")
     if out.device != ct.device:
-        raise ValueError(f"out is on {out.device}, the compressed tensor on {ct.device}")
+        raise ValueError(f"out is on device {out.device}, the compressed tensor on {ct.device}")
     lay = ct.layout
     short_bits = min(short_bits, lay.max_code_len)
     for name, t, dtype in (("stream", ct.stream, torch.int32), ("block_bit_offsets", ct.block_bit_offsets, torch.int64),
