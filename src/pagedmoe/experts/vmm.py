@@ -1,0 +1,150 @@
+"""Stable-address expert compute buffers with CUDA virtual memory management (cuda-python).
+
+Each MoE layer l gets one reserved virtual range holding its packed [E, stride] expert rows; the
+GEMMs always read that range, so its address never changes (CUDA graphs stay valid). Physical
+memory behind it is mapped once, at start-up, expert row by expert row:
+- a resident expert's row maps the layer's own resident allocation (no copies, ever);
+- a host-tier expert's row maps a row of one of two rotating slot allocations, slot l % 2, so layers
+  l and l+2 share physical memory and only two layers' worth of streamed experts exist.
+The pager copies host rows into the layer's range just before it runs (experts/pager.py).
+
+Rows are padded to the allocation granularity (2 MiB on the H200) so every row maps on its own.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedmoe.experts.table import HOST, RESIDENT
+
+
+def _driver():
+    from cuda.bindings import driver as cu
+
+    return cu
+
+
+def _check(result):
+    """cuda-python calls return (CUresult, *values); raise on error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    cu = _driver()
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1]
+        raise RuntimeError(f"CUDA driver call failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _prop(device_idx: int):
+    cu = _driver()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device_idx
+    return prop
+
+
+@functools.lru_cache(maxsize=None)
+def granularity(device: torch.device) -> int:
+    cu = _driver()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(_check(cu.cuMemGetAllocationGranularity(_prop(idx), flag)))
+
+
+def available(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.init()
+        _check(_driver().cuInit(0))
+        return granularity(device) > 0
+    except Exception:  # no cuda-python, or a driver without VMM
+        return False
+
+
+class _CudaArray:
+    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap a raw device range."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes // 2,), "typestr": "<i2", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class VmmExpertBuffers:
+    maps_resident = True  # resident rows live in the layer's range; the pager copies host rows only
+
+    def __init__(self, store) -> None:
+        cu = _driver()
+        table, device = store.table, store.device
+        self.device_idx = device.index if device.index is not None else torch.cuda.current_device()
+        self.row_bytes = store.row_bytes
+        gran = granularity(device)
+        if self.row_bytes % gran:
+            raise ValueError(f"expert rows of {self.row_bytes} bytes are not a multiple of the {gran}-byte "
+                             "VMM granularity")
+        L, E = table.num_layers, table.num_experts
+        self._handles, self._mappings, self._reservations = [], [], []
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device_idx
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = access
+        max_host = table.max_count(HOST)
+        self.slots = [self._create(max_host * self.row_bytes) for _ in range(2)] if max_host else [None, None]
+        self.slot_bytes = 2 * max_host * self.row_bytes
+        self._packed: list[torch.Tensor] = []
+        self._resident_rows: list[list[torch.Tensor]] = []
+        for layer in range(L):
+            va = int(_check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
+            self._reservations.append((va, E * self.row_bytes))
+            resident_ids = table.ids(layer, RESIDENT)
+            res_handle = self._create(len(resident_ids) * self.row_bytes) if resident_ids else None
+            for e in range(E):
+                entry = table._entries[layer][e]
+                if entry.tier == RESIDENT:
+                    self._map(va + e * self.row_bytes, res_handle, entry.slot * self.row_bytes)
+                else:
+                    self._map(va + e * self.row_bytes, self.slots[layer % 2], entry.slot * self.row_bytes)
+            flat = torch.as_tensor(_CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
+            packed = flat.view(E, store.stride)
+            self._packed.append(packed)
+            self._resident_rows.append([packed[e] for e in resident_ids])
+
+    def _create(self, nbytes: int):
+        cu = _driver()
+        handle = _check(cu.cuMemCreate(nbytes, _prop(self.device_idx), 0))
+        self._handles.append(handle)
+        return handle
+
+    def _map(self, va: int, handle, offset: int) -> None:
+        cu = _driver()
+        _check(cu.cuMemMap(va, self.row_bytes, offset, handle, 0))
+        _check(cu.cuMemSetAccess(va, self.row_bytes, [self._access], 1))
+        self._mappings.append(va)
+
+    def packed(self, layer: int) -> torch.Tensor:
+        return self._packed[layer]
+
+    def resident_rows(self, layer: int) -> list[torch.Tensor]:
+        return self._resident_rows[layer]
+
+    @property
+    def nbytes(self) -> int:
+        """Physical bytes of the two rotating slots (resident rows are counted as resident)."""
+        return self.slot_bytes
+
+    def close(self) -> None:
+        cu = _driver()
+        torch.cuda.synchronize()
+        self._packed.clear()
+        self._resident_rows.clear()
+        for va in self._mappings:
+            _check(cu.cuMemUnmap(va, self.row_bytes))
+        for va, size in self._reservations:
+            _check(cu.cuMemAddressFree(va, size))
+        for handle in self._handles:
+            _check(cu.cuMemRelease(handle))
+        self._mappings, self._reservations, self._handles = [], [], []
