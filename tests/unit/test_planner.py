@@ -1,0 +1,278 @@
+"""Memory/placement planner and cost model (experts/planner.py, cost_model.py, model_shape.py) on CPU,
+with numbers checked by hand; `pagedmoe plan` on the shape-only benchmark configs."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pagedmoe.engine.memory import GiB, BudgetError
+from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, expected_distinct_experts,
+                                         step_cost)
+from pagedmoe.experts.model_shape import ModelShape
+from pagedmoe.experts.placement import Placement
+from pagedmoe.experts.planner import (PlacementBudgetError, PlanInputs, minimum_budget_bytes, plan_memory,
+                                      plan_placement)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+MIXTRAL = ModelShape(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                     num_experts=8, top_k=2, moe_intermediate_size=14336, dense_intermediate_size=14336,
+                     num_moe_layers=32, name="mixtral-8x7b")
+ACT = 2 * GiB
+KW = dict(max_model_len=2048, workload=(1024, 1024), max_num_seqs=256)
+EXPERT = 3 * 4096 * 14336 * 2                         # 352,321,536 bytes = 336 MiB
+BACKBONE = 1_605_636_096 * 2                          # counted by hand below
+
+
+def test_mixtral_sizes_by_hand():
+    attn = 4096 * 128 * (2 * 32 + 2 * 8) * 32         # q, o + k, v
+    router, norms, embed_and_head = 8 * 4096 * 32, 2 * 4096 * 32 + 4096, 2 * 32000 * 4096
+    assert attn + router + norms + embed_and_head == 1_605_636_096
+    assert MIXTRAL.expert_bytes == EXPERT and MIXTRAL.backbone_bytes == BACKBONE
+    assert MIXTRAL.all_expert_bytes == 256 * EXPERT == 90_194_313_216   # ~90 GB, 84 GiB
+    assert MIXTRAL.kv_bytes_per_token == 128 * 1024                     # shared/H200.md
+    assert MIXTRAL.active_params_per_token == (1_605_636_096 - 32000 * 4096 - norms) + 32 * 2 * EXPERT // 2
+
+
+def test_from_hf_config_matches_hand_built_shape():
+    assert ModelShape.from_hf_config(CONFIGS / "mixtral-8x7b") == MIXTRAL
+    q = ModelShape.from_hf_config(str(CONFIGS / "qwen3-30b-a3b"))
+    assert (q.num_experts, q.top_k, q.num_moe_layers, q.expert_bytes, q.qk_norm) == (128, 8, 48, 9 * 2**20, "head")
+
+
+@pytest.mark.parametrize("family,overrides", [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}),
+                                              ("qwen2_moe", {"mlp_only_layers": [0], "qkv_bias": True}),
+                                              ("mixtral", {"tie_word_embeddings": True})])
+def test_backbone_matches_the_module_tree(family, overrides):
+    import torch
+    from tiny_models import tiny_hf_config
+
+    from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
+    from pagedmoe.models.moe_decoder import MoEForCausalLM
+    from pagedmoe.models.registry import MODEL_REGISTRY
+
+    cfg = tiny_hf_config(family, **overrides)
+    arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}[family]
+    dims, spec = MODEL_REGISTRY[arch](cfg)
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg, dims, spec, 64)
+    model.tie_weights()
+    shape = ModelShape.from_model_dims(dims, spec, dtype_bytes=4)
+    params = {n: p for n, p in model.named_parameters()}
+    backbone = sum(p.numel() for n, p in params.items() if not n.endswith((".w13", ".w2")))
+    assert shape.backbone_params == backbone
+    assert shape.num_moe_layers == len(model.moe_layers())
+    assert shape.kv_bytes_per_token * 16 == kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                                                16, torch.float32)
+
+
+def test_expected_distinct_experts():
+    assert expected_distinct_experts(8, 2, 0) == 0
+    assert expected_distinct_experts(8, 2, 1) == pytest.approx(2)
+    assert expected_distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))   # 3.5
+    assert expected_distinct_experts(8, 2, 10_000) == pytest.approx(8)
+
+
+def test_step_floors_by_hand():
+    # All experts paged: every step copies all 90.19 GB over PCIe: 90.19e9 / 54.5e9 = 1.655 s.
+    traffic = StepTraffic(h2d_bytes=MIXTRAL.all_expert_bytes)
+    c = step_cost(MIXTRAL, H200, traffic, num_tokens=1, kv_read_bytes=0, context_len=0)
+    assert c.pcie_s == pytest.approx(1.6549, abs=1e-4)
+    # HBM: backbone matmuls (without the embedding table and norms) + 2 routed experts x 32 layers + the
+    # copies landing in HBM + one KV token written.
+    backbone_read = (1_605_636_096 - 32000 * 4096 - (2 * 4096 * 32 + 4096)) * 2
+    hbm = backbone_read + 64 * EXPERT + MIXTRAL.all_expert_bytes + 128 * 1024
+    assert c.hbm_s == pytest.approx(hbm / 4.19e12)
+    assert c.compute_s == pytest.approx(2 * (backbone_read // 2 + 64 * EXPERT // 2) / 753e12)
+    assert c.bound == "pcie" and c.floor_s == c.pcie_s
+    # Fill: one layer of the shorter side; overhead: the profile's constant.
+    assert c.fill_s == pytest.approx(c.hbm_s / 32) and c.overhead_s == H200.step_overhead_s
+    assert c.total_s == pytest.approx(c.pcie_s + c.hbm_s / 32 + 1e-3)
+    resident = step_cost(MIXTRAL, H200, StepTraffic(), 1, 0, 0)
+    assert resident.pcie_s == 0 and resident.fill_s == 0 and resident.bound == "hbm"
+
+
+def test_splits_add_up_and_kv_gets_the_rest():
+    for gib in (24, 40, 64, 91, 139):
+        for placement in (Placement.uniform(32, 8, 0), Placement.uniform(32, 8, 3), Placement.spread(32, 8, 77)):
+            try:
+                plan = plan_placement(PlanInputs(MIXTRAL, gib * GiB, ACT, 2048), placement)
+            except PlacementBudgetError:
+                continue
+            parts = (plan.backbone_bytes + plan.activation_bytes + plan.resident_expert_bytes
+                     + plan.compressed_expert_bytes + plan.buffer_bytes + plan.kv_bytes)
+            assert parts + plan.unused_bytes == gib * GiB
+            assert 0 <= plan.unused_bytes < plan.kv_bytes_per_block
+            assert plan.resident_expert_bytes == placement.total_gpu * EXPERT
+            assert plan.host_tier_bytes == placement.total_host * EXPERT
+            assert plan.buffer_bytes == 2 * placement.max_streamed * EXPERT
+            assert plan.traffic.h2d_bytes == placement.total_host * EXPERT
+
+
+def test_resident_refused_with_the_right_minimum():
+    need = BACKBONE + MIXTRAL.all_expert_bytes + ACT + 128 * 16 * 128 * 1024   # one 2048-token sequence
+    with pytest.raises(BudgetError, match=r"needs 89\.2[0-9] GiB") as e:
+        plan_memory(MIXTRAL, 64 * GiB, ACT, "resident", **KW)
+    assert isinstance(e.value, ValueError) and e.value.min_budget_bytes == need
+    plan = plan_memory(MIXTRAL, need, ACT, "resident", **KW)
+    assert plan.num_kv_blocks == 128 and plan.unused_bytes == 0 and plan.num_seqs == 1
+    with pytest.raises(BudgetError):
+        plan_memory(MIXTRAL, need - 1, ACT, "resident", **KW)
+
+
+def test_tiny_budget_refused_with_the_all_paged_minimum():
+    # The cheapest placement pages everything: backbone + two layers of 8 expert buffers + one sequence.
+    need = BACKBONE + ACT + 2 * 8 * EXPERT + 128 * 16 * 128 * 1024
+    for mode in ("auto", "paged"):
+        with pytest.raises(PlacementBudgetError) as e:
+            plan_memory(MIXTRAL, 8 * GiB, ACT, mode, **KW)
+        assert e.value.min_budget_bytes == need
+    assert minimum_budget_bytes(PlanInputs(MIXTRAL, 0, ACT, 2048), Placement.uniform(32, 8, 0)) == need
+    assert plan_memory(MIXTRAL, need, ACT, "auto", **KW).placement == Placement.uniform(32, 8, 0)
+
+
+def test_more_budget_never_gives_less_kv_or_less_throughput():
+    for mode, n in (("resident", None), ("paged", 0), ("paged", 5)):
+        last = None
+        for gib in range(20, 150, 7):
+            try:
+                plan = plan_memory(MIXTRAL, gib * GiB, ACT, mode, n, **KW)
+            except BudgetError:
+                assert last is None   # once it fits, a larger budget fits too
+                continue
+            if last is not None:
+                assert plan.num_kv_blocks >= last.num_kv_blocks and plan.num_seqs >= last.num_seqs
+            last = plan
+    tputs = [plan_memory(MIXTRAL, gib * GiB, ACT, "auto", **KW).output_throughput for gib in range(20, 150, 7)]
+    assert tputs == sorted(tputs)
+
+
+@pytest.mark.parametrize("gib", [24, 40, 64, 80, 89.5, 91, 100, 120, 139])
+def test_auto_never_worse_than_resident_or_paged(gib):
+    auto = plan_memory(MIXTRAL, gib * GiB, ACT, "auto", **KW)
+    for n in range(9):
+        try:
+            other = plan_memory(MIXTRAL, gib * GiB, ACT, "paged" if n < 8 else "resident", n if n < 8 else None, **KW)
+        except BudgetError:
+            continue
+        assert auto.output_throughput >= other.output_throughput
+    if gib == 139:
+        assert auto.placement.is_resident and auto.mode == "resident"
+
+
+def test_throughput_from_the_step_costs():
+    plan = plan_memory(MIXTRAL, 64 * GiB, ACT, "paged", 0, **KW)
+    e = plan.estimate
+    # 64 GiB - backbone 3,211,272,192 - activations 2 GiB - buffers 16 x 336 MiB = 57,723,576,320 bytes of KV
+    # = 27,524 blocks of 16 tokens x 128 KiB = 215 sequences of 2048 tokens (max_num_seqs 256).
+    assert plan.num_kv_blocks == 57_723_576_320 // (16 * 128 * 1024) == 27_524
+    assert plan.kv_capacity_tokens == 27_524 * 16 and e.num_seqs == 27_524 // 128 == 215
+    assert e.decode.num_tokens == 215 and e.prefill_tokens == 8192
+    assert e.prefill_s_per_seq == pytest.approx(e.prefill.total_s * 1024 / 8192)
+    assert e.cycle_s == pytest.approx(1023 * e.decode.total_s + 215 * e.prefill_s_per_seq)
+    assert plan.output_throughput == pytest.approx(215 * 1024 / e.cycle_s)
+    # PCIe-bound: about 215 / 1.66 s of decode, less the prefill share.
+    assert e.decode.bound == "pcie" and 120 < plan.output_throughput < 215 / 1.655
+
+
+def test_vmm_slots_and_plain_buffers():
+    qwen = replace(MIXTRAL, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                   num_experts=128, top_k=8, moe_intermediate_size=768, dense_intermediate_size=6144,
+                   num_moe_layers=48, qk_norm="head")
+    n9 = 9 * 2**20
+    inputs = PlanInputs(qwen, 64 * GiB, ACT, 2048)
+    paged = plan_placement(inputs, Placement.uniform(48, 128, 100))
+    assert paged.expert_slot_bytes == 10 * 2**20             # 9 MiB rounded up to the 2 MiB VMM granularity
+    assert paged.buffer_bytes == 2 * 28 * 10 * 2**20 and paged.traffic.h2d_bytes == 28 * 48 * n9
+    plain = plan_placement(replace(inputs, buffers="plain"), Placement.uniform(48, 128, 100))
+    assert plain.expert_slot_bytes == n9 and plain.buffer_bytes == 2 * 128 * n9
+    assert plain.traffic.d2d_bytes == 2 * 100 * 48 * n9      # resident rows read + written into the buffer
+    resident = plan_placement(inputs, Placement.resident(48, 128))
+    assert resident.expert_slot_bytes == n9 and resident.buffer_bytes == 0 and resident.buffers == "none"
+
+
+def test_compressed_tier_costs_and_search():
+    inputs = PlanInputs(MIXTRAL, 91 * GiB, ACT, 2048, workload=(1024, 1024))
+    plan = plan_placement(inputs, Placement.uniform(32, 8, 2, 6, compression_ratio=0.5))
+    assert plan.compressed_expert_bytes == 6 * 32 * EXPERT // 2 and plan.host_tier_bytes == 0
+    assert plan.buffer_bytes == 2 * 6 * EXPERT
+    assert plan.estimate.decode.decode_s == pytest.approx(6 * 32 * EXPERT / 1.5e12)
+    assert plan.estimate.decode.pcie_s == 0
+    with_c = plan_memory(MIXTRAL, 91 * GiB, ACT, "auto", compression_ratio=0.68, **KW)
+    without = plan_memory(MIXTRAL, 91 * GiB, ACT, "auto", **KW)
+    assert with_c.output_throughput >= without.output_throughput and with_c.placement.total_compressed > 0
+
+
+def test_fixed_placements_and_bad_arguments():
+    plan = plan_memory(MIXTRAL, 139 * GiB, ACT, "paged", 6, **KW)
+    assert plan.placement.num_gpu_experts == (6,) * 32 and plan.mode == "paged"
+    best_paged = plan_memory(MIXTRAL, 139 * GiB, ACT, "paged", **KW)
+    assert not best_paged.placement.is_resident
+    assert plan_memory(MIXTRAL, 139 * GiB, ACT, "paged", [8] * 31 + [7], **KW).buffer_bytes == 2 * EXPERT
+    for mode, n in (("auto", 3), ("resident", 3), ("paged", 9), ("paged", [1, 2]), ("everything", None)):
+        with pytest.raises(ValueError):
+            plan_memory(MIXTRAL, 139 * GiB, ACT, mode, n, **KW)
+    with pytest.raises(ValueError, match="max_model_len"):
+        plan_memory(MIXTRAL, 139 * GiB, ACT, "auto", max_model_len=1024, workload=(1024, 1024))
+    with pytest.raises(ValueError):
+        Placement(8, (9,))
+    with pytest.raises(ValueError):
+        Placement(8, (4,), (2,))                                # compressed without a ratio
+    assert Placement.spread(4, 8, 13).num_gpu_experts == (4, 3, 3, 3)
+
+
+def test_max_kv_blocks_caps_the_cache():
+    plan = plan_memory(MIXTRAL, 139 * GiB, ACT, "resident", max_kv_blocks=1000, **KW)
+    assert plan.num_kv_blocks == 1000 and plan.unused_bytes > 0
+    assert plan.summary().startswith("budget 139.00 GiB, experts resident: backbone 2.99 GiB")
+
+
+def test_hardware_profile_json(tmp_path):
+    hw = HardwareProfile(name="measured", pcie_h2d_bytes_per_s=50e9)
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"pcie_h2d_bytes_per_s": 25e9}))
+    assert HardwareProfile.from_json(path).pcie_h2d_bytes_per_s == 25e9
+    assert HardwareProfile.from_json(str(path)).hbm_bytes_per_s == H200.hbm_bytes_per_s
+    with pytest.raises(ValueError, match="unknown keys"):
+        HardwareProfile.from_json({"pcie": 1})
+    with pytest.raises(ValueError):
+        HardwareProfile(hbm_bytes_per_s=0)
+    with pytest.raises(FileNotFoundError):
+        HardwareProfile.from_json(tmp_path / "missing.json")
+    slow = plan_memory(MIXTRAL, 64 * GiB, ACT, "paged", 0, hw=HardwareProfile.from_json(path), **KW)
+    assert slow.estimate.decode.pcie_s == pytest.approx(MIXTRAL.all_expert_bytes / 25e9)
+
+
+def test_plan_cli_mixtral(tmp_path, capsys):
+    from pagedmoe.cli import main
+
+    out_json = tmp_path / "plan.json"
+    rc = main(["plan", str(CONFIGS / "mixtral-8x7b"), "--gpu-memory-gb", "24", "64", "139", "weights+4",
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.count("out tok/s") == 4 and "does not fit (needs 89.43 GiB)" in text
+    assert "*>auto: resident" in text and "*>auto: N=0 " in text and "paged N=0 (cpu-moe)" in text
+    report = json.loads(out_json.read_text())
+    b24, b64, b139, bw4 = report["budgets"]
+    assert b24["budget_bytes"] == 24 * GiB and bw4["budget_bytes"] == MIXTRAL.weight_bytes + 4 * GiB
+    rows = {r["label"]: r for r in b139["rows"]}
+    assert rows["resident"]["fits"] and rows["resident"]["num_kv_blocks"] > 0
+    assert not {r["label"]: r for r in b24["rows"]}["resident"]["fits"]
+    assert [r["label"] for r in b64["rows"] if r["auto"]] == ["auto: N=0"]
+
+
+def test_plan_cli_selection_errors(capsys):
+    from pagedmoe.cli import main
+
+    mixtral = str(CONFIGS / "mixtral-8x7b")
+    assert main(["plan", mixtral, "--gpu-memory-gb", "24", "--expert-placement", "resident"]) == 2
+    assert "needs 89.43 GiB" in capsys.readouterr().err
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--num-gpu-experts", "2"]) == 0
+    assert " >paged N=2" in capsys.readouterr().out
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--cpu-moe", "--expert-placement", "resident"]) == 2
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--num-gpu-experts", "9"]) == 2
+    assert main(["plan", mixtral, "--gpu-memory-gb", "lots"]) == 2
+    capsys.readouterr()
