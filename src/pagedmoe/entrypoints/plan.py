@@ -121,7 +121,7 @@ def format_table(rows) -> str:
     from pagedmoe.engine.memory import GiB
 
     head = (f"  {'placement':<26}{'backbone':>9}{'resident':>9}{'compr':>7}{'host':>7}{'buffers':>8}{'act':>6}"
-            f"{'KV':>7}{'KV tokens':>11}{'seqs':>6}{'step ms':>9}{'pcie':>8}{'hbm':>7}{'compute':>8}"
+            f"{'KV':>7}{'KV tokens':>11}{'seqs':>6}{'step ms':>9}{'pcie':>8}{'decode':>7}{'hbm':>7}{'compute':>8}"
             f"{'prefill/seq':>12}{'out tok/s':>11}")
     lines = [head, "  " + "-" * (len(head) - 2)]
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
@@ -135,7 +135,7 @@ def format_table(rows) -> str:
             f"{mark}{label:<26}{g(plan.backbone_bytes):>9}{g(plan.resident_expert_bytes):>9}"
             f"{g(plan.compressed_expert_bytes):>7}{g(plan.host_tier_bytes):>7}{g(plan.buffer_bytes):>8}"
             f"{g(plan.activation_bytes):>6}{g(plan.kv_bytes):>7}{plan.kv_capacity_tokens:>11}{plan.num_seqs:>6}"
-            f"{d.total_s * 1e3:>9.1f}{d.pcie_s * 1e3:>8.1f}{d.hbm_s * 1e3:>7.1f}{d.compute_s * 1e3:>8.1f}"
+            f"{d.total_s * 1e3:>9.1f}{d.pcie_s * 1e3:>8.1f}{d.decode_s * 1e3:>7.1f}{d.hbm_s * 1e3:>7.1f}{d.compute_s * 1e3:>8.1f}"
             f"{e.prefill_s_per_seq * 1e3:>12.1f}{plan.output_throughput:>11.1f}")
     return "\n".join(lines)
 
