@@ -116,6 +116,10 @@ class ExpertPager:
                 dst.copy_(src, non_blocking=True)
             self.loaded[layer].record()
 
+    def reset_stats(self) -> None:
+        self.stats = PagerStats()
+        self._pending_timing.clear()
+
     def _account(self, layer: int) -> None:
         h2d, d2d = self._bytes_per_layer[layer]
         self.stats.bytes_h2d += h2d

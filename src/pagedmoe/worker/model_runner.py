@@ -56,6 +56,8 @@ class ModelRunner:
                 self.graphs = DecodeCudaGraphs(model, max_num_seqs, -(-max_model_len // block_size),
                                                max_model_len, device)
                 self.graphs.capture()
+                if model.pager is not None:
+                    model.pager.reset_stats()  # capture warm-ups are not traffic of the workload
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         bs = self.block_size
