@@ -93,3 +93,45 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path, capsys
     assert result["completed"] == 12 and result["model_id"] == "tiny" and result["label"] == "test"
     assert result["config"]["random_input_len"] == 8 and result["versions"]["pagedmoe"]
     server.wait_idle()
+
+
+@pytest.mark.parametrize("tokenizer", ["as_loaded", "none"])
+def test_bench_serve_against_a_model_without_tokenizer(tiny_model_dir, tmp_path, capsys, tokenizer):
+    """The GPU benchmarks serve shape-only folders (config.json, dummy weights, no tokenizer files): token-id
+    prompts work, chunks are sent per token though they carry no text, and bench serve times them.
+    transformers may build an empty tokenizer for such a folder ("as_loaded") or the engine has none."""
+    import shutil
+
+    import httpx
+
+    from pagedmoe.cli import main
+    from server_utils import ServerThread, assert_openai_error, make_engine
+
+    shape_only = tmp_path / "shape_only"
+    shape_only.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", shape_only / "config.json")
+    engine = make_engine(shape_only, load_format="dummy", max_num_seqs=8)
+    if tokenizer == "none":
+        engine.tokenizer = engine.outputs.tokenizer = None
+    with ServerThread(engine) as server:
+        url = server.base_url
+        assert_openai_error(httpx.post(url + "/v1/chat/completions",
+                                       json={"messages": [{"role": "user", "content": "x"}]}), 400)
+        if tokenizer == "none":
+            assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "text"}), 400)
+            assert_openai_error(httpx.post(url + "/tokenize", json={"prompt": "x"}), 400)
+        with httpx.stream("POST", url + "/v1/completions", json={
+                "prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+        assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 2
+        rc = main(["bench", "serve", "--base-url", url, "--num-prompts", "6", "--random-input-len", "8",
+                   "--random-output-len", "4", "--disable-tqdm"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        values = parse_block(out)
+        assert values["Successful requests:"] == 6 and values["Total generated tokens:"] == 24
+        assert values["Mean TPOT (ms):"] > 0
+        server.wait_idle()

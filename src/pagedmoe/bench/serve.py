@@ -20,7 +20,8 @@ import numpy as np
 from pagedmoe.bench.common import environment, write_json
 from pagedmoe.bench.serve_metrics import RequestResult, calculate_metrics, format_result_block
 
-TIMEOUT_S = 6 * 60 * 60  # vLLM's: a benchmark request may legitimately queue for a long time
+TIMEOUT_S = 6 * 60 * 60
+MIN_TOKENIZER_VOCAB = 100  # below this a "tokenizer" is the empty one transformers builds for config-only folders  # vLLM's: a benchmark request may legitimately queue for a long time
 
 
 def register(sub) -> None:
@@ -81,12 +82,21 @@ def _vocab_size(args, model_root: Optional[str]) -> int:
     if args.random_vocab_size:
         return args.random_vocab_size
     for path in (args.tokenizer, args.model, model_root):
-        if path and Path(path).is_dir():
+        if not path or not Path(path).is_dir():
+            continue
+        try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
             # The base vocabulary only: added/special tokens could end a prompt early or trip filters.
-            return int(tok.vocab_size)
+            size = int(AutoTokenizer.from_pretrained(path).vocab_size)
+        except Exception:  # noqa: BLE001 - no tokenizer files
+            size = 0
+        if size >= MIN_TOKENIZER_VOCAB:
+            return size
+        # A shape-only folder (config.json only; transformers may still build an empty tokenizer).
+        config = Path(path) / "config.json"
+        if config.is_file() and isinstance(json.loads(config.read_text()).get("vocab_size"), int):
+            return int(json.loads(config.read_text())["vocab_size"])
     raise ValueError("cannot tell the vocabulary size: pass --tokenizer PATH or --random-vocab-size N")
 
 
@@ -111,7 +121,13 @@ async def send_request(client, url: str, payload: dict, headers: dict, result: R
                     return result
                 choices = obj.get("choices") or []
                 text = choices[0].get("text") if choices else None
-                if text:
+                # With continuous usage stats a chunk counts by its tokens, so tokens whose text is empty
+                # (no tokenizer on the server, held back for a stop string) are still timed.
+                num_tokens = (obj.get("usage") or {}).get("completion_tokens")
+                new_tokens = num_tokens is not None and num_tokens > (result.output_tokens or 0)
+                if num_tokens is not None:
+                    result.output_tokens = num_tokens
+                if choices and (text or new_tokens):
                     now = time.perf_counter()
                     if result.num_chunks == 0:
                         result.ttft = now - start
@@ -119,13 +135,11 @@ async def send_request(client, url: str, payload: dict, headers: dict, result: R
                         result.itl.append(now - last)
                     last = now
                     result.num_chunks += 1
-                    result.generated_text += text
-                if obj.get("usage"):
-                    result.output_tokens = obj["usage"].get("completion_tokens")
+                    result.generated_text += text or ""
         result.latency = last - start
-        result.success = result.num_chunks > 0 or bool(result.output_tokens)
+        result.success = result.num_chunks > 0
         if not result.success:
-            result.error = "the stream carried no text"
+            result.error = "the stream carried no tokens"
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         result.error = f"{type(e).__name__}: {e}"
     return result
@@ -133,7 +147,8 @@ async def send_request(client, url: str, payload: dict, headers: dict, result: R
 
 def _payload(args, model: str, prompt: list[int], output_len: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": args.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 async def _arrivals(n: int, rate: float, burstiness: float, rng):

@@ -222,7 +222,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     metrics.attach_engine(bridge.stats_snapshot, count_resident_experts(engine))
     tokenizer = _own_tokenizer(engine)
     dims = getattr(getattr(engine, "model", None), "dims", None)
-    vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer)
+    vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer or ())
     serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size)
     started = int(time.time())
 
@@ -327,6 +327,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise invalid("send exactly one of 'prompt' or 'messages'")
+        serving.need_tokenizer(None)
         if req.prompt is not None:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
@@ -339,6 +340,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     async def detokenize(request: Request):
         req = parse(DetokenizeRequest, await read_json(request))
         serving.check_model(req.model)
+        serving.need_tokenizer(None)
         limit = max(vocab_size, len(tokenizer))
         bad = [t for t in req.tokens if not 0 <= t < limit]
         if bad:

@@ -105,6 +105,7 @@ class OpenAIServing:
         prompts, echo = [], []
         for item in raw:
             if isinstance(item, str):
+                self.need_tokenizer("prompt", "send the prompt as token ids")
                 ids = self.tokenizer.encode(item)
                 text = item
             else:
@@ -112,12 +113,18 @@ class OpenAIServing:
             self.check_prompt(ids, req.max_tokens, "prompt")
             prompts.append((text, ids))
             if req.echo:
+                self.need_tokenizer("echo")
                 echo.append(text if text is not None else self.tokenizer.decode(ids))
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         return Prepared(prompts, params, echo)
 
+    def need_tokenizer(self, param: Optional[str], hint: str = "") -> None:
+        if self.tokenizer is None:
+            raise invalid("this model was loaded without a tokenizer" + (f": {hint}" if hint else ""), param)
+
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
+        self.need_tokenizer("messages", "use /v1/completions with token ids")
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
         kwargs = dict(template_kwargs or {})
@@ -182,6 +189,14 @@ class OpenAIServing:
         state.done = out.finished
         return delta, start, state.num_tokens
 
+    def worth_a_chunk(self, delta: str, out: RequestOutput, start: int, end: int, logprobs: bool,
+                      continuous_usage: bool) -> bool:
+        """Send a chunk for new text, the end, or new tokens whose text is held back or absent when the
+        client counts tokens (logprobs, continuous usage) or there is no tokenizer to make text."""
+        if delta or out.finished:
+            return True
+        return start < end and (logprobs or continuous_usage or self.tokenizer is None)
+
     # -- logprobs --------------------------------------------------------------------------------
     def completion_logprobs(self, out: RequestOutput, start: int, end: int, state: _ChoiceState) -> dict:
         c = out.outputs[0]
@@ -189,7 +204,7 @@ class OpenAIServing:
         for pos in range(start, end):
             entry = c.logprobs[pos]
             tid = c.token_ids[pos]
-            tok = entry[tid].decoded_token if entry[tid].decoded_token is not None else self.tokenizer.decode([tid])
+            tok = entry[tid].decoded_token or ""
             tokens.append(tok)
             token_lps.append(_lp(entry[tid].logprob))
             tops.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
@@ -244,7 +259,7 @@ class OpenAIServing:
         async for i, out in handle.outputs():
             last[i] = out
             delta, start, end = self.advance(out, states[i], holdback)
-            if not delta and not out.finished and (req.logprobs is None or start == end):
+            if not self.worth_a_chunk(delta, out, start, end, req.logprobs is not None, req.continuous_usage):
                 continue
             logprobs = self.completion_logprobs(out, start, end, states[i]) if req.logprobs is not None else None
             c = out.outputs[0]
@@ -281,7 +296,7 @@ class OpenAIServing:
         async for _, out in handle.outputs():
             last = out
             delta, start, end = self.advance(out, state, holdback)
-            if not delta and not out.finished and (not req.logprobs or start == end):
+            if not self.worth_a_chunk(delta, out, start, end, req.logprobs, req.continuous_usage):
                 continue
             logprobs = self.chat_logprobs(out, start, end, req.top_logprobs or 0) if req.logprobs else None
             c = out.outputs[0]
