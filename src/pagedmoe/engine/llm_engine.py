@@ -9,6 +9,7 @@ import torch
 
 from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.engine.memory import GiB, estimate_activation_bytes, plan_memory
+from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.engine.scheduler import Scheduler
@@ -67,6 +68,8 @@ class LLMEngine:
                                config.expert_buffers)
         self.expert_store = self.model.expert_store
         self.pager = self.model.pager
+        self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
+        self.activity.attach(self.model)
         self.plan = self._plan_memory()
         store = self.expert_store
         logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
@@ -78,6 +81,7 @@ class LLMEngine:
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager)
+        self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
@@ -204,6 +208,7 @@ class LLMEngine:
 
     def _finish_step(self, sched, logits, rows) -> list[RequestOutput]:
         self.scheduler.update(sched.scheduled)
+        self.activity.end_step()
         self.num_steps += 1
         if not rows:
             return []
@@ -225,6 +230,30 @@ class LLMEngine:
                 self._generators.pop(request.request_id, None)
             results.append(self.outputs.make_output(request))
         return results
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [n, V] (float32, on the host) at every position of one sequence, for evaluation.
+        Runs alone, outside the scheduler: call it only while no requests are running."""
+        from pagedmoe.engine.request import Request
+        from pagedmoe.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+        if self.has_unfinished_requests():
+            raise RuntimeError("score() needs an idle engine")
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
+        req = Request("__score__", list(token_ids), SamplingParams(max_tokens=1))
+        if not self.kv.allocate(req.request_id, len(token_ids)):
+            raise MemoryError("not enough KV blocks to score this sequence")
+        try:
+            out = SchedulerOutput([ScheduledRequest(req, len(token_ids), 0)])
+            inputs = self.runner.prepare(out, self.kv)
+            positions = torch.arange(len(token_ids), device=self.device)
+            logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, positions)
+            self.activity.end_step()
+            return logits.cpu()
+        finally:
+            self.kv.free(req.request_id)
 
     def get_stats(self) -> dict:
         return {

@@ -1,0 +1,66 @@
+"""Expert activity: routed-token counts per (MoE layer, expert), kept on the device.
+
+The router's top-k ids are added with one index_add per layer (no host sync); the host reads the
+table only when asked (stats, plots, the precision controller every N steps). `ema` is an
+exponential moving average of tokens per step, updated by `end_step`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+class ActivityTable:
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device, decay: float = 0.99) -> None:
+        self.num_layers, self.num_experts, self.decay = num_layers, num_experts, decay
+        self.step_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
+        self.total = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self.ema = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
+        self._ones = torch.ones(4096, dtype=torch.float32, device=device)
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Called from the MoE layer with its [T, A] routed expert ids."""
+        flat = topk_ids.reshape(-1)
+        ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else \
+            torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
+        self.step_counts[layer].index_add_(0, flat, ones)
+
+    def reset(self) -> None:
+        for t in (self.step_counts, self.total, self.ema):
+            t.zero_()
+
+    def end_step(self) -> None:
+        self.total += self.step_counts
+        self.ema.mul_(self.decay).add_(self.step_counts, alpha=1.0 - self.decay)
+        self.step_counts.zero_()
+
+    def attach(self, model) -> None:
+        for moe in model.moe_layers():
+            moe.on_route = self.record
+
+    def snapshot(self) -> dict:
+        return {"total": self.total.cpu().tolist(), "ema": self.ema.cpu().tolist(), "decay": self.decay}
+
+    def save(self, path: str) -> None:
+        Path(path).write_text(json.dumps(self.snapshot()))
+
+    def load(self, path: str) -> None:
+        data = json.loads(Path(path).read_text())
+        total = torch.tensor(data["total"], dtype=torch.float64)
+        if tuple(total.shape) != (self.num_layers, self.num_experts):
+            raise ValueError(f"{path}: expert stats of shape {tuple(total.shape)} do not fit this model "
+                             f"({self.num_layers} MoE layers x {self.num_experts} experts)")
+        self.total.copy_(total)
+        self.ema.copy_(torch.tensor(data["ema"], dtype=torch.float32))
+
+
+def busiest_quarter_share(counts: list[list[float]]) -> list[float]:
+    """Per layer: the share of routed tokens taken by the busiest 25% of experts (uniform = 0.25)."""
+    shares = []
+    for row in counts:
+        total = sum(row)
+        k = max(1, len(row) // 4)
+        shares.append(sum(sorted(row, reverse=True)[:k]) / total if total else 0.0)
+    return shares
