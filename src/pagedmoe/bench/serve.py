@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -229,6 +230,7 @@ def _server_models(base_url: str, api_key: Optional[str]) -> list[dict]:
 
 
 def run_bench_serve(args) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     if args.endpoint.rstrip("/").endswith("chat/completions"):
         raise ValueError("bench serve sends token-id prompts, which only /v1/completions takes")
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
