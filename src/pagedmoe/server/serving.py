@@ -53,6 +53,26 @@ class OpenAIServing:
                  vocab_size: int) -> None:
         self.bridge, self.tokenizer = bridge, tokenizer
         self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
+        self.max_prompt_chars = self._max_prompt_chars()
+
+    def _max_prompt_chars(self) -> Optional[int]:
+        """Text longer than this cannot fit the context whatever it says: a token's text is at most as
+        long as the longest vocabulary entry (byte-level or byte-fallback spellings only make entries
+        longer). Checked before tokenizing, which runs on the event loop and would stall every stream."""
+        if self.tokenizer is None:
+            return None
+        try:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=0)
+        except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: no shortcut
+            return None
+        return (self.max_model_len - 1) * longest if longest else None
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise invalid(f"the prompt has {len(text)} characters; no text longer than {self.max_prompt_chars} "
+                          f"characters fits this model's maximum context length of {self.max_model_len} "
+                          f"tokens", param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- validation and prompts ------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
@@ -106,7 +126,7 @@ class OpenAIServing:
         for item in raw:
             if isinstance(item, str):
                 self.need_tokenizer("prompt", "send the prompt as token ids")
-                ids = self.tokenizer.encode(item)
+                ids = self.encode(item, "prompt")
                 text = item
             else:
                 ids, text = list(item), None
@@ -144,7 +164,7 @@ class OpenAIServing:
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template_kwargs)
         # The template already wrote any BOS/special tokens it wants.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_prompt(ids, req.max_output_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs))
