@@ -137,3 +137,23 @@ def test_pager_flat_stats_are_exported():
                  'pagedmoe:expert_tier_bytes{model_name="m",tier="host"} 1000.0',
                  'pagedmoe:expert_tier_bytes{model_name="m",tier="resident"} 3000.0'):
         assert line in text, line
+
+
+def test_engine_failure_is_reported_not_hung(tiny_model_dir):
+    """A step that raises kills the engine thread: open and new requests get 503, /health turns 503."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=4)
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    engine.step = broken_step
+    with ServerThread(engine) as server:
+        dead = []
+        server.bridge.on_dead = dead.append
+        resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert assert_openai_error(resp, 503)["code"] == "engine_unavailable"
+        assert "simulated device failure" in resp.json()["error"]["message"]
+        assert len(dead) == 1 and isinstance(dead[0], RuntimeError)
+        assert_openai_error(httpx.get(server.base_url + "/health"), 503)
+        again = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert_openai_error(again, 503)
