@@ -46,7 +46,7 @@ def test_paged_logits_bit_identical_to_resident(ckpt, flags):
     assert stats["experts"].get("host/bf16", 0) == (8 - n_res) * num_moe
     # Every forward streams every host-tier expert of every layer.
     per_forward = engine.pager.bytes_per_forward
-    assert per_forward == (8 - n_res) * num_moe * engine.expert_store.row_bytes
+    assert per_forward == (8 - n_res) * num_moe * engine.expert_store.expert_numel * 4  # float32
     assert stats["expert_bytes_h2d"] == per_forward * engine.num_steps
 
 
@@ -85,10 +85,25 @@ def test_paging_frees_device_memory_for_kv(tmp_path):
     probe = LLM(str(tmp_path), device="cpu", max_model_len=64).engine.plan
     # A budget that leaves the resident placement 20 KV blocks.
     budget = (probe.weight_bytes + probe.activation_bytes + 20 * probe.kv_bytes_per_block + 100) / 1024 ** 3
-    resident = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=budget).engine
+    resident = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=budget,
+                   expert_placement="resident").engine
     assert resident.plan.num_kv_blocks == 20
     paged = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=budget, cpu_moe=True).engine
     # Two layers' buffers instead of all six layers' experts: the difference goes to KV blocks.
     freed = resident.expert_store.device_bytes - paged.expert_store.device_bytes
     assert freed == 4 * paged.expert_store.row_bytes * 8
     assert paged.plan.num_kv_blocks - resident.plan.num_kv_blocks == freed // paged.plan.kv_bytes_per_block
+
+
+def test_auto_placement_follows_the_planner(tmp_path):
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=1, num_hidden_layers=6)
+    big = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=8).engine
+    assert not big.expert_store.paged  # everything fits: resident wins
+    probe = big.plan
+    tight = (probe.weight_bytes + probe.activation_bytes + 8 * probe.kv_bytes_per_block) / 1024 ** 3
+    small = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tight).engine
+    plan = small.placement_plan
+    assert plan is not None and small.expert_store.paged == (plan.mode != "resident")
+    assert small.expert_store.table.count(0, "resident") == plan.placement.num_gpu_experts[0]

@@ -60,6 +60,7 @@ class LLMEngine:
         if not self.max_model_len:
             raise ValueError("the config has no max_position_embeddings; pass max_model_len")
         self.served_model_name = config.served_model_name or self.model_path.rstrip("/").split("/")[-1]
+        self.placement_plan = None
 
         t0 = time.perf_counter()
         placement, num_gpu_experts = self._resolve_placement()
@@ -95,17 +96,48 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     # -- memory ----------------------------------------------------------------------------------
-    def _resolve_placement(self) -> tuple[str, Optional[int]]:
-        placement, n = self.config.placement()
-        if placement == "auto":
-            placement = "resident"  # TODO(planner): pick the best modelled plan for the budget
-        if n is not None:
-            from pagedmoe.models.registry import spec_builder
+    def _resolve_placement(self) -> tuple[str, Optional[list[int]]]:
+        """(resident|paged, resident experts per MoE layer). Flags decide when they fix it; otherwise
+        the planner (experts/planner.py) picks the placement with the best modelled throughput."""
+        from pagedmoe.experts.model_shape import ModelShape
+        from pagedmoe.experts.planner import plan_memory as plan_placement_memory
+        from pagedmoe.models.registry import spec_builder
 
-            num_experts = spec_builder(self.hf_config)(self.hf_config)[0].num_experts
-            if n > num_experts:
-                raise ValueError(f"--num-gpu-experts {n} exceeds the model's {num_experts} experts per layer")
-        return placement, n
+        c = self.config
+        placement, n = c.placement()
+        dims, spec = spec_builder(self.hf_config)(self.hf_config)
+        num_moe = dims.num_layers - len(spec.dense_layers)
+        if n is not None:
+            if n > dims.num_experts:
+                raise ValueError(f"--num-gpu-experts {n} exceeds the model's {dims.num_experts} experts per layer")
+            return "paged", [n] * num_moe
+        if placement == "resident":
+            return "resident", None
+        budget = self._planning_budget(dims)
+        if budget is None:  # CPU without a budget: nothing to trade
+            return ("resident", None) if placement == "auto" else ("paged", [0] * num_moe)
+        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
+        shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
+        act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+                                        dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
+        buffers = "vmm" if self.device.type == "cuda" and c.expert_buffers != "plain" else "plain"
+        plan = plan_placement_memory(shape, budget, act, placement, None, max_model_len=self.max_model_len,
+                                     block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                     max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers)
+        self.placement_plan = plan
+        logger.info("placement plan: %s", plan.summary())
+        per_layer = list(plan.placement.num_gpu_experts)
+        if all(k == dims.num_experts for k in per_layer):
+            return "resident", None
+        return "paged", per_layer
+
+    def _planning_budget(self, dims) -> Optional[int]:
+        if self.config.gpu_memory_gb is not None:
+            return int(self.config.gpu_memory_gb * GiB)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return None
 
     def _plan_memory(self):
         c, dims = self.config, self.model.dims

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -15,12 +15,13 @@ logger = logging.getLogger(__name__)
 PLACEMENTS = ("resident", "paged", "auto")
 
 
-def attach_experts(model, placement: str, num_gpu_experts: Optional[int], device: torch.device,
-                   dtype: torch.dtype, buffers: str = "auto") -> ExpertStore:
+def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[int], None],
+                   device: torch.device, dtype: torch.dtype, buffers: str = "auto") -> ExpertStore:
     """Create the expert table and store for `model` and route its MoE layers through them.
 
-    placement "resident": every expert in device memory. "paged": `num_gpu_experts` per layer
-    resident, the rest in (pinned) host memory, streamed into a double-buffered compute area.
+    placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
+    count for every layer, or one per MoE layer), the rest in (pinned) host memory, streamed into a
+    double-buffered compute area.
     """
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
@@ -28,7 +29,15 @@ def attach_experts(model, placement: str, num_gpu_experts: Optional[int], device
     dims = model.dims
     table = ExpertTable(len(moes), dims.num_experts)
     paged = placement == "paged"
-    table.place_first(dims.num_experts if not paged else (num_gpu_experts or 0))
+    if not paged:
+        table.place_first(dims.num_experts)
+    else:
+        counts = num_gpu_experts if isinstance(num_gpu_experts, (list, tuple)) else \
+            [num_gpu_experts or 0] * len(moes)
+        if len(counts) != len(moes):
+            raise ValueError(f"{len(counts)} resident-expert counts for {len(moes)} MoE layers")
+        # Without activity statistics every expert is as good as another: keep the first N.
+        table.place([range(min(k, dims.num_experts)) for k in counts])
     factory, align = None, 16
     if paged and buffers in ("auto", "vmm") and device.type == "cuda":
         from pagedmoe.experts import vmm

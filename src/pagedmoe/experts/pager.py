@@ -60,9 +60,10 @@ class ExpertPager:
     def _layer_copies(self, layer: int):
         store, table = self.store, self.store.table
         dst = store.buffers.packed(layer)
-        copies = [(dst[e], store.row(layer, e), True) for e in table.ids(layer, HOST)]
+        n = store.expert_numel  # rows may be padded (VMM granularity): copy the weights only
+        copies = [(dst[e, :n], store.row(layer, e)[:n], True) for e in table.ids(layer, HOST)]
         if not store.buffers.maps_resident:
-            copies += [(dst[e], store.row(layer, e), False) for e in table.ids(layer, RESIDENT)]
+            copies += [(dst[e, :n], store.row(layer, e)[:n], False) for e in table.ids(layer, RESIDENT)]
         return copies
 
     # -- called by the model ----------------------------------------------------------------------

@@ -42,6 +42,7 @@ class ExpertStore:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
         elem = torch.empty(0, dtype=dtype).element_size()
+        self.expert_numel = 3 * inter * hidden
         self.stride = expert_stride(hidden, inter, elem, stride_align_bytes)
         self.row_bytes = self.stride * elem
         L, E = table.num_layers, table.num_experts
