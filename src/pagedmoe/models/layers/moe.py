@@ -70,9 +70,16 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def experts_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Triton kernels that stream each touched expert's weights once (kernels/fused_moe.py). No host sync."""
+    from pagedmoe.kernels.fused_moe import fused_moe  # lazy: triton is optional on CPU-only installs
+
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
 def sync_free(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether this expert path runs without host syncs (a requirement for CUDA-graph capture)."""
-    if experts_fn is experts_grouped_mm:
+    if experts_fn is experts_grouped_mm or experts_fn is experts_triton:
         return True
     return experts_fn is experts_auto and _grouped_mm_ok(x, w13, w2)
 
@@ -86,6 +93,7 @@ MOE_BACKENDS: dict[str, Callable] = {
     "auto": experts_auto,
     "grouped_mm": experts_grouped_mm,
     "loop": experts_loop,
+    "triton": experts_triton,
 }
 
 

@@ -1,0 +1,306 @@
+"""Triton MoE expert GEMMs for decode-sized batches: each touched expert's weights are streamed once.
+
+Shapes: T tokens, E experts, A active experts per token, H hidden, I expert intermediate size,
+N = T * A slots (one per (token, k), flat index t * A + k), S split-K partitions of the w2 GEMM.
+  x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, A] float;
+  topk_ids [T, A] int. Weights take any strides with a unit last stride: experts/layout.py hands
+  out views into packed per-expert rows (expert stride >= 3IH), never contiguous [E, ...] tensors.
+
+At decode sizes (N / E ~ 1-16 rows per expert) the expert GEMMs read ~6IH bytes per touched expert
+for a few FLOPs per byte: they are weight streaming, so the tiles are chosen for enough programs in
+flight and wide loads, not for MMA shape. After moe_align (slots sorted by expert, padded per expert
+to BLOCK_M rows, one launch), three launches:
+  1. fused_moe_kernel, GATED: program (block of BLOCK_M slots of one expert, BLOCK_N columns of I)
+     computes the gate and up GEMMs for the same rows and writes h = silu(gate) * up [N, I].
+  2. fused_moe_kernel, not GATED: program (block, BLOCK_N columns of H, split of I) computes
+     h @ w2[e]^T over its part of I and writes y [S, N, H] (fp32 when S > 1).
+  3. moe_sum_kernel: out[t] = sum_k w[t, k] * sum_s y[s, t * A + k], in a fixed order (deterministic,
+     no atomics: resident and paged runs stay bit-identical).
+The block index varies fastest over program ids, so the blocks of one expert that read the same
+weight tile run side by side and all but the first read it from L2.
+Accumulation is fp32; h is rounded to the input dtype before the w2 GEMM, as the reference does.
+Reference: ``pagedmoe.models.layers.moe.experts_loop``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_checks import check_float, check_index, check_same_device, dot_precision, next_pow2
+from .moe_align import moe_align
+
+SUM_BLOCK_T, SUM_BLOCK_H = 8, 512  # moe_sum tile: few programs at decode, 16 KB of fp32 each
+
+
+@triton.jit
+def fused_moe_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
+    num_slots, num_blocks, N, K, k_per_split,
+    stride_a, stride_we, stride_wn, stride_os, stride_om,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ w[e, n, k-range]^T) for one block.
+
+    GATED: w rows n (gate) and N + n (up), output silu(gate) * up. Not GATED: plain product of one
+    split of K, for moe_sum_kernel to add up.
+    """
+    pid = tl.program_id(0)
+    pid_m = pid % num_blocks
+    pid_n = pid // num_blocks
+    pid_k = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the last used block (the grid is sized by a bound, not by the routing)
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + offs_m)
+    m_mask = slots < num_slots  # padding rows hold the sentinel num_slots
+    a_rows = (slots // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    wu_ptrs = wg_ptrs + N * stride_wn
+    if SWAP_AB:  # the weight tile is the MMA's M side: dot(w [N, K], a^T [K, M]) -> [N, M]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:  # a constant-true mask keeps the K direction unmasked (16-byte loads)
+            k_mask = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+        if SWAP_AB:
+            acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
+        else:
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+            if SWAP_AB:
+                acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
+            else:
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            wu_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+
+    if GATED:
+        res = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        res = acc_g
+    if SWAP_AB:
+        res = tl.trans(res)
+    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
+                + offs_n[None, :])
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(
+    y_ptr, weights_ptr, ids_ptr, out_ptr,
+    T, H, num_splits, num_experts,
+    stride_ys, stride_ym, stride_wt, stride_it, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t, h] = sum_k w[t, k] * sum_s y[s, t * TOP_K + k, h] over a [BLOCK_T, BLOCK_H] tile."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < T
+    h_mask = offs_h < H
+    rows = offs_t.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        ids = tl.load(ids_ptr + rows * stride_it + k, mask=t_mask, other=-1)
+        # NOTE: slots routed outside [0, E) were never computed (moe_align drops them): their y rows
+        # are garbage, so they are masked out here, not multiplied by zero.
+        valid = t_mask & (ids >= 0) & (ids < num_experts)
+        w = tl.load(weights_ptr + rows * stride_wt + k, mask=valid, other=0.0).to(tl.float32)
+        ptrs = y_ptr + (rows * TOP_K + k)[:, None] * stride_ym + offs_h[None, :]
+        part = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        for _ in range(num_splits):
+            part += tl.load(ptrs, mask=valid[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+            ptrs += stride_ys
+        acc += w[:, None] * part
+    tl.store(out_ptr + rows[:, None] * stride_ot + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & h_mask[None, :])
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tiles of the two GEMMs. block_n/block_k/num_* : w13 GEMM (columns of I); *2: w2 GEMM (columns of H)."""
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    block_n2: int = 64
+    block_k2: int = 128
+    num_warps2: int = 4
+    num_stages2: int = 4
+    split_k: int = 0        # partitions of I in the w2 GEMM; 0: chosen by occupancy (choose_split_k)
+    swap_ab: bool = False   # dot(w, a^T): the weight tile on the MMA's M side (both GEMMs)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v}")
+        for name in ("num_warps", "num_warps2"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
+        if self.num_stages < 1 or self.num_stages2 < 1 or not 0 <= self.split_k <= 64:
+            raise ValueError(f"bad stages/split_k in {self}")
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: choose as on an H200 so tests cover the same paths
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> float:
+    """Blocks a uniform routing fills: touched experts, or slots / block_m when blocks are full."""
+    touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    return max(touched, num_tokens * top_k / block_m, 1.0)
+
+
+def choose_split_k(num_programs: float, k: int, block_k: int, num_sms: int) -> int:
+    """w2 GEMM splits: ~4 programs per SM, each split at least 4 BLOCK_K steps long."""
+    by_occupancy = math.ceil(4 * num_sms / max(num_programs, 1.0))
+    by_length = max(1, k // (4 * block_k))
+    return max(1, min(by_occupancy, by_length, 16))
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                   dtype: torch.dtype, num_sms: int = 132) -> FusedMoEConfig:
+    """The tile table by problem size (H200 defaults; benchmarks/bench_fused_moe.py sweeps them)."""
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units (and in the interpreter): small tiles
+        return FusedMoEConfig(block_m=16, block_n=64, block_k=64, num_stages=2,
+                              block_n2=64, block_k2=64, num_stages2=2, split_k=0)
+    rows = num_tokens * top_k / num_experts  # mean slots per expert
+    # One block per expert when the mean allows (each weight tile read by one program); the padding
+    # rows cost MMA work only, which decode sizes have to spare.
+    block_m = 16 if rows <= 12 else 32 if rows <= 24 else 64
+    blocks = expected_blocks(num_tokens, top_k, num_experts, block_m)
+    # Narrow column slices when few blocks are in play: ~2 programs per SM or more.
+    block_n = next((b for b in (64, 32) if blocks * triton.cdiv(inter, b) >= 2 * num_sms), 16)
+    block_n2 = next((b for b in (64, 32) if blocks * triton.cdiv(hidden, b) >= 2 * num_sms), 16)
+    return FusedMoEConfig(block_m=block_m, block_n=block_n, block_k=64, num_warps=4, num_stages=4,
+                          block_n2=block_n2, block_k2=128, num_warps2=4, num_stages2=4, split_k=0)
+
+
+def check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """Shapes, dtypes, unit last strides, one device; never reads device data. -> (T, A, E, H, I)."""
+    check_float(x, "x", 2)
+    check_float(w13, "w13", 3)
+    check_float(w2, "w2", 3)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
+    E, two_i, H = w13.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must be [E, 2I, H] with I >= 1, got {tuple(w13.shape)}")
+    I = two_i // 2
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w2 must be [E, H, I] = {(E, H, I)} to match w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
+    T = x.shape[0]
+    if x.shape[1] != H:
+        raise ValueError(f"x hidden size {x.shape[1]} differs from the experts' {H}")
+    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={T}, A]")
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_moe runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
+    return T, topk_ids.shape[1], E, H, I
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
+              config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
+    """Routed experts: out[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]), FFN(x) = w2 (silu(gate x) * up x).
+
+    No host sync (CUDA-graph capturable): every size comes from shapes. config (or keyword
+    overrides of its fields, for benchmarks) picks the tiles; default_config otherwise.
+    Returns out [T, H] in x's dtype.
+    """
+    T, A, E, H, I = check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like x {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if T == 0:
+        return out
+    num_sms = sm_count(x.device)
+    cfg = config or default_config(T, A, E, H, I, x.dtype, num_sms)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    N = T * A
+    sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
+    num_blocks = block_expert.numel()
+    precision = dot_precision(x.dtype)
+
+    h = torch.empty((N, I), dtype=x.dtype, device=x.device)
+    fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
+        x, w13, h, sorted_slots, block_expert,
+        N, num_blocks, I, H, H,
+        x.stride(0), w13.stride(0), w13.stride(1), 0, h.stride(0),
+        TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    n_tiles2 = triton.cdiv(H, cfg.block_n2)
+    splits = cfg.split_k or choose_split_k(
+        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * n_tiles2, I, cfg.block_k2, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(I, splits), cfg.block_k2) * cfg.block_k2
+    splits = triton.cdiv(I, k_per_split)
+    # NOTE: every valid slot is in exactly one block, and every (column tile, split) program of that
+    # block writes its y row: moe_sum_kernel reads only rows written here (invalid slots are masked).
+    y_dtype = torch.float32 if splits > 1 else x.dtype
+    y = torch.empty((splits, N, H), dtype=y_dtype, device=x.device)
+    fused_moe_kernel[(num_blocks * n_tiles2, splits)](
+        h, w2, y, sorted_slots, block_expert,
+        N, num_blocks, H, I, k_per_split,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1),
+        TOP_K=1, GATED=False, SWAP_AB=cfg.swap_ab,
+        EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    )
+
+    block_t = min(SUM_BLOCK_T, next_pow2(T))
+    moe_sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, SUM_BLOCK_H))](
+        y, topk_weights, topk_ids, out,
+        T, H, splits, E,
+        y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
+        TOP_K=A, BLOCK_T=block_t, BLOCK_H=SUM_BLOCK_H, num_warps=4,
+    )
+    return out
