@@ -1,0 +1,237 @@
+"""Triton fused MoE (kernels/fused_moe.py, kernels/moe_align.py) against the expert loop reference.
+
+CPU: the Triton interpreter runs small fp32 cases and one fp16 case (its tl.dot reads bf16 as raw
+integers, so bf16 is checked on the GPU only); the sort-by-expert kernel is compared exactly.
+GPU (@pytest.mark.gpu): a bf16 grid, Mixtral-8x7B- and Qwen3-30B-A3B-sized layers, tile variants,
+CUDA-graph capture. Weights are views into packed per-expert rows with a stride > 3IH, as
+experts/layout.py makes them. Errors are ‖out − ref‖ / ‖ref‖ against experts_loop on float64 weights.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from pagedmoe.experts.layout import expert_stride, expert_views  # noqa: E402
+from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels.moe_align import max_num_blocks, moe_align, moe_align_ref  # noqa: E402
+from pagedmoe.models.layers.moe import MOE_BACKENDS, experts_loop, experts_triton, sync_free  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _fix_interpreter_index():
+    # triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses, so any
+    # loop with a runtime bound fails (triton-lang/triton#9171; same patch as test_paged_attention).
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _fix_interpreter_index()
+
+
+def make_layer(T, A, E, H, I, dtype, seed, pad=24, banned=(), device=DEVICE):
+    """x [T, H], packed-row expert views, routing (softmax top-A) that never picks the banned experts."""
+    g = torch.Generator().manual_seed(seed)
+    stride = expert_stride(H, I, torch.tensor([], dtype=dtype).element_size()) + pad  # rows longer than 3IH
+    packed = (torch.randn(E, stride, generator=g) * H ** -0.5).to(dtype)
+    packed[:, 3 * I * H:] = float("nan")  # the padding between rows must never be read
+    x_big = torch.randn(T, H + 16, generator=g).to(dtype)
+    x = x_big[:, 8:8 + H]  # a row stride other than H
+    logits = torch.randn(T, E, generator=g)
+    logits[:, list(banned)] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = torch.topk(probs, A, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    packed, x, weights, ids = (t.to(device) for t in (packed, x, weights, ids))
+    w13, w2 = expert_views(packed, H, I)
+    return x, w13, w2, weights, ids
+
+
+def reference(x, w13, w2, weights, ids):
+    return experts_loop(x.double(), w13.double(), w2.double(), weights.float(), ids).float()
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check(T, A, E, H, I, dtype=torch.float32, seed=0, banned=(), **overrides):
+    x, w13, w2, weights, ids = make_layer(T, A, E, H, I, dtype, seed, banned=banned)
+    out = torch.full_like(x, float("nan"))  # poison: every row must be written
+    fm.fused_moe(x, w13, w2, weights, ids, out=out, **overrides)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, reference(x, w13, w2, weights, ids))
+    assert err < TOL[dtype], f"rel err {err:.2e} (T={T} A={A} E={E} H={H} I={I} {dtype} {overrides})"
+    return out
+
+
+# ---------------------------------------------------------------- sort by expert (exact)
+
+@pytest.mark.parametrize("T,A,E,block_m", [
+    (1, 2, 8, 16), (3, 1, 4, 16), (17, 4, 16, 16), (64, 2, 8, 32), (64, 2, 8, 16), (64, 8, 128, 16),
+    (100, 1, 4, 64), (0, 2, 8, 16),
+])
+def test_align_matches_reference(T, A, E, block_m):
+    g = torch.Generator().manual_seed(T * 131 + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]) if T else torch.zeros(0, A)
+    ids = ids.long().to(DEVICE)
+    slots, blocks = moe_align(ids, E, block_m)
+    ref_slots, ref_blocks = moe_align_ref(ids, E, block_m)
+    assert blocks.numel() == max_num_blocks(T * A, E, block_m)
+    assert torch.equal(slots, ref_slots) and torch.equal(blocks, ref_blocks)
+
+
+def test_align_skips_ids_outside_experts():
+    ids = torch.tensor([[0, 9], [-1, 2], [2, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
+    slots, blocks = moe_align(ids, 4, 16)
+    ref_slots, ref_blocks = moe_align_ref(ids, 4, 16)
+    assert torch.equal(slots, ref_slots) and torch.equal(blocks, ref_blocks)
+    assert set(slots.tolist()) == {0, 3, 4, 5, 6, 7, 8}  # slots 1 and 2 (ids 9, -1) go nowhere; 8 = padding
+
+
+# ---------------------------------------------------------------- fused MoE, interpreter sizes
+
+@pytest.mark.parametrize("T,A,E,H,I,overrides", [
+    (1, 2, 8, 48, 80, {}),                                   # one token: two one-row blocks
+    (3, 1, 4, 32, 16, {}),
+    (17, 2, 8, 48, 80, dict(swap_ab=True)),
+    (17, 4, 16, 80, 48, dict(split_k=3, block_k2=16)),      # uneven splits over I, K masked
+    (17, 4, 4, 64, 64, dict(block_m=16, block_k=32, block_k2=32)),  # 68 slots: several blocks per expert, even tiles
+    (17, 4, 4, 64, 64, dict(block_m=64, block_n=32, block_n2=32)),
+    (64, 2, 4, 32, 48, {}),
+    (64, 1, 16, 48, 32, dict(split_k=2, block_k2=16)),
+])
+def test_fused_moe_matches_loop(T, A, E, H, I, overrides):
+    check(T, A, E, H, I, seed=T + E, **overrides)
+
+
+def test_fused_moe_experts_without_tokens():
+    # Experts 0, 3 and 7 are never routed to; with 3 tokens x top-2 at most 6 of 12 others are.
+    check(3, 2, 12, 48, 80, seed=5, banned=(0, 3, 7))
+
+
+def test_fused_moe_fp16():
+    check(17, 2, 8, 48, 80, dtype=torch.float16, seed=1)
+
+
+def test_fused_moe_ids_outside_experts_are_skipped():
+    x, w13, w2, weights, ids = make_layer(5, 2, 4, 32, 16, torch.float32, seed=2)
+    ids = ids.clone()
+    ids[1, 0], ids[3, 1] = -1, 4  # what expert parallelism marks as "not here"
+    out = fm.fused_moe(x, w13, w2, weights, ids)
+    assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[torch.float32]
+
+
+def test_backend_registered():
+    x, w13, w2, weights, ids = make_layer(3, 2, 4, 32, 16, torch.float32, seed=3)
+    assert MOE_BACKENDS["triton"] is experts_triton
+    assert sync_free(experts_triton, x, w13, w2)
+    out = experts_triton(x, w13, w2, weights, ids)
+    assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[torch.float32]
+
+
+def test_launcher_checks():
+    x, w13, w2, weights, ids = make_layer(3, 2, 4, 32, 16, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="w2"):
+        fm.fused_moe(x, w13, w2[:, :16], weights, ids)
+    with pytest.raises(ValueError, match="hidden"):
+        fm.fused_moe(x[:, :16], w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="topk"):
+        fm.fused_moe(x, w13, w2, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="stride"):
+        fm.fused_moe(x, w13.transpose(1, 2), w2.transpose(1, 2), weights, ids)
+    with pytest.raises(ValueError, match="power of two"):
+        fm.fused_moe(x, w13, w2, weights, ids, block_n=48)
+    assert fm.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def test_default_config_table():
+    # Mixtral-8x7B (E 8, top-2) and Qwen3-30B-A3B (E 128, top-8) decode sizes: valid tiles, and
+    # one block per expert on average where the mean count allows it.
+    for T in (1, 16, 64, 256):
+        cfg = fm.default_config(T, 2, 8, 4096, 14336, torch.bfloat16)
+        assert cfg.block_m >= min(64, T * 2 / 8)
+    for T in (1, 64, 256, 1024):
+        cfg = fm.default_config(T, 8, 128, 2048, 768, torch.bfloat16)
+        assert cfg.block_m >= min(64, T * 8 / 128)
+    assert fm.default_config(1, 8, 128, 2048, 768, torch.bfloat16).block_n <= 32  # few blocks: narrow slices
+    assert fm.choose_split_k(2 * 64, 14336, 128, 132) > 1   # Mixtral T=1: 128 w2 programs on 132 SMs
+    assert fm.choose_split_k(128 * 32, 768, 128, 132) == 1
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_SHAPES = [(48, 80), (1024, 1408)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,A", [(4, 1), (8, 2), (16, 4)])
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 200])
+@pytest.mark.parametrize("H,I", GPU_SHAPES)
+def test_gpu_bf16_grid(E, A, T, H, I):
+    check(T, A, E, H, I, dtype=torch.bfloat16, seed=T * 7 + E, banned=(1,) if E >= 8 else ())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [
+    dict(swap_ab=True), dict(split_k=1), dict(split_k=3), dict(split_k=8, block_k2=64),
+    dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(num_stages=2, num_stages2=2),
+    dict(block_n=128, block_k=128, num_warps=8), dict(block_n=16, block_n2=16, block_k=256, block_k2=256),
+])
+def test_gpu_bf16_variants(overrides):
+    check(64, 2, 8, 1024, 1408, dtype=torch.bfloat16, seed=11, **overrides)
+    check(7, 8, 64, 512, 176, dtype=torch.bfloat16, seed=12, **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes(dtype):
+    check(33, 2, 8, 256, 160, dtype=dtype, seed=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,A,E,H,I", [(64, 2, 8, 4096, 14336), (64, 8, 128, 2048, 768), (1, 8, 128, 2048, 768)])
+def test_gpu_model_sizes(T, A, E, H, I):
+    # Mixtral-8x7B and Qwen3-30B-A3B layers at decode sizes (the benchmark's shapes).
+    check(T, A, E, H, I, dtype=torch.bfloat16, seed=T + E, pad=64)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_determinism():
+    # Capturable (no host sync) and bit-reproducible: a replay over new routing equals an eager call.
+    x, w13, w2, weights, ids = make_layer(48, 2, 8, 512, 704, torch.bfloat16, seed=14)
+    static = [t.clone() for t in (x, weights, ids)]
+    out = fm.fused_moe(static[0], w13, w2, static[1], static[2])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(static[0], w13, w2, static[1], static[2])
+    x2, _, _, weights2, ids2 = make_layer(48, 2, 8, 512, 704, torch.bfloat16, seed=15)
+    for t, new in zip(static, (x2, weights2, ids2)):
+        t.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fm.fused_moe(x2, w13, w2, weights2, ids2)
+    assert torch.equal(out, eager)
+    assert torch.equal(eager, fm.fused_moe(x2, w13, w2, weights2, ids2))
+    assert rel_err(out, reference(x2, w13, w2, weights2, ids2)) < TOL[torch.bfloat16]
