@@ -51,6 +51,8 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available() or not CAN_RUN, reason="
     (3 * 16 * 4 + 5, 1, LosslessLayout(16, 4, 12), 6),  # full blocks and a short one, two-level table
     (2 * 301, 2, LosslessLayout(32, 8, 8), 8),  # short block at the end of each part
     (16 * 16 * 2, 1, LosslessLayout(16, 16, 10), 7),
+    (2 * 700, 2, LosslessLayout(16, 32, 12), 8),  # int16 lane lengths
+    (3 * 30720 // 2, 1, LosslessLayout(), 8),  # the default layout, a full and a short block
 ])
 def test_interpreter_matches_original(size, parts, layout, short_bits):
     g = torch.Generator().manual_seed(size)
@@ -88,7 +90,7 @@ def test_launcher_checks_arguments():
 
 # --- GPU -------------------------------------------------------------------------------------
 
-LAYOUTS = [LosslessLayout(512, 64, 8), LosslessLayout(512, 64, 12), LosslessLayout(32, 8, 15)]
+LAYOUTS = [LosslessLayout(), LosslessLayout(512, 64, 12), LosslessLayout(32, 8, 15)]
 
 
 @pytest.mark.gpu
@@ -131,7 +133,7 @@ def test_gpu_encoder_equals_cpu_encoder():
 @pytest.mark.gpu
 def test_gpu_constant_and_single_exponent():
     x = torch.full((5, 77_777), -2.0, dtype=torch.bfloat16, device="cuda")
-    decode_check(x, 5, LosslessLayout(512, 64, 8))
+    decode_check(x, 5, LosslessLayout())
     r = torch.randint(0, 256, (300_001,), device="cuda", dtype=torch.int32)
     b = ((r & 0x80) << 8) | (0x70 << 7) | (r & 0x7F)
     x = torch.where(b >= 32768, b - 65536, b).to(torch.int16).view(torch.bfloat16)

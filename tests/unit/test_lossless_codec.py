@@ -153,6 +153,22 @@ def test_chunked_packing_matches_one_chunk():
     assert torch.equal(a.stream, b.stream) and a.checksums == b.checksums
 
 
+@pytest.mark.parametrize("layout,dtype", [(LosslessLayout(), torch.uint8), (LosslessLayout(32, 8, 8), torch.uint8),
+                                          (LosslessLayout(64, 32, 8), torch.int16), (LosslessLayout(256, 64, 12), torch.int16)])
+def test_lane_lengths_take_one_byte_when_they_fit(layout, dtype):
+    assert layout.lane_bits_dtype == dtype
+    x = (torch.randn(3, layout.block_elems + 7) * 0.02).bfloat16()  # a full and a short block per part
+    assert roundtrip(x, num_parts=3, layout=layout).lane_bits.dtype == dtype
+
+
+def test_default_layout_sizes_and_ratio():
+    b = LosslessLayout().block_elems
+    for size in (0, 1, b - 1, b, b + 1):
+        roundtrip((torch.randn(size) * 0.02).bfloat16(), layout=LosslessLayout())
+    ct = roundtrip((torch.randn(8 * b) * 0.02).bfloat16(), layout=LosslessLayout())
+    assert 0.67 < ct.ratio < 0.695
+
+
 def test_compression_ratio_on_gaussian_weights():
     x = (torch.randn(1 << 18) * 0.02).bfloat16()
     ct = roundtrip(x, layout=LosslessLayout(256, 64, 12))

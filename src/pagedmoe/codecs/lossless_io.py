@@ -2,7 +2,7 @@
 
 File layout (docs/formats.md): for a compressed tensor NAME the file holds
   NAME.lx.stream  int32   NAME.lx.part_word_offsets  int64   NAME.lx.block_bit_offsets  int64
-  NAME.lx.lane_bits  int16   NAME.lx.raw  uint8
+  NAME.lx.lane_bits  uint8 or int16 (by layout)   NAME.lx.raw  uint8
 and ``__metadata__["pagedmoe.lossless"]`` is a JSON object {"format", "version", "tensors":
 {NAME: {shape, dtype, num_parts, lanes, elems_per_lane, max_code_len, code_lengths,
 fill_exponent, checksums}}}. Uncompressed tensors (the backbone) sit beside them under their
@@ -74,7 +74,7 @@ def _from_file(f, name: str, h: dict) -> CompressedTensor:
     ct = CompressedTensor(shape, num_parts, layout, torch.from_numpy(lengths.astype(np.uint8)),
                           int(h["fill_exponent"]), checksums=tuple(int(c) for c in h["checksums"]), **arrays)
     _expect(f"{name}.raw", ct.raw, torch.uint8, (ct.numel,))
-    _expect(f"{name}.lane_bits", ct.lane_bits, torch.int16, (ct.num_blocks, layout.lanes))
+    _expect(f"{name}.lane_bits", ct.lane_bits, layout.lane_bits_dtype, (ct.num_blocks, layout.lanes))
     _expect(f"{name}.block_bit_offsets", ct.block_bit_offsets, torch.int64, (ct.num_blocks,))
     _expect(f"{name}.part_word_offsets", ct.part_word_offsets, torch.int64, (num_parts + 1,))
     pwo = ct.part_word_offsets
