@@ -9,7 +9,9 @@ into cur. Each step: a 32-bit window = funnel shift of (cur, nxt) by the offset,
 lookup by its top ``short_bits`` bits (a second, masked lookup for the rare longer codes), then
 the offset advances by the code length; crossing a word boundary shifts the words along and
 issues the load of the word after next, so its latency is hidden behind the following steps.
-The decode table is a few hundred bytes to 8 KB of int16 and stays in L1.
+The decode table (256 entries, 1 KB as int32, for the default 8-bit codes) stays in L1.
+NOTE: a lane reads up to 3 words past the word holding its position; full blocks may read
+past their own codes into the next lane's or the stream's zero padding (LosslessLayout.pad_words).
 Output: bf16 bits = (sign-extended raw byte & 0x807F) | (table entry & 0x7F80), one bit-select.
 
 The PyTorch reference is ``pagedmoe.codecs.lossless.decode_reference``.
