@@ -72,8 +72,6 @@ def test_request_timeout(tiny_model_dir):
         m = server.wait_idle()
         assert m['pagedmoe:num_requests_aborted_total{reason="timeout"}'] == 2
         assert not engine.requests
-        short = httpx.post(server.base_url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
-        assert short.status_code == 200
 
 
 def test_metrics_names_and_paging_defaults(server):

@@ -65,6 +65,10 @@ class AsyncEngine:
         # Loop-thread state.
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
+        # Adds queued but not yet taken by the engine thread. NOTE: the engine thread lowers it in the
+        # same locked step as it publishes the stats that count those requests, so waiting = stats +
+        # pending never counts a request twice or not at all.
+        self._lock = threading.Lock()
         self._num_pending_adds = 0
         # Shared state: deque appends/pops and Event are thread-safe.
         self._commands: collections.deque = collections.deque()
@@ -98,7 +102,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return int(self.stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+        with self._lock:
+            return int(self.stats.get("num_requests_waiting", 0)) + self._num_pending_adds
 
     def stats_snapshot(self) -> dict:
         stats = dict(self.stats)
@@ -136,18 +141,14 @@ class AsyncEngine:
                                arrival + self.request_timeout if self.request_timeout else None)
         for i, rid in enumerate(handle.rids):
             self._streams[rid] = (handle.queue, i)  # registered before the add: no output can be missed
+        with self._lock:
+            self._num_pending_adds += len(prompts)
         for rid, (text, ids) in zip(handle.rids, prompts):
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.append(("add", rid, text, ids, params, arrival, fut))
-            wrapped = asyncio.wrap_future(fut)
-            self._num_pending_adds += 1
-            wrapped.add_done_callback(self._add_done)
-            handle.add_futures.append(wrapped)
+            handle.add_futures.append(asyncio.wrap_future(fut))
         self._wakeup.set()
         return handle
-
-    def _add_done(self, _fut) -> None:
-        self._num_pending_adds -= 1
 
     def _release(self, handle: "RequestHandle", reason: str) -> None:
         for fut in handle.add_futures:
@@ -216,7 +217,7 @@ class AsyncEngine:
 
     def _apply_commands(self) -> None:
         """Apply queued adds/aborts in order; publish stats before resolving the adds' futures."""
-        resolved, applied = [], False
+        resolved, applied, num_adds = [], False, 0
         while self._commands:
             cmd = self._commands.popleft()
             applied = True
@@ -225,6 +226,7 @@ class AsyncEngine:
                     self._tracks.pop(cmd[1], None)
                 continue
             _, rid, text, ids, params, arrival, fut = cmd
+            num_adds += 1
             if not fut.set_running_or_notify_cancel():
                 continue  # the handler went away before we got here: never add it
             try:
@@ -235,7 +237,10 @@ class AsyncEngine:
             self._tracks[rid] = _Track(arrival, len(ids))
             resolved.append((fut, None))
         if applied:
-            self.stats = dict(self.engine.get_stats())
+            stats = dict(self.engine.get_stats())
+            with self._lock:
+                self.stats = stats
+                self._num_pending_adds -= num_adds
             for fut, err in resolved:
                 if err is None:
                     fut.set_result(None)
