@@ -51,18 +51,16 @@ if INTERPRET:
 
 def make_layer(T, A, E, H, I, dtype, seed, pad=24, banned=(), device=DEVICE):
     """x [T, H], packed-row expert views, routing (softmax top-A) that never picks the banned experts."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     stride = expert_stride(H, I, torch.tensor([], dtype=dtype).element_size()) + pad  # rows longer than 3IH
-    packed = (torch.randn(E, stride, generator=g) * H ** -0.5).to(dtype)
+    packed = (torch.randn(E, stride, generator=g, device=device) * H ** -0.5).to(dtype)
     packed[:, 3 * I * H:] = float("nan")  # the padding between rows must never be read
-    x_big = torch.randn(T, H + 16, generator=g).to(dtype)
+    x_big = torch.randn(T, H + 16, generator=g, device=device).to(dtype)
     x = x_big[:, 8:8 + H]  # a row stride other than H
-    logits = torch.randn(T, E, generator=g)
+    logits = torch.randn(T, E, generator=g, device=device)
     logits[:, list(banned)] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    weights, ids = torch.topk(probs, A, dim=-1)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), A, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    packed, x, weights, ids = (t.to(device) for t in (packed, x, weights, ids))
     w13, w2 = expert_views(packed, H, I)
     return x, w13, w2, weights, ids
 
@@ -196,7 +194,7 @@ def test_gpu_bf16_grid(E, A, T, H, I):
 @pytest.mark.parametrize("overrides", [
     dict(swap_ab=True), dict(split_k=1), dict(split_k=3), dict(split_k=8, block_k2=64),
     dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(num_stages=2, num_stages2=2),
-    dict(block_n=128, block_k=128, num_warps=8), dict(block_n=16, block_n2=16, block_k=256, block_k2=256),
+    dict(block_n=128, block_k=128, num_warps=8, num_stages=2), dict(block_n=16, block_n2=16, block_k=256, block_k2=256),
 ])
 def test_gpu_bf16_variants(overrides):
     check(64, 2, 8, 1024, 1408, dtype=torch.bfloat16, seed=11, **overrides)

@@ -38,7 +38,9 @@ from .moe_align import moe_align
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512  # moe_sum tile: few programs at decode, 16 KB of fp32 each
 
 
-@triton.jit
+# Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
+# batch bucket; strides, N, K and k_per_split keep their divisibility hints (16-byte loads).
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_kernel(
     a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
     num_slots, num_blocks, N, K, k_per_split,
@@ -116,7 +118,7 @@ def fused_moe_kernel(
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def moe_sum_kernel(
     y_ptr, weights_ptr, ids_ptr, out_ptr,
     T, H, num_splits, num_experts,
@@ -130,7 +132,7 @@ def moe_sum_kernel(
     h_mask = offs_h < H
     rows = offs_t.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    for k in tl.static_range(TOP_K):
+    for k in range(TOP_K):  # a loop, not unrolled: unrolled, the [BLOCK_T, BLOCK_H] pointers spill
         ids = tl.load(ids_ptr + rows * stride_it + k, mask=t_mask, other=-1)
         # NOTE: slots routed outside [0, E) were never computed (moe_align drops them): their y rows
         # are garbage, so they are masked out here, not multiplied by zero.
@@ -301,6 +303,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y, topk_weights, topk_ids, out,
         T, H, splits, E,
         y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=A, BLOCK_T=block_t, BLOCK_H=SUM_BLOCK_H, num_warps=4,
+        TOP_K=A, BLOCK_T=block_t, BLOCK_H=SUM_BLOCK_H, num_warps=8,
     )
     return out

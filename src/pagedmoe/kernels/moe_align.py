@@ -34,7 +34,7 @@ def max_num_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return min(num_slots, triton.cdiv(num_slots, block_m) + min(num_experts, num_slots))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "max_blocks"])
 def moe_align_kernel(
     ids_ptr, sorted_slots_ptr, block_expert_ptr,
     num_slots, num_experts, max_blocks,
