@@ -45,7 +45,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_pat
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
 
-        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 60, "ignore_eos": True, "stream": True,
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 30, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
@@ -60,6 +60,6 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_pat
         log.close()
     # The request that was running when the signal came finished normally.
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 60
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 30
     assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
     assert "Traceback" not in (tmp_path / "server.log").read_text()

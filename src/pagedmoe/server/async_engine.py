@@ -4,7 +4,7 @@ NOTE: LLMEngine is not thread-safe, and a step blocks for as long as the model r
 thread, "pagedmoe-engine", ever calls into the engine. Handlers never touch it: they append commands
 (add / abort) to a deque and wake the thread; the thread applies all pending commands between two
 steps, and hands each step's outputs back to the event loop with ONE loop.call_soon_threadsafe, where
-they are routed to per-request asyncio queues. Hence:
+they are routed to their requests' handles. Hence:
   - an abort (client gone, timeout) is applied before the next step starts: the request's KV blocks are
     free within one engine step of the handler noticing;
   - the waiting-queue bound is checked on the loop thread against the last stats snapshot plus the adds
@@ -64,7 +64,7 @@ class AsyncEngine:
         self.stats: dict = dict(engine.get_stats())
         # Loop-thread state.
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._streams: dict[str, tuple["RequestHandle", int]] = {}
         # Adds queued but not yet taken by the engine thread. NOTE: the engine thread lowers it in the
         # same locked step as it publishes the stats that count those requests, so waiting = stats +
         # pending never counts a request twice or not at all.
@@ -140,7 +140,7 @@ class AsyncEngine:
         handle = RequestHandle(self, [f"{request_id}-{i}" for i in range(len(prompts))],
                                arrival + self.request_timeout if self.request_timeout else None)
         for i, rid in enumerate(handle.rids):
-            self._streams[rid] = (handle.queue, i)  # registered before the add: no output can be missed
+            self._streams[rid] = (handle, i)  # registered before the add: no output can be missed
         with self._lock:
             self._num_pending_adds += len(prompts)
         for rid, (text, ids) in zip(handle.rids, prompts):
@@ -167,11 +167,11 @@ class AsyncEngine:
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                target[0].put_nowait((target[1], out))
+                target[0].put(target[1], out)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for queue, _ in list(self._streams.values()):
-            queue.put_nowait(exc)
+        for handle in {id(h): h for h, _ in self._streams.values()}.values():
+            handle.fail(exc)
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
@@ -272,7 +272,11 @@ class RequestHandle:
 
     def __init__(self, bridge: AsyncEngine, rids: list[str], deadline: Optional[float]) -> None:
         self.bridge, self.rids, self.deadline = bridge, rids, deadline
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # NOTE: only the newest output per prompt is kept (outputs carry everything so far), so a client
+        # that stops reading costs one output per prompt, not one per token.
+        self._latest: dict[int, RequestOutput] = {}
+        self._error: Optional[BaseException] = None
+        self._ready = asyncio.Event()
         self.add_futures: list[asyncio.Future] = []
         self.finished = [False] * len(rids)
         self._closed = False
@@ -292,14 +296,11 @@ class RequestHandle:
                     raise r
             remaining = len(self.rids)
             while remaining:
-                items = [await self._wait(self.queue.get())]
-                while not self.queue.empty():
-                    items.append(self.queue.get_nowait())
-                latest: dict[int, RequestOutput] = {}
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    latest[item[0]] = item[1]
+                await self._wait(self._ready.wait())
+                self._ready.clear()
+                if self._error is not None:
+                    raise self._error
+                latest, self._latest = self._latest, {}
                 for i in sorted(latest):
                     if latest[i].finished and not self.finished[i]:
                         self.finished[i] = True
@@ -322,6 +323,14 @@ class RequestHandle:
         except asyncio.TimeoutError:
             raise RequestTimeoutError(f"the request did not finish within --request-timeout "
                                       f"{self.bridge.request_timeout:g} s") from None
+
+    def put(self, index: int, output: RequestOutput) -> None:
+        self._latest[index] = output
+        self._ready.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._ready.set()
 
     def close(self, reason: str = "client") -> None:
         """Abort every prompt that has not finished (idempotent)."""
