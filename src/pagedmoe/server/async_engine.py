@@ -155,7 +155,8 @@ class AsyncEngine:
             fut.cancel()  # an add the engine thread has not taken yet is dropped there
         for rid in handle.rids:
             self._streams.pop(rid, None)
-        unfinished = [rid for rid, done in zip(handle.rids, handle.finished) if not done]
+        refused = [f.done() and not f.cancelled() and f.exception() is not None for f in handle.add_futures]
+        unfinished = [rid for rid, done, bad in zip(handle.rids, handle.finished, refused) if not (done or bad)]
         if unfinished and self.dead is None:
             for rid in unfinished:
                 self._commands.append(("abort", rid))
