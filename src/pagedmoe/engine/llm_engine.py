@@ -31,10 +31,19 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str, load_format: str):
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    has_files = any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
     try:
+        if not has_files:
+            # transformers may build an empty tokenizer from config.json alone: treat it as none.
+            raise FileNotFoundError("no tokenizer files")
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         if load_format == "dummy":
@@ -197,9 +206,9 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, ids, params, prompt=text, max_tokens=max_tokens)
-        self.requests[request_id] = request
-        if params.seed is not None:
+        if params.seed is not None:  # before storing anything: a seed torch refuses leaves no trace
             self._generators[request_id] = self.sampler.request_generator(params.seed)
+        self.requests[request_id] = request
         self.scheduler.add_request(request)
         self.prompt_tokens_total += len(ids)
         return request
