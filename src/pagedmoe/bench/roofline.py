@@ -7,15 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-H200_HBM_BYTES_PER_S = 4.19e12   # device-to-device copy, bytes read + written
-H200_BF16_FLOPS = 753e12         # bf16 GEMM 8192^3
+from pagedmoe.experts.cost_model import H200, expected_distinct_experts
 
-
-def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
-    """Expected experts touched in one layer when each token picks top_k of E uniformly at random."""
-    if num_tokens <= 0:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+H200_HBM_BYTES_PER_S = H200.hbm_bytes_per_s   # device-to-device copy, bytes read + written
+H200_BF16_FLOPS = H200.gemm_flops              # bf16 GEMM 8192^3
 
 
 @dataclass(frozen=True)
