@@ -80,9 +80,14 @@ def checkpoint_files(path: str) -> list[Path]:
 
 
 def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -> None:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+
+    from pagedmoe.codecs.lossless import CorruptCheckpointError
+    from pagedmoe.models.compressed import iter_file_tensors
 
     params = dict(model.named_parameters())
+    # compressed shards (pagedmoe compress) decode where the model lives: Triton on CUDA
+    decode_device = next(iter(params.values())).device if params else torch.device("cpu")
     expected = model.expected_tensor_names()
     written: set[str] = set()
     files = checkpoint_files(path)
@@ -90,14 +95,14 @@ def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -
                desc="Loading weights", disable=not show_progress)
     for file in files:
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    try:
-                        written.update(model.load_tensor(name, tensor, params))
-                    except KeyError:
-                        raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
-                                              f"{type(model.hf_config).__name__}") from None
+            for name, tensor in iter_file_tensors(file, decode_device):
+                try:
+                    written.update(model.load_tensor(name, tensor, params))
+                except KeyError:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
+                                          f"{type(model.hf_config).__name__}") from None
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"{file}: {e}") from e
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read weights ({e}); the file may be truncated or "
                                   f"corrupt") from e
