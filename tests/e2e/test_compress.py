@@ -123,6 +123,26 @@ def test_generate_cli_on_compressed(src, packed, tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_serve_on_compressed(src, packed):
+    import sys
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+    from server_utils import MODEL_NAME, ServerThread, make_engine
+
+    from pagedmoe import LLM, SamplingParams
+
+    ref = LLM(str(src), device="cpu", dtype="bfloat16", max_model_len=64).generate(
+        ["def add(a, b):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    with ServerThread(make_engine(packed, device="cpu", dtype="bfloat16", max_model_len=64)) as s:
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60,
+                       json={"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 6,
+                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref[0].outputs[0].text
+
+
 def _flip(shard: Path, array: str, at: int = 5) -> None:
     start, header = _header(shard)
     b, e = header[array]["data_offsets"]
