@@ -35,7 +35,8 @@ import triton.language as tl
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision, next_pow2
 from .moe_align import moe_align
 
-SUM_BLOCK_T, SUM_BLOCK_H = 8, 512  # moe_sum tile: few programs at decode, 16 KB of fp32 each
+# moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
+SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 
 
 # Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
@@ -210,9 +211,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     # rows cost MMA work only, which decode sizes have to spare.
     block_m = 16 if rows <= 12 else 32 if rows <= 24 else 64
     blocks = expected_blocks(num_tokens, top_k, num_experts, block_m)
-    # Narrow column slices when few blocks are in play: ~2 programs per SM or more.
+    # Narrow column slices when few blocks are in play: ~2 programs per SM or more. The w2 GEMM
+    # counts its K splits first (long I: Mixtral at T=1 splits 14336 five ways rather than narrowing).
     block_n = next((b for b in (64, 32) if blocks * triton.cdiv(inter, b) >= 2 * num_sms), 16)
-    block_n2 = next((b for b in (64, 32) if blocks * triton.cdiv(hidden, b) >= 2 * num_sms), 16)
+    max_splits = choose_split_k(0.0, inter, 128, num_sms)
+    block_n2 = next((b for b in (64, 32) if blocks * triton.cdiv(hidden, b) * max_splits >= 2 * num_sms), 16)
     return FusedMoEConfig(block_m=block_m, block_n=block_n, block_k=64, num_warps=4, num_stages=4,
                           block_n2=block_n2, block_k2=128, num_warps2=4, num_stages2=4, split_k=0)
 
@@ -298,11 +301,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
     )
 
-    block_t = min(SUM_BLOCK_T, next_pow2(T))
-    moe_sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, SUM_BLOCK_H))](
+    moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
         y, topk_weights, topk_ids, out,
         T, H, splits, E,
         y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=A, BLOCK_T=block_t, BLOCK_H=SUM_BLOCK_H, num_warps=8,
+        TOP_K=A, BLOCK_T=SUM_BLOCK_T, BLOCK_H=SUM_BLOCK_H, num_warps=8,
     )
     return out
