@@ -260,3 +260,10 @@ def test_refusals(tmp_path, capsys):
     assert "no shards written by `pagedmoe compress`" in capsys.readouterr().err
     assert cli("compress", bf16, tmp_path / "o4", "--max-code-len", "20") == 2
     assert "max_code_len" in capsys.readouterr().err
+    # OUT inside MODEL: not copied into itself; decompress refuses a non-empty DIR
+    assert cli("compress", bf16, bf16 / "c", "--device", "cpu") == 0
+    assert _files(bf16 / "c") == ["config.json", "model.safetensors"]
+    assert cli("decompress", bf16 / "c", busy) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert cli("decompress", bf16 / "c", tmp_path / "o5") == 0
+    assert filecmp.cmp(bf16 / "model.safetensors", tmp_path / "o5" / "model.safetensors", shallow=False)

@@ -95,7 +95,8 @@ def copy_other_files(src: Path, dst: Path, handled: set[Path], skip_weights: boo
     copied, skipped = [], []
     handled = {p.resolve() for p in handled}
     for root, dirs, files in os.walk(src):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        # dst may lie inside src (`compress m m/c`): do not copy it into itself
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and (Path(root) / d).resolve() != dst.resolve())
         for name in sorted(files):
             path = Path(root) / name
             rel = path.relative_to(src)
@@ -162,9 +163,10 @@ def _encode(name: str, t, layout, device, verify: bool):
     from pagedmoe.models.compressed import decode, expert_num_parts
 
     x = t.to(device)
-    ct = encode(x, num_parts=expert_num_parts(name, x.shape), layout=layout, checksum=False)  # save_compressed adds them
+    # checksums are computed on the host by save_compressed
+    ct = encode(x, num_parts=expert_num_parts(name, x.shape), layout=layout, checksum=False)
     if verify:
-        y = decode(ct, device) if device.type != "cpu" else decode(ct, "cpu", "reference")
+        y = decode(ct, device)  # the Triton decoder on CUDA, the reference on the CPU
         if not torch.equal(y.view(torch.int16), x.view(torch.int16)):
             raise RuntimeError(f"{name}: the encoded tensor does not decode to the original (encoder bug)")
     if device.type != "cpu":
@@ -263,19 +265,12 @@ def run_compress(args) -> int:
 
 
 def run_decompress(args) -> int:
-    from safetensors import safe_open
-
-    from pagedmoe.models.compressed import ORIGINAL_KEY, decompress_file
+    from pagedmoe.models.compressed import decompress_file, written_by_compress
     from pagedmoe.models.loader import checkpoint_files
 
     src, out = Path(args.compressed), Path(args.out_dir)
     device = _resolve_device(args.device)
-    files = checkpoint_files(str(src))
-    ours = []
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as h:
-            if ORIGINAL_KEY in (h.metadata() or {}):
-                ours.append(f)
+    ours = [f for f in checkpoint_files(str(src)) if written_by_compress(f)]
     if not ours:
         raise ValueError(f"{src} holds no shards written by `pagedmoe compress`")
     prepare_out(out, src, args.force)

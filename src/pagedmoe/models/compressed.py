@@ -25,7 +25,7 @@ import torch
 
 from pagedmoe.codecs.lossless import (FORMAT_NAME, FORMAT_VERSION, CompressedTensor, CorruptCheckpointError,
                                       decode_reference)
-# NOTE: _from_file reads one compressed tensor of an open file and checks its crc32s and offsets;
+# _from_file reads one compressed tensor of an open file and checks its crc32s and offsets;
 # load_compressed would read the whole file (every plain tensor too) for each tensor.
 from pagedmoe.codecs.lossless_io import METADATA_KEY, SUFFIX
 from pagedmoe.codecs.lossless_io import _from_file as read_compressed_tensor
@@ -37,9 +37,9 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 PathLike = Union[str, Path]
 
 # model.layers.{l}.{block}.experts.{e}.{proj}.weight (Mixtral w1/w2/w3, Qwen/OLMoE gate/up/down_proj)
-_PER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.(\d+)\.(\w+)\.weight$")
+_PER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(\w+)\.weight$")
 # HF v5 fused layout: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
-_FUSED = re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.(gate_up_proj|down_proj)$")
 
 
 def expert_proj(name: str) -> Optional[str]:
@@ -152,9 +152,11 @@ def _open(path: PathLike):
         raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 
-def is_compressed(path: PathLike) -> bool:
+def written_by_compress(path: PathLike) -> bool:
+    """Whether a safetensors file is a shard written by `pagedmoe compress` (decompress_file can
+    rebuild its original)."""
     with _open(path) as f:
-        return METADATA_KEY in (f.metadata() or {})
+        return ORIGINAL_KEY in (f.metadata() or {})
 
 
 def decode(ct: CompressedTensor, device: Union[str, torch.device] = "cpu", decoder: str = "auto") -> torch.Tensor:
