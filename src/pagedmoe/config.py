@@ -15,7 +15,7 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
-_MOE_BACKENDS = ("auto", "grouped_mm", "loop")
+_MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm")
 

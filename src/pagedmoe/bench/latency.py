@@ -14,7 +14,8 @@ def register(sub) -> None:
     p = sub.add_parser("latency", help="prefill and per-step decode time against the HBM floor",
                        description="Time the prefill of a batch and each decode step after it.")
     add_offline_bench_args(p)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[8],
+                   help="one or more batch sizes, measured one after the other on the same engine")
     p.add_argument("--hbm-bandwidth", type=float, default=None,
                    help="bytes/s for the floor (default: measured on the GPU, else the H200 figure)")
     p.set_defaults(func=run)
@@ -67,13 +68,16 @@ def run(args) -> int:
 
     engine, config = make_engine(args)
     bw = args.hbm_bandwidth or (measure_hbm_bandwidth() if torch.cuda.is_available() else H200_HBM_BYTES_PER_S)
-    r = run_latency(engine, args.batch_size, args.input_len, args.output_len, bw, seed=args.seed)
-    print(f"Prefill: {r['prefill_time_s'] * 1e3:.2f} ms for {args.batch_size} x {args.input_len} tokens "
-          f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
-    print(f"Decode step (median of {r['decode_steps']}): {r['median_decode_step_ms']:.3f} ms; HBM floor "
-          f"{r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
-          f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
-          f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
+    results = []
+    for batch in args.batch_size:
+        r = run_latency(engine, batch, args.input_len, args.output_len, bw, seed=args.seed)
+        results.append(r)
+        print(f"Batch {batch}: prefill {r['prefill_time_s'] * 1e3:.2f} ms for {batch} x {args.input_len} tokens "
+              f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
+        print(f"Batch {batch}: decode step (median of {r['decode_steps']}) {r['median_decode_step_ms']:.3f} ms; "
+              f"HBM floor {r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
+              f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
+              f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
     if args.output_json:
-        write_json(Path(args.output_json), {**r, "config": config, **environment()})
+        write_json(Path(args.output_json), {"results": results, "config": config, **environment()})
     return 0

@@ -1,0 +1,48 @@
+"""`pagedmoe bench throughput|latency` on a tiny checkpoint: vLLM's output line, JSON, floors."""
+import json
+import re
+
+import pytest
+
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench")
+    make_tiny_checkpoint("mixtral", path, seed=4)
+    return path
+
+
+def test_bench_throughput_line_and_json(ckpt, tmp_path, capsys):
+    from pagedmoe.cli import main
+
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", str(ckpt), "--num-prompts", "6", "--input-len", "12", "--output-len", "5",
+                 "--max-model-len", "64", "--device", "cpu", "--output-json", str(out)]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("Throughput:")]
+    assert len(line) == 1
+    assert re.fullmatch(r"Throughput: \d+\.\d\d requests/s, \d+\.\d\d total tokens/s, \d+\.\d\d output tokens/s",
+                        line[0])
+    r = json.loads(out.read_text())
+    assert r["num_requests"] == 6 and r["num_output_tokens"] == 30 and r["total_num_tokens"] == 6 * 17
+    assert r["config"]["input_len"] == 12 and "git_commit" in r and "versions" in r
+
+
+def test_bench_latency_reports_floor(ckpt, tmp_path, capsys):
+    from pagedmoe.cli import main
+
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", str(ckpt), "--batch-size", "1", "3", "--input-len", "10", "--output-len", "4",
+                 "--max-model-len", "64", "--device", "cpu", "--hbm-bandwidth", "1e12",
+                 "--output-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Batch 1: decode step" in text and "Batch 3: decode step" in text and "HBM floor" in text
+    res = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in res] == [1, 3]
+    for r in res:
+        assert r["decode_steps"] == 3  # output 4 tokens: the first comes from the prefill step
+        assert r["decode_floor_ms"] > 0 and r["step_bytes"]["kv"] > 0
+    # More sequences read more KV and touch at least as many experts.
+    assert res[1]["step_bytes"]["kv"] > res[0]["step_bytes"]["kv"]
+    assert res[1]["step_bytes"]["experts"] >= res[0]["step_bytes"]["experts"]
