@@ -28,7 +28,21 @@ for BACKEND in $MOE; do
     --expert-placement resident --moe-backend $BACKEND --output-json "$OUT/latency_mixtral_$BACKEND.json" 2>&1 \
     | grep -E "^Batch|rror" | sed "s/^/[$BACKEND] /" | tee -a "$S"
 done
-BEST=${THROUGHPUT_MOE:-auto}
+# Throughput with whichever expert backend had the faster batch-64 decode step above.
+BEST=$(python - "$OUT" $MOE <<'PY'
+import json, sys
+out, backends = sys.argv[1], sys.argv[2:]
+best = (float("inf"), "auto")
+for b in backends:
+    try:
+        rs = json.load(open(f"{out}/latency_mixtral_{b}.json"))["results"]
+        best = min(best, (next(r["median_decode_step_ms"] for r in rs if r["batch_size"] == 64), b))
+    except Exception:
+        pass
+print(best[1])
+PY
+)
+echo "throughput expert backend: $BEST" | tee -a "$S"
 for MODEL in $M $Q; do
   timeout 200 python -m pagedmoe.cli bench throughput $MODEL --load-format dummy --num-prompts ${NUM_PROMPTS:-1024} \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
