@@ -13,7 +13,7 @@ M=benchmarks/configs/mixtral-8x7b
 Q=benchmarks/configs/qwen3-30b-a3b
 MOE=${MOE_BACKEND:-auto}
 
-timeout 200 python -m pytest -q -n 8 -m gpu tests/models/test_gpu_engine.py tests/models/test_gpu_paging.py \
+timeout ${TEST_TIMEOUT:-200} python -m pytest -q -n 8 -m gpu tests/models/test_gpu_engine.py tests/models/test_gpu_paging.py \
   tests/kernels/test_fused_moe.py > "$OUT/pytest_gpu.txt" 2>&1; tail -4 "$OUT/pytest_gpu.txt" | tee -a "$S"
 if grep -q "failed" "$OUT/pytest_gpu.txt"; then grep -E "^FAILED" "$OUT/pytest_gpu.txt" | head -20 | tee -a "$S"; fi
 if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
@@ -43,7 +43,7 @@ print(best[1])
 PY
 )
 echo "throughput expert backend: $BEST" | tee -a "$S"
-for MODEL in $M $Q; do
+for MODEL in ${THROUGHPUT_MODELS:-$M $Q}; do
   timeout 200 python -m pagedmoe.cli bench throughput $MODEL --load-format dummy --num-prompts ${NUM_PROMPTS:-1024} \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
     --expert-placement resident --moe-backend $BEST --output-json "$OUT/throughput_$(basename $MODEL).json" 2>&1 \
