@@ -73,8 +73,8 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def check(T, A, E, H, I, dtype=torch.float32, seed=0, banned=(), **overrides):
-    x, w13, w2, weights, ids = make_layer(T, A, E, H, I, dtype, seed, banned=banned)
+def check(T, A, E, H, I, dtype=torch.float32, seed=0, banned=(), pad=24, **overrides):
+    x, w13, w2, weights, ids = make_layer(T, A, E, H, I, dtype, seed, pad=pad, banned=banned)
     out = torch.full_like(x, float("nan"))  # poison: every row must be written
     fm.fused_moe(x, w13, w2, weights, ids, out=out, **overrides)
     assert torch.isfinite(out).all()

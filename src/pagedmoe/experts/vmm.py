@@ -3,9 +3,9 @@
 Each MoE layer l gets one reserved virtual range holding its packed [E, stride] expert rows; the
 GEMMs always read that range, so its address never changes (CUDA graphs stay valid). Physical
 memory behind it is mapped once, at start-up, expert row by expert row:
-- a resident expert's row maps the layer's own resident allocation (no copies, ever);
-- a host-tier expert's row maps a row of one of two rotating slot allocations, slot l % 2, so layers
-  l and l+2 share physical memory and only two layers' worth of streamed experts exist.
+- a resident expert's row maps its own physical allocation (no copies, ever);
+- a host-tier expert's row maps a row of one of two rotating slots (slot l % 2), so layers l and
+  l+2 share physical memory and only two layers' worth of streamed experts exist.
 The pager copies host rows into the layer's range just before it runs (experts/pager.py).
 
 Rows are padded to the allocation granularity (2 MiB on the H200) so every row maps on its own.
@@ -92,8 +92,10 @@ class VmmExpertBuffers:
         access.location.id = self.device_idx
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
+        # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
+        # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
         max_host = table.max_count(HOST)
-        self.slots = [self._create(max_host * self.row_bytes) for _ in range(2)] if max_host else [None, None]
+        self.slots = [[self._create(self.row_bytes) for _ in range(max_host)] for _ in range(2)]
         self.slot_bytes = 2 * max_host * self.row_bytes
         self._packed: list[torch.Tensor] = []
         self._resident_rows: list[list[torch.Tensor]] = []
@@ -101,13 +103,11 @@ class VmmExpertBuffers:
             va = int(_check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
             self._reservations.append((va, E * self.row_bytes))
             resident_ids = table.ids(layer, RESIDENT)
-            res_handle = self._create(len(resident_ids) * self.row_bytes) if resident_ids else None
             for e in range(E):
                 entry = table._entries[layer][e]
-                if entry.tier == RESIDENT:
-                    self._map(va + e * self.row_bytes, res_handle, entry.slot * self.row_bytes)
-                else:
-                    self._map(va + e * self.row_bytes, self.slots[layer % 2], entry.slot * self.row_bytes)
+                handle = self._create(self.row_bytes) if entry.tier == RESIDENT else \
+                    self.slots[layer % 2][entry.slot]
+                self._map(va + e * self.row_bytes, handle)
             flat = torch.as_tensor(_CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
             packed = flat.view(E, store.stride)
             self._packed.append(packed)
@@ -119,9 +119,9 @@ class VmmExpertBuffers:
         self._handles.append(handle)
         return handle
 
-    def _map(self, va: int, handle, offset: int) -> None:
+    def _map(self, va: int, handle) -> None:
         cu = _driver()
-        _check(cu.cuMemMap(va, self.row_bytes, offset, handle, 0))
+        _check(cu.cuMemMap(va, self.row_bytes, 0, handle, 0))
         _check(cu.cuMemSetAccess(va, self.row_bytes, [self._access], 1))
         self._mappings.append(va)
 
