@@ -81,10 +81,19 @@ def sync_free(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torc
     """Whether this expert path runs without host syncs (a requirement for CUDA-graph capture)."""
     if experts_fn is experts_grouped_mm or experts_fn is experts_triton:
         return True
+    # auto: Triton for small batches (sync-free), grouped_mm or the loop above that.
     return experts_fn is experts_auto and _grouped_mm_ok(x, w13, w2)
 
 
+# Up to this many tokens the Triton kernels win on the H200 (Mixtral-8x7B decode step at batch 64:
+# 31.7 ms vs 44.0 ms with grouped_mm); larger prefill chunks run faster through grouped_mm
+# (18.0k vs 11.6k prefill tokens/s at 16k-token chunks). docs/benchmarks.md has the figures.
+TRITON_MAX_TOKENS = 512
+
+
 def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= TRITON_MAX_TOKENS:
+        return experts_triton(x, w13, w2, topk_weights, topk_ids)
     fn = experts_grouped_mm if _grouped_mm_ok(x, w13, w2) else experts_loop
     return fn(x, w13, w2, topk_weights, topk_ids)
 
