@@ -18,6 +18,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm")
+_EXPERT_COMPRESSION = ("none", "lossless")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -55,6 +56,12 @@ class EngineConfig:
                                   _PLACEMENTS)
     num_gpu_experts: Optional[int] = _flag(None, "experts per layer kept resident when paged", type_=int)
     cpu_moe: bool = _flag(False, "page every expert from host memory (llama.cpp's --cpu-moe)", type_=bool)
+    num_compressed_experts: Optional[int] = _flag(None, "experts per layer kept losslessly compressed in GPU "
+                                                        "memory and decoded each step (paged placement; "
+                                                        "with --num-gpu-experts resident, else 0; bf16 only)", type_=int)
+    expert_compression: str = _flag("none", "lossless: let the planner (--expert-placement auto/paged) also "
+                                            "choose a lossless compressed GPU tier (bf16 only)",
+                                    _EXPERT_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
                                         "mapped in place), plain (double buffer), auto", _EXPERT_BUFFERS)
 
@@ -78,9 +85,24 @@ class EngineConfig:
         if self.cpu_moe and self.num_gpu_experts not in (None, 0):
             raise ValueError("--cpu-moe pages every expert; it contradicts --num-gpu-experts "
                              f"{self.num_gpu_experts}")
+        if self.num_compressed_experts is not None:
+            if self.num_compressed_experts < 0:
+                raise ValueError(f"num_compressed_experts must be >= 0, got {self.num_compressed_experts}")
+            if self.expert_placement == "resident":
+                raise ValueError("--num-compressed-experts pages experts and cannot take effect with "
+                                 "--expert-placement resident")
+        if self.expert_compression != "none":
+            if self.expert_placement == "resident":
+                raise ValueError(f"--expert-compression {self.expert_compression} cannot take effect with "
+                                 "--expert-placement resident")
+            if (self.cpu_moe or self.num_gpu_experts is not None) and self.num_compressed_experts is None:
+                raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
+                                 "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
+                                 "--num-compressed-experts instead")
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
-                              ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS)):
+                              ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
+                              ("expert_compression", _EXPERT_COMPRESSION)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
 
@@ -90,6 +112,8 @@ class EngineConfig:
             return "paged", 0
         if self.num_gpu_experts is not None:
             return "paged", self.num_gpu_experts
+        if self.num_compressed_experts is not None:  # a fixed compressed tier: nothing else resident
+            return "paged", 0
         return self.expert_placement, None
 
     def replace(self, **changes: Any) -> "EngineConfig":

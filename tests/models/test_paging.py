@@ -107,3 +107,127 @@ def test_auto_placement_follows_the_planner(tmp_path):
     plan = small.placement_plan
     assert plan is not None and small.expert_store.paged == (plan.mode != "resident")
     assert small.expert_store.table.count(0, "resident") == plan.placement.num_gpu_experts[0]
+
+
+# -- the lossless compressed tier (issue 6) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral_bf16")
+    make_tiny_checkpoint("mixtral", path, seed=41, dtype=torch.bfloat16, num_hidden_layers=3)
+    return path
+
+
+def test_compressed_tier_logits_bit_identical_to_resident(bf16_ckpt):
+    ref, resident = _logits_trace(bf16_ckpt, dtype="bfloat16")
+    got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", num_gpu_experts=2, num_compressed_experts=4)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    store, num_moe = engine.expert_store, len(engine.model.moe_layers())
+    stats = engine.get_stats()
+    assert stats["experts"] == {"resident/bf16": 2 * num_moe, "compressed/bf16": 4 * num_moe,
+                                "host/bf16": 2 * num_moe}
+    # Every forward decodes every compressed expert (bf16 output bytes) and copies every host one.
+    numel = store.expert_numel
+    assert engine.pager.decoded_bytes_per_forward == 4 * num_moe * numel * 2
+    assert stats["expert_bytes_decoded"] == engine.pager.decoded_bytes_per_forward * engine.num_steps
+    assert stats["expert_bytes_h2d"] == 2 * num_moe * numel * 2 * engine.num_steps
+    # The compressed copy is on the device and smaller than the same experts resident.
+    assert all(ct is not None and ct.device == store.device for ct in store.compressed)
+    assert 0 < store.compressed_bytes < 4 * num_moe * store.row_bytes
+    assert stats["expert_compressed_bytes"] == store.compressed_bytes
+    _, six_resident = _logits_trace(bf16_ckpt, dtype="bfloat16", num_gpu_experts=6)
+    assert store.device_bytes < six_resident.expert_store.device_bytes
+    assert store.device_bytes == store.resident_bytes + store.compressed_bytes + store.buffer_bytes
+
+
+def test_compressed_tier_decodes_the_written_rows(bf16_ckpt):
+    """Each compressed expert decodes to the raw row the loader wrote (first-N ids, any split)."""
+    from pagedmoe import LLM
+    from pagedmoe.codecs.lossless import decode_reference
+
+    resident = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", max_model_len=32).engine.expert_store
+    for n, c in ((0, 8), (3, 1), (5, 3)):
+        store = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", max_model_len=32, num_gpu_experts=n,
+                    num_compressed_experts=c).engine.expert_store
+        assert store.table.ids(0, "compressed") == list(range(n, n + c))
+        for layer, ct in enumerate(store.compressed):
+            rows = decode_reference(ct).view(c, -1)
+            want = resident.resident[layer][n:n + c, :store.expert_numel]
+            assert torch.equal(rows, want)
+
+
+def test_compressed_tier_flags(bf16_ckpt, tmp_path):
+    from pagedmoe import LLM
+
+    with pytest.raises(ValueError, match="exceeds the model's 8 experts"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", num_gpu_experts=5, num_compressed_experts=4)
+    with pytest.raises(ValueError, match="cannot take effect"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", expert_placement="resident",
+            num_compressed_experts=2)
+    with pytest.raises(ValueError, match="cannot take effect"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", expert_placement="resident",
+            expert_compression="lossless")
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="float32", num_compressed_experts=2)
+    # --num-compressed-experts alone: paged, nothing else resident.
+    store = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", max_model_len=32,
+                num_compressed_experts=3).engine.expert_store
+    assert store.paged and store.table.count(0, "resident") == 0 and store.table.count(0, "compressed") == 3
+
+
+def test_auto_placement_uses_the_compressed_tier_only_when_asked(tmp_path, monkeypatch):
+    """The planner sees a compression ratio only under --expert-compression lossless, and the engine
+    carries out the compressed counts of the placement it picks."""
+    import dataclasses
+
+    from pagedmoe import LLM
+    from pagedmoe.experts import planner
+    from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
+    from pagedmoe.experts.placement import Placement
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=2, dtype=torch.bfloat16, num_hidden_layers=4)
+    common = dict(device="cpu", dtype="bfloat16", max_model_len=64)
+    probe = LLM(str(tmp_path), **common).engine.plan
+    tight = (probe.weight_bytes + probe.activation_bytes + 8 * probe.kv_bytes_per_block) / 1024 ** 3
+    seen, real = [], planner.plan_memory
+
+    def plan_memory(shape, *args, **kwargs):
+        plan = real(shape, *args, **kwargs)
+        ratio = kwargs.get("compression_ratio")
+        seen.append(ratio)
+        if not ratio:
+            return plan
+        # The tiny model never needs the compressed tier (its experts stream in no time): impose one.
+        return dataclasses.replace(plan, placement=Placement(8, (1, 2, 1, 2), (3, 2, 0, 6), ratio))
+
+    monkeypatch.setattr(planner, "plan_memory", plan_memory)
+    plain = LLM(str(tmp_path), gpu_memory_gb=tight, **common).engine
+    assert seen == [None] and plain.expert_store.compressed_bytes == 0
+    comp = LLM(str(tmp_path), gpu_memory_gb=tight, expert_compression="lossless", **common).engine
+    assert seen[1] == LOSSLESS_PLANNING_RATIO
+    table = comp.expert_store.table
+    assert [table.count(l, "resident") for l in range(4)] == [1, 2, 1, 2]
+    assert [table.count(l, "compressed") for l in range(4)] == [3, 2, 0, 6]
+    assert comp.expert_store.compressed[2] is None and comp.expert_store.compressed_bytes > 0
+    ref, _ = _logits_trace(tmp_path, dtype="bfloat16")
+    got, engine = _logits_trace(tmp_path, dtype="bfloat16", gpu_memory_gb=tight, expert_compression="lossless")
+    assert engine.expert_store.table.count(3, "compressed") == 6
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.gpu
+def test_compressed_tier_triton_decode_on_cuda(bf16_ckpt):
+    """On CUDA the pager decodes with the Triton kernel on its copy stream; logits stay identical,
+    with CUDA graphs and eager, plain and VMM buffers."""
+    ref, _ = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16")
+    for flags in (dict(expert_buffers="plain"), dict(expert_buffers="auto"), dict(enforce_eager=True)):
+        got, engine = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", num_gpu_experts=2,
+                                    num_compressed_experts=4, **flags)
+        assert len(ref) == len(got)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+        stats = engine.get_stats()
+        assert stats["expert_bytes_decoded"] == engine.pager.decoded_bytes_per_forward * engine.num_steps > 0
+        assert engine.expert_store.compressed[0].device.type == "cuda"

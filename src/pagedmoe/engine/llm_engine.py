@@ -72,10 +72,10 @@ class LLMEngine:
         self.placement_plan = None
 
         t0 = time.perf_counter()
-        placement, num_gpu_experts = self._resolve_placement()
+        placement, num_gpu_experts, num_compressed = self._resolve_placement()
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
-                               config.expert_buffers)
+                               config.expert_buffers, num_compressed)
         self.expert_store = self.model.expert_store
         self.pager = self.model.pager
         self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
@@ -84,8 +84,9 @@ class LLMEngine:
         store = self.expert_store
         logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
                     time.perf_counter() - t0, self.plan.summary())
-        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB host tier, %.2f GiB expert buffers",
-                    placement, store.resident_bytes / GiB, store.host_bytes / GiB, store.buffer_bytes / GiB)
+        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB host tier, "
+                    "%.2f GiB expert buffers", placement, store.resident_bytes / GiB, store.compressed_bytes / GiB,
+                    store.host_bytes / GiB, store.buffer_bytes / GiB)
         self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
@@ -105,9 +106,12 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     # -- memory ----------------------------------------------------------------------------------
-    def _resolve_placement(self) -> tuple[str, Optional[list[int]]]:
-        """(resident|paged, resident experts per MoE layer). Flags decide when they fix it; otherwise
-        the planner (experts/planner.py) picks the placement with the best modelled throughput."""
+    def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
+        """(resident|paged, resident experts per MoE layer, compressed experts per MoE layer). Flags
+        decide when they fix it; otherwise the planner (experts/planner.py) picks the placement with the
+        best modelled throughput (with the lossless compressed tier among its choices only under
+        --expert-compression lossless)."""
+        from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
         from pagedmoe.experts.model_shape import ModelShape
         from pagedmoe.experts.planner import plan_memory as plan_placement_memory
         from pagedmoe.models.registry import spec_builder
@@ -116,29 +120,40 @@ class LLMEngine:
         placement, n = c.placement()
         dims, spec = spec_builder(self.hf_config)(self.hf_config)
         num_moe = dims.num_layers - len(spec.dense_layers)
+        lossless = c.expert_compression == "lossless" or bool(c.num_compressed_experts)
+        if lossless and self.dtype != torch.bfloat16:
+            raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {self.dtype} "
+                             "(use --dtype bfloat16)")
         if n is not None:
             if n > dims.num_experts:
                 raise ValueError(f"--num-gpu-experts {n} exceeds the model's {dims.num_experts} experts per layer")
-            return "paged", [n] * num_moe
+            comp = c.num_compressed_experts or 0
+            if n + comp > dims.num_experts:
+                raise ValueError(f"--num-gpu-experts {n} + --num-compressed-experts {comp} exceeds the model's "
+                                 f"{dims.num_experts} experts per layer")
+            return "paged", [n] * num_moe, [comp] * num_moe
         if placement == "resident":
-            return "resident", None
+            return "resident", None, None
         budget = self._planning_budget(dims)
         if budget is None:  # CPU without a budget: nothing to trade
-            return ("resident", None) if placement == "auto" else ("paged", [0] * num_moe)
+            return ("resident", None, None) if placement == "auto" else ("paged", [0] * num_moe, None)
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
         act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
                                         dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
         buffers = "vmm" if self.device.type == "cuda" and c.expert_buffers != "plain" else "plain"
+        ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
         plan = plan_placement_memory(shape, budget, act, placement, None, max_model_len=self.max_model_len,
                                      block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                                     max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers)
+                                     max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
+                                     compression_ratio=ratio)
         self.placement_plan = plan
         logger.info("placement plan: %s", plan.summary())
         per_layer = list(plan.placement.num_gpu_experts)
+        comp = list(plan.placement.num_compressed_experts)
         if all(k == dims.num_experts for k in per_layer):
-            return "resident", None
-        return "paged", per_layer
+            return "resident", None, None
+        return "paged", per_layer, comp if any(comp) else None
 
     def _planning_budget(self, dims) -> Optional[int]:
         if self.config.gpu_memory_gb is not None:
@@ -315,7 +330,8 @@ class LLMEngine:
         store = self.expert_store
         out = {"expert_placement": "paged" if store.paged else "resident",
                "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
-               "expert_resident_bytes": store.resident_bytes, "expert_host_bytes": store.host_bytes,
+               "expert_resident_bytes": store.resident_bytes, "expert_compressed_bytes": store.compressed_bytes,
+               "expert_host_bytes": store.host_bytes,
                "expert_buffer_bytes": store.buffer_bytes}
         if self.pager is not None:
             out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})

@@ -13,15 +13,28 @@ from pagedmoe.experts.table import ExpertTable
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("resident", "paged", "auto")
+# Stored bytes / bf16 bytes the planner assumes for the lossless tier before any weight is seen: the
+# default layout on N(0, 0.02) weights (docs/benchmarks.md, "Lossless codec"); trained weights are close.
+LOSSLESS_PLANNING_RATIO = 0.683
+
+
+def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: str) -> list[int]:
+    out = list(counts) if isinstance(counts, (list, tuple)) else [counts or 0] * num_layers
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} {what} counts for {num_layers} MoE layers")
+    return out
 
 
 def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[int], None],
-                   device: torch.device, dtype: torch.dtype, buffers: str = "auto") -> ExpertStore:
+                   device: torch.device, dtype: torch.dtype, buffers: str = "auto",
+                   num_compressed_experts: Union[int, Sequence[int], None] = None) -> ExpertStore:
     """Create the expert table and store for `model` and route its MoE layers through them.
 
     placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
     count for every layer, or one per MoE layer), the rest in (pinned) host memory, streamed into a
-    double-buffered compute area.
+    double-buffered compute area. `num_compressed_experts` (paged only; one count, or one per MoE
+    layer) of the others are kept losslessly compressed on the device instead (bf16 only) and decoded
+    into the compute area; the store encodes them when loading ends (ExpertStore.finalize).
     """
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
@@ -29,15 +42,24 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     dims = model.dims
     table = ExpertTable(len(moes), dims.num_experts)
     paged = placement == "paged"
+    comp = _per_layer(num_compressed_experts, len(moes), "compressed-expert")
+    if any(comp) and not paged:
+        raise ValueError("compressed experts are decoded into paged compute buffers; they need placement 'paged'")
+    if any(comp) and dtype != torch.bfloat16:
+        raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
+                         "(use --dtype bfloat16)")
     if not paged:
         table.place_first(dims.num_experts)
     else:
-        counts = num_gpu_experts if isinstance(num_gpu_experts, (list, tuple)) else \
-            [num_gpu_experts or 0] * len(moes)
-        if len(counts) != len(moes):
-            raise ValueError(f"{len(counts)} resident-expert counts for {len(moes)} MoE layers")
-        # Without activity statistics every expert is as good as another: keep the first N.
-        table.place([range(min(k, dims.num_experts)) for k in counts])
+        counts = _per_layer(num_gpu_experts, len(moes), "resident-expert")
+        E = dims.num_experts
+        bad = [(n, c) for n, c in zip(counts, comp) if n < 0 or c < 0 or n + c > E]
+        if bad:
+            raise ValueError(f"{bad[0][0]} resident + {bad[0][1]} compressed experts exceed the model's {E} "
+                             "experts per layer")
+        # Without activity statistics every expert is as good as another: the first N resident, the
+        # next C compressed (consecutive ids: one decode launch per layer).
+        table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)])
     factory, align = None, 16
     if paged and buffers in ("auto", "vmm") and device.type == "cuda":
         from pagedmoe.experts import vmm

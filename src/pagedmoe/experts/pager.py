@@ -9,7 +9,14 @@ On CUDA the copies run on a dedicated copy stream and are ordered by events, wit
 # recorded after that MoE before overwriting it. The first copy of a forward waits on a fork event
 # recorded on the compute stream, so a CUDA-graph capture sees the copy stream join and leave it.
 
-On CPU the same calls copy synchronously when the layer asks for its weights.
+Compressed-tier experts (experts/store.py) are decoded into their buffer rows in the same slot of the
+copy stream, by the Triton decoder (kernels/lossless_decode.py): one launch per run of consecutive
+experts whose buffer rows are contiguous (a whole layer with the first-N placement and unpadded
+rows), else one per expert. The decoder reads only device memory and never syncs, so it overlaps
+compute like the H2D copies do.
+
+On CPU the same calls copy (and decode, with the reference decoder) synchronously when the layer
+asks for its weights.
 """
 from __future__ import annotations
 
@@ -18,13 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.experts.store import ExpertStore
-from pagedmoe.experts.table import HOST, RESIDENT
+from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT
 
 
 @dataclass
 class PagerStats:
     bytes_h2d: int = 0          # host -> device, paged experts
     bytes_d2d: int = 0          # resident rows copied into a shared buffer (plain double buffer only)
+    bytes_decoded: int = 0      # bf16 bytes decoded from the compressed tier into the buffers
     copy_s: float = 0.0         # time the copy stream spent copying (CUDA events)
     wait_s: float = 0.0         # time the compute stream waited for experts (CUDA events)
     layers_loaded: int = 0
@@ -46,6 +54,11 @@ class ExpertPager:
         self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h),
                                   sum(s.numel() * s.element_size() for _, s, h in c if not h))
                                  for c in self._copies]
+        # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
+        self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
+        elem = torch.empty(0, dtype=store.dtype).element_size()
+        self._decoded_per_layer = [store.table.count(layer, COMPRESSED) * store.expert_numel * elem
+                                   for layer in range(self.num_layers)]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(store.device)
             ev = (lambda: torch.cuda.Event(enable_timing=self.timing))
@@ -65,6 +78,21 @@ class ExpertPager:
         if not store.buffers.maps_resident:
             copies += [(dst[e, :n], store.row(layer, e)[:n], False) for e in table.ids(layer, RESIDENT)]
         return copies
+
+    def _layer_decodes(self, layer: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each."""
+        store = self.store
+        ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
+        if not ids:
+            return []
+        dst, n = store.buffers.packed(layer), store.expert_numel
+        runs: list[list[int]] = []  # [first part, first expert, count]
+        for part, e in enumerate(ids):
+            if runs and store.stride == n and e == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([part, e, 1])
+        return [(p0, p0 + k, dst[e0:e0 + k].reshape(-1)[:k * n] if k > 1 else dst[e0, :n]) for p0, e0, k in runs]
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -108,6 +136,13 @@ class ExpertPager:
         if not self.cuda:
             for dst, src, _ in self._copies[layer]:
                 dst.copy_(src)
+            if self._decodes[layer]:
+                from pagedmoe.codecs.lossless import decode_reference
+
+                ct = self._compressed(layer)
+                rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
+                for p0, p1, dst in self._decodes[layer]:
+                    dst.copy_(rows[p0:p1].reshape(-1))
             return
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.free[layer % 2])
@@ -115,7 +150,19 @@ class ExpertPager:
                 self.copy_start[layer].record()
             for dst, src, _ in self._copies[layer]:
                 dst.copy_(src, non_blocking=True)
+            if self._decodes[layer]:
+                from pagedmoe.kernels.lossless_decode import lossless_decode
+
+                ct = self._compressed(layer)
+                for p0, p1, dst in self._decodes[layer]:
+                    lossless_decode(ct, dst, parts=(p0, p1))
             self.loaded[layer].record()
+
+    def _compressed(self, layer: int):
+        ct = self.store.compressed[layer]
+        if ct is None:
+            raise RuntimeError(f"MoE layer {layer}'s compressed experts are not encoded yet (ExpertStore.finalize)")
+        return ct
 
     def reset_stats(self) -> None:
         self.stats = PagerStats()
@@ -125,6 +172,7 @@ class ExpertPager:
         h2d, d2d = self._bytes_per_layer[layer]
         self.stats.bytes_h2d += h2d
         self.stats.bytes_d2d += d2d
+        self.stats.bytes_decoded += self._decoded_per_layer[layer]
         self.stats.layers_loaded += 1
 
     def account_replay(self) -> None:
@@ -135,6 +183,10 @@ class ExpertPager:
     @property
     def bytes_per_forward(self) -> int:
         return sum(h for h, _ in self._bytes_per_layer)
+
+    @property
+    def decoded_bytes_per_forward(self) -> int:
+        return sum(self._decoded_per_layer)
 
     def end_step(self) -> None:
         """After the step's results reached the host (all events done): fold event timings into stats."""

@@ -2,11 +2,17 @@
 
 Placements:
 - resident: every layer owns a device tensor packed [E, stride]; the GEMMs read its views, no copies.
-- paged: resident experts of layer l in `resident[l]` (device rows), the others in `host[l]` (pinned
-  rows). Before layer l's MoE runs, its experts are assembled in a compute buffer whose address is
+- paged: resident experts of layer l in `resident[l]` (device rows), compressed experts in
+  `compressed[l]` (one lossless CompressedTensor per layer on the device, one part per expert, in slot
+  order; codecs/lossless.py), the others in `host[l]` (pinned rows). Before layer l's MoE runs, its experts are assembled in a compute buffer whose address is
   fixed per layer: `buffers.packed(l)`. With the plain double buffer, layers l and l+2 share one
   buffer, so resident rows are copied in too (device to device); with CUDA VMM (experts/vmm.py) the
-  resident rows are mapped into the layer's range and only host rows are copied.
+  resident rows are mapped into the layer's range and only host rows are copied. Compressed experts
+are decoded into their buffer rows (experts/pager.py).
+
+Loading a compressed expert: `write` stages its raw row in host memory; once every staged row of a
+layer is complete the layer is encoded (on the device) and its staging freed; `finalize()` (called
+by the loader after loading or dummy init) encodes whatever is still staged.
 
 Shapes: E experts, H hidden, I expert intermediate size (see experts/layout.py).
 """
@@ -17,7 +23,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.experts.layout import expert_stride, expert_views, row_part
-from pagedmoe.experts.table import HOST, RESIDENT, ExpertTable
+from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT, ExpertTable
 
 
 class PlainDoubleBuffer:
@@ -49,6 +55,9 @@ class ExpertStore:
         pin = device.type == "cuda"
         self.buffers = None
         self.host: list[Optional[torch.Tensor]] = [None] * L
+        self.compressed: list = [None] * L          # CompressedTensor per layer (paged, compressed tier)
+        self._staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
+        self._staged_numel = [0] * L
         if not paged:
             self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
             return
@@ -64,13 +73,25 @@ class ExpertStore:
             else:
                 self.resident.append(torch.empty(n_res, self.stride, dtype=dtype, device=device))
             self.host[layer] = torch.empty(n_host, self.stride, dtype=dtype, pin_memory=pin)
+            n_comp = table.count(layer, COMPRESSED)
+            if n_comp:
+                if dtype != torch.bfloat16:
+                    raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
+                                     "(use --dtype bfloat16)")
+                self._staging[layer] = torch.empty(n_comp, self.expert_numel, dtype=dtype)
 
     # -- where an expert's bytes live ---------------------------------------------------------
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        """The master copy of one expert: a 1-D [stride] tensor in its tier."""
+        """The master copy of one expert: a 1-D [stride] tensor in its tier. A compressed expert has
+        no raw master copy once encoded; before that, this is its staging row [3*I*H]."""
         if not self.paged:
             return self.resident[layer][expert]
         entry = self.table._entries[layer][expert]
+        if entry.tier == COMPRESSED:
+            if self._staging[layer] is None:
+                raise RuntimeError(f"expert {expert} of MoE layer {layer} is compressed; it has no raw row "
+                                   "(decode it with the pager)")
+            return self._staging[layer][entry.slot]
         store = self.resident[layer] if entry.tier == RESIDENT else self.host[layer]
         return store[entry.slot]
 
@@ -81,6 +102,35 @@ class ExpertStore:
             raise ValueError(f"expert {expert} of MoE layer {layer}: {kind} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
         dst.copy_(tensor)
+        if self.paged and self.table._entries[layer][expert].tier == COMPRESSED:
+            # NOTE: counts elements, assuming each part is written once (the loader's checkpoints
+            # name each tensor once); finalize() encodes whatever a rewrite left staged.
+            self._staged_numel[layer] += dst.numel()
+            if self._staged_numel[layer] >= self._staging[layer].numel():
+                self._encode(layer)
+
+    def _encode(self, layer: int) -> None:
+        from pagedmoe.codecs.lossless import encode
+
+        staged = self._staging[layer]
+        # One tensor per layer, one part per expert: a shared codebook, and a run of experts decodes
+        # with one kernel launch. Checksums guard files, not device memory: skipped.
+        ct = self.compressed[layer] = encode(staged.to(self.device), num_parts=staged.shape[0], checksum=False)
+        if self.device.type == "cuda":
+            from pagedmoe.kernels.lossless_decode import _launch_info
+
+            # NOTE: build the decode table and check the arrays now: both touch the host, which the
+            # pager's decodes inside a CUDA-graph capture must not do.
+            _launch_info(ct)
+            ct.decode_table(None, torch.int32)
+        self._staging[layer] = None
+        self._staged_numel[layer] = 0
+
+    def finalize(self) -> None:
+        """After loading or dummy init: encode every layer whose compressed experts are still staged."""
+        for layer in range(self.table.num_layers):
+            if self._staging[layer] is not None:
+                self._encode(layer)
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """N(0, std) weights, generated on the device (fast) and copied to their tier."""
@@ -92,6 +142,7 @@ class ExpertStore:
             for e in range(self.table.num_experts):
                 self.row(layer, e)[:n].copy_(rows[e, :n])
             del rows
+        self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------
     def compute_packed(self, layer: int) -> torch.Tensor:
@@ -115,9 +166,14 @@ class ExpertStore:
         return self._bytes(self.host)
 
     @property
+    def compressed_bytes(self) -> int:
+        """Device bytes of the lossless compressed tier (0 until encoded)."""
+        return sum(ct.nbytes for ct in self.compressed if ct is not None)
+
+    @property
     def buffer_bytes(self) -> int:
         return self.buffers.nbytes if self.paged else 0
 
     @property
     def device_bytes(self) -> int:
-        return self.resident_bytes + self.buffer_bytes
+        return self.resident_bytes + self.compressed_bytes + self.buffer_bytes

@@ -1,8 +1,9 @@
 """The expert table: for every (layer, expert), its tier, precision and slot. Pure Python.
 
-Tiers: "resident" (its own GPU memory, mapped or copied into the layer's compute buffer) and "host"
-(pinned host memory, streamed into the compute buffer before its layer runs). The lossless
-compressed tier and the lower precisions are further tiers of the same table.
+Tiers: "resident" (its own GPU memory, mapped or copied into the layer's compute buffer), "compressed"
+(a lossless compressed copy in GPU memory, decoded into the compute buffer before its layer runs; its
+precision stays "bf16": the decode is exact) and "host" (pinned host memory, streamed into the compute
+buffer before its layer runs). The lower precisions are further tiers of the same table.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 RESIDENT = "resident"
+COMPRESSED = "compressed"
 HOST = "host"
-TIERS = (RESIDENT, HOST)
+TIERS = (RESIDENT, COMPRESSED, HOST)
 
 
 @dataclass(frozen=True)
@@ -34,24 +36,29 @@ class ExpertTable:
         self.num_layers, self.num_experts = num_layers, num_experts
         self._entries: list[list[Optional[ExpertEntry]]] = [[None] * num_experts for _ in range(num_layers)]
 
-    def place(self, resident: Sequence[Iterable[int]]) -> None:
-        """resident[l] = the expert ids of MoE layer l kept on the GPU; the rest go to the host tier.
-        Slots number the experts of each tier in expert-id order."""
+    def place(self, resident: Sequence[Iterable[int]],
+              compressed: Optional[Sequence[Iterable[int]]] = None) -> None:
+        """resident[l] = the expert ids of MoE layer l kept on the GPU, compressed[l] (optional) those
+        kept losslessly compressed on the GPU; the rest go to the host tier. Slots number the experts
+        of each tier in expert-id order."""
         if len(resident) != self.num_layers:
             raise ValueError(f"need a resident set for each of {self.num_layers} MoE layers")
-        for layer, ids in enumerate(resident):
-            ids = set(ids)
-            bad = [e for e in ids if not 0 <= e < self.num_experts]
+        if compressed is None:
+            compressed = [()] * self.num_layers
+        if len(compressed) != self.num_layers:
+            raise ValueError(f"need a compressed set for each of {self.num_layers} MoE layers")
+        for layer, (ids, comp) in enumerate(zip(resident, compressed)):
+            ids, comp = set(ids), set(comp)
+            bad = [e for e in ids | comp if not 0 <= e < self.num_experts]
             if bad:
-                raise ValueError(f"layer {layer}: expert ids out of range: {bad}")
-            n_res = n_host = 0
+                raise ValueError(f"layer {layer}: expert ids out of range: {sorted(bad)}")
+            if ids & comp:
+                raise ValueError(f"layer {layer}: experts {sorted(ids & comp)} are both resident and compressed")
+            slots = dict.fromkeys(TIERS, 0)
             for e in range(self.num_experts):
-                if e in ids:
-                    self._entries[layer][e] = ExpertEntry(RESIDENT, n_res)
-                    n_res += 1
-                else:
-                    self._entries[layer][e] = ExpertEntry(HOST, n_host)
-                    n_host += 1
+                tier = RESIDENT if e in ids else COMPRESSED if e in comp else HOST
+                self._entries[layer][e] = ExpertEntry(tier, slots[tier])
+                slots[tier] += 1
 
     def place_first(self, num_gpu_experts: int) -> None:
         """The first N experts of every layer resident (used when nothing better is known)."""

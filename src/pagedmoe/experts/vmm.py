@@ -4,9 +4,10 @@ Each MoE layer l gets one reserved virtual range holding its packed [E, stride] 
 GEMMs always read that range, so its address never changes (CUDA graphs stay valid). Physical
 memory behind it is mapped once, at start-up, expert row by expert row:
 - a resident expert's row maps its own physical allocation (no copies, ever);
-- a host-tier expert's row maps a row of one of two rotating slots (slot l % 2), so layers l and
-  l+2 share physical memory and only two layers' worth of streamed experts exist.
-The pager copies host rows into the layer's range just before it runs (experts/pager.py).
+- a streamed expert's row (host or compressed tier) maps a row of one of two rotating slots (slot
+  l % 2), so layers l and l+2 share physical memory and only two layers' worth of streamed experts exist.
+The pager copies host rows (and decodes compressed ones) into the layer's range just before it runs
+(experts/pager.py).
 
 Rows are padded to the allocation granularity (2 MiB on the H200) so every row maps on its own.
 """
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from pagedmoe.experts.table import HOST, RESIDENT
+from pagedmoe.experts.table import RESIDENT
 
 
 def _driver():
@@ -94,19 +95,21 @@ class VmmExpertBuffers:
         self._access = access
         # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
         # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
-        max_host = table.max_count(HOST)
-        self.slots = [[self._create(self.row_bytes) for _ in range(max_host)] for _ in range(2)]
-        self.slot_bytes = 2 * max_host * self.row_bytes
+        max_streamed = max((E - table.count(l, RESIDENT) for l in range(L)), default=0)
+        self.slots = [[self._create(self.row_bytes) for _ in range(max_streamed)] for _ in range(2)]
+        self.slot_bytes = 2 * max_streamed * self.row_bytes
         self._packed: list[torch.Tensor] = []
         self._resident_rows: list[list[torch.Tensor]] = []
         for layer in range(L):
             va = int(_check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
             self._reservations.append((va, E * self.row_bytes))
             resident_ids = table.ids(layer, RESIDENT)
+            streamed = 0  # host and compressed experts share the rotating slot's rows
             for e in range(E):
-                entry = table._entries[layer][e]
-                handle = self._create(self.row_bytes) if entry.tier == RESIDENT else \
-                    self.slots[layer % 2][entry.slot]
+                if table._entries[layer][e].tier == RESIDENT:
+                    handle = self._create(self.row_bytes)
+                else:
+                    handle, streamed = self.slots[layer % 2][streamed], streamed + 1
                 self._map(va + e * self.row_bytes, handle)
             flat = torch.as_tensor(_CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
             packed = flat.view(E, store.stride)
