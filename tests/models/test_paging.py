@@ -142,6 +142,21 @@ def test_compressed_tier_logits_bit_identical_to_resident(bf16_ckpt):
     assert store.device_bytes == store.resident_bytes + store.compressed_bytes + store.buffer_bytes
 
 
+def test_table_places_three_tiers():
+    from pagedmoe.experts.table import ExpertKey, ExpertTable
+
+    table = ExpertTable(2, 6)
+    table.place([{0, 4}, ()], [{1, 5}, range(6)])
+    assert [(e.tier, e.slot) for e in (table.entry(ExpertKey(0, i)) for i in range(6))] == [
+        ("resident", 0), ("compressed", 0), ("host", 0), ("host", 1), ("resident", 1), ("compressed", 1)]
+    assert table.count(1, "compressed") == 6 and table.count(1, "host") == 0
+    assert table.counts()[("compressed", "bf16")] == 8
+    with pytest.raises(ValueError, match="both resident and compressed"):
+        table.place([{0, 1}, ()], [{1}, ()])
+    with pytest.raises(ValueError, match="out of range"):
+        table.place([(), ()], [{6}, ()])
+
+
 def test_compressed_tier_decodes_the_written_rows(bf16_ckpt):
     """Each compressed expert decodes to the raw row the loader wrote (first-N ids, any split)."""
     from pagedmoe import LLM
@@ -171,6 +186,8 @@ def test_compressed_tier_flags(bf16_ckpt, tmp_path):
             expert_compression="lossless")
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(str(bf16_ckpt), device="cpu", dtype="float32", num_compressed_experts=2)
+    with pytest.raises(ValueError, match="cannot take effect"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", expert_compression="lossless")
     # --num-compressed-experts alone: paged, nothing else resident.
     store = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", max_model_len=32,
                 num_compressed_experts=3).engine.expert_store
@@ -218,16 +235,20 @@ def test_auto_placement_uses_the_compressed_tier_only_when_asked(tmp_path, monke
 
 
 @pytest.mark.gpu
-def test_compressed_tier_triton_decode_on_cuda(bf16_ckpt):
-    """On CUDA the pager decodes with the Triton kernel on its copy stream; logits stay identical,
-    with CUDA graphs and eager, plain and VMM buffers."""
-    ref, _ = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16")
-    for flags in (dict(expert_buffers="plain"), dict(expert_buffers="auto"), dict(enforce_eager=True)):
-        got, engine = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", num_gpu_experts=2,
-                                    num_compressed_experts=4, **flags)
-        assert len(ref) == len(got)
-        for a, b in zip(ref, got):
-            assert torch.equal(a, b)
-        stats = engine.get_stats()
-        assert stats["expert_bytes_decoded"] == engine.pager.decoded_bytes_per_forward * engine.num_steps > 0
-        assert engine.expert_store.compressed[0].device.type == "cuda"
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("buffers", ["plain", "vmm"])
+def test_compressed_tier_triton_decode_on_cuda(bf16_ckpt, eager, buffers):
+    """On CUDA the pager decodes with the Triton kernel on its copy stream (inside the decode CUDA
+    graphs when not eager); logits stay identical to resident, with plain and VMM buffers."""
+    ref, _ = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", enforce_eager=eager)
+    got, engine = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", enforce_eager=eager,
+                                expert_buffers=buffers, num_gpu_experts=2, num_compressed_experts=4)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    store, stats = engine.expert_store, engine.get_stats()
+    assert all(ct.device.type == "cuda" for ct in store.compressed)
+    assert stats["expert_bytes_decoded"] == engine.pager.decoded_bytes_per_forward * engine.num_steps > 0
+    assert stats["expert_compressed_bytes"] == store.compressed_bytes > 0
+    if eager:
+        assert stats["expert_copy_s"] > 0

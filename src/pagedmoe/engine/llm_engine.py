@@ -136,6 +136,10 @@ class LLMEngine:
             return "resident", None, None
         budget = self._planning_budget(dims)
         if budget is None:  # CPU without a budget: nothing to trade
+            if c.expert_compression != "none":
+                raise ValueError(f"--expert-compression {c.expert_compression} lets the planner trade memory for "
+                                 "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
+                                 "(give --num-compressed-experts)")
             return ("resident", None, None) if placement == "auto" else ("paged", [0] * num_moe, None)
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)

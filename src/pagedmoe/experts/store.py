@@ -131,6 +131,10 @@ class ExpertStore:
         for layer in range(self.table.num_layers):
             if self._staging[layer] is not None:
                 self._encode(layer)
+        if self.device.type == "cuda" and any(ct is not None for ct in self.compressed):
+            # the encoder's temporaries (~80 B per weight of a chunk) would otherwise stay cached and
+            # shrink the free memory the KV cache is sized from
+            torch.cuda.empty_cache()
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """N(0, std) weights, generated on the device (fast) and copied to their tier."""
