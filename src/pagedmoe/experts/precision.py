@@ -1,0 +1,294 @@
+"""Quality-aware expert precision: the ladder, quality costs, the budget policy and the pressure controller.
+
+Pure decisions on numbers (no torch): the runtime feeds in bytes per rung, quality costs, free KV
+blocks and last-access steps, and applies the (expert, from, to) moves it gets back.
+
+Ladder, most to least exact: bf16 -> lossless (exact, compressed) -> fp8 -> int8 -> int4.
+A move is one step along an expert's *frontier*: the rungs it may use (not below the floor), minus
+lossy rungs another lossy rung dominates (no more bytes and no more cost; fp8 and int8 take the same
+bytes, so usually only the more accurate of the two stays). Exact rungs are never dropped: bf16 and
+lossless differ in speed, not quality.
+Ranking: exact moves first (nothing is quantised while an exact plan fits), then the lossy move with
+the most bytes saved per unit of quality cost added; least recently used first on ties. Promotion is
+the mirror image: most quality regained per byte first, most recently used first, exact moves last.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
+
+LADDER = ("bf16", "lossless", "fp8", "int8", "int4")
+EXACT = frozenset({"bf16", "lossless"})
+ExpertKey = tuple[int, int]     # (layer_idx, expert_id)
+
+_EPS = 1e-30
+
+
+def rung_index(precision: str) -> int:
+    try:
+        return LADDER.index(precision)
+    except ValueError:
+        raise ValueError(f"unknown precision {precision!r}; the ladder is {LADDER}") from None
+
+
+def rung_bytes(hidden: int, inter: int, lossless_ratio: float = 0.675,
+               precisions: Iterable[str] = LADDER) -> dict[str, int]:
+    """Bytes of one expert per rung. Lossy rungs are exact arithmetic (codecs/quant.bytes_of, scales
+    included); lossless is data dependent, so it is bf16 bytes times a measured or assumed ratio
+    (0.675: the exponent-Huffman codec on N(0, 0.02) weights, docs/formats.md)."""
+    n13, k13, n2, k2 = 2 * inter, hidden, hidden, inter
+    out = {}
+    for p in precisions:
+        rung_index(p)
+        if p == "bf16":
+            b = 2 * 3 * inter * hidden
+        elif p == "lossless":
+            b = int(math.ceil(2 * 3 * inter * hidden * lossless_ratio))
+        elif p in ("fp8", "int8"):
+            b = n13 * k13 + 4 * n13 + n2 * k2 + 4 * n2
+        else:  # int4: packed nibbles + a float32 scale per group of 128 along K
+            b = n13 * ((k13 + 1) // 2) + 4 * n13 * (-(-k13 // 128)) + n2 * ((k2 + 1) // 2) + 4 * n2 * (-(-k2 // 128))
+        out[p] = b
+    return out
+
+
+@dataclass
+class QualityCosts:
+    """cost(key, p) = rel_error[key][p] * activity[key]: the relative error of the expert's output on its
+    routed calibration activations at precision p, times its share of the layer's routed tokens. Exact
+    rungs cost 0. `activity` can be refreshed online (the activity table's EMA) without recalibrating."""
+    rel_error: dict[ExpertKey, dict[str, float]]
+    activity: dict[ExpertKey, float] = field(default_factory=dict)
+
+    def cost(self, key: ExpertKey, precision: str) -> float:
+        if precision in EXACT:
+            return 0.0
+        return self.rel_error[key][precision] * self.activity.get(key, 1.0)
+
+    def update_activity(self, activity: Mapping[ExpertKey, float]) -> None:
+        self.activity = dict(activity)
+
+    def keys(self) -> list[ExpertKey]:
+        return sorted(self.rel_error)
+
+    @classmethod
+    def from_counts(cls, rel_error: dict[ExpertKey, dict[str, float]], counts: Mapping[ExpertKey, float],
+                    smoothing: float = 1.0) -> "QualityCosts":
+        """Activity = share of the layer's routed tokens, add-`smoothing` so an expert unseen in
+        calibration still costs something."""
+        totals: dict[int, float] = {}
+        for key in rel_error:
+            totals[key[0]] = totals.get(key[0], 0.0) + counts.get(key, 0.0) + smoothing
+        act = {k: (counts.get(k, 0.0) + smoothing) / totals[k[0]] for k in rel_error}
+        return cls(rel_error, act)
+
+    def to_json(self) -> dict:
+        return {"rel_error": [[l, e, v] for (l, e), v in sorted(self.rel_error.items())],
+                "activity": [[l, e, v] for (l, e), v in sorted(self.activity.items())]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "QualityCosts":
+        return cls({(l, e): dict(v) for l, e, v in data["rel_error"]},
+                   {(l, e): float(v) for l, e, v in data["activity"]})
+
+
+@dataclass(frozen=True)
+class Move:
+    key: ExpertKey
+    src: str
+    dst: str
+    bytes_delta: int          # dst bytes - src bytes (negative for a demotion)
+
+
+class PrecisionPolicy:
+    """Frontiers and move ranking shared by the static planner (`plan`) and the PressureController."""
+
+    def __init__(self, bytes_per_rung: Mapping[str, int], costs: QualityCosts, min_precision: str = "int4",
+                 max_precision: str = "bf16") -> None:
+        lo, hi = rung_index(min_precision), rung_index(max_precision)
+        if hi > lo:
+            raise ValueError(f"--min-expert-precision {min_precision} is above the top rung {max_precision}")
+        self.bytes_per_rung = dict(bytes_per_rung)
+        self.costs = costs
+        self.allowed = tuple(p for p in LADDER[hi:lo + 1] if p in self.bytes_per_rung)
+        if not self.allowed:
+            raise ValueError("no rung between the top and the floor has a byte size")
+        self.top, self.floor = self.allowed[0], self.allowed[-1]
+
+    # -- per-expert frontier ----------------------------------------------------------------------
+    def frontier(self, key: ExpertKey) -> list[str]:
+        b, c = self.bytes_per_rung, self.costs.cost
+        lossy = [p for p in self.allowed if p not in EXACT]
+
+        def dominated(p: str) -> bool:
+            for q in lossy:
+                if q == p:
+                    continue
+                no_worse = b[q] <= b[p] and c(key, q) <= c(key, p)
+                strictly = b[q] < b[p] or c(key, q) < c(key, p)
+                # an exact tie keeps the rung higher on the ladder
+                if no_worse and (strictly or rung_index(q) < rung_index(p)):
+                    return True
+            return False
+
+        rungs = [p for p in self.allowed if p in EXACT or not dominated(p)]
+        # Keep only rungs that save bytes going down (a step that saves nothing is never worth taking).
+        out: list[str] = []
+        for p in rungs:
+            if not out or b[p] < b[out[-1]]:
+                out.append(p)
+        return out
+
+    def _neighbour(self, key: ExpertKey, current: str, step: int) -> Optional[str]:
+        f = self.frontier(key)
+        if current in f:
+            j = f.index(current) + step
+            return f[j] if 0 <= j < len(f) else None
+        # Off the frontier (a floor or costs changed): go to the nearest frontier rung in that direction.
+        idx = rung_index(current)
+        cands = [p for p in f if (rung_index(p) > idx if step > 0 else rung_index(p) < idx)]
+        if not cands:
+            return None
+        return cands[0] if step > 0 else cands[-1]
+
+    def demotion(self, key: ExpertKey, current: str) -> Optional[Move]:
+        dst = self._neighbour(key, current, +1)
+        if dst is None:
+            return None
+        return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
+
+    def promotion(self, key: ExpertKey, current: str) -> Optional[Move]:
+        dst = self._neighbour(key, current, -1)
+        if dst is None:
+            return None
+        return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
+
+    def demote_rank(self, m: Move, last_access: Mapping[ExpertKey, int]) -> tuple:
+        """Smaller is demoted first."""
+        dcost = self.costs.cost(m.key, m.dst) - self.costs.cost(m.key, m.src)
+        lossy = m.dst not in EXACT
+        saved_per_cost = -m.bytes_delta / max(dcost, _EPS) if lossy else 0.0
+        return (lossy, -saved_per_cost, last_access.get(m.key, -1), m.key)
+
+    def promote_rank(self, m: Move, last_access: Mapping[ExpertKey, int]) -> tuple:
+        """Smaller is promoted first."""
+        gain = self.costs.cost(m.key, m.src) - self.costs.cost(m.key, m.dst)
+        exact_only = m.src in EXACT
+        return (exact_only, -gain / max(m.bytes_delta, 1), -last_access.get(m.key, -1), m.key)
+
+    def total_bytes(self, assignment: Mapping[ExpertKey, str]) -> int:
+        return sum(self.bytes_per_rung[p] for p in assignment.values())
+
+    def total_cost(self, assignment: Mapping[ExpertKey, str]) -> float:
+        return sum(self.costs.cost(k, p) for k, p in assignment.items())
+
+    def min_bytes(self, keys: Iterable[ExpertKey]) -> int:
+        return sum(self.bytes_per_rung[self.frontier(k)[-1]] for k in keys)
+
+    # -- static plan under a byte budget -----------------------------------------------------------
+    def plan(self, budget_bytes: int, keys: Optional[Iterable[ExpertKey]] = None,
+             last_access: Optional[Mapping[ExpertKey, int]] = None) -> dict[ExpertKey, str]:
+        """Every expert at the top rung, then the best-ranked demotion one rung at a time until the
+        experts fit `budget_bytes`. Refuses a budget that even the floor does not fit."""
+        keys = list(self.costs.keys() if keys is None else keys)
+        last_access = last_access or {}
+        need = self.min_bytes(keys)
+        if need > budget_bytes:
+            raise ValueError(f"expert budget {budget_bytes} B is below the minimum {need} B with every "
+                             f"expert at the floor ({self.floor})")
+        assignment = {k: self.top for k in keys}
+        total = self.total_bytes(assignment)
+        candidates = {k: self.demotion(k, self.top) for k in keys}
+        while total > budget_bytes:
+            best = min((m for m in candidates.values() if m is not None),
+                       key=lambda m: self.demote_rank(m, last_access))
+            assignment[best.key] = best.dst
+            total += best.bytes_delta
+            candidates[best.key] = self.demotion(best.key, best.dst)
+        return assignment
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """On free KV blocks: once free drops below `low`, demote (over as many steps as the per-step cap
+    needs) until free reaches the midpoint; above `high`, promote while free stays at or above the
+    midpoint. Otherwise nothing moves (hysteresis)."""
+    low: int
+    high: int
+
+    def __post_init__(self):
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"watermarks need 0 <= low < high (got low={self.low}, high={self.high})")
+
+    @property
+    def mid(self) -> int:
+        return (self.low + self.high) // 2
+
+
+class PressureController:
+    """Reads free KV blocks every N steps and returns (expert, from, to) moves; the runtime builds the
+    new versions asynchronously and publishes them, then calls `applied`. Each expert moves at most one
+    rung per step and the bytes changed per step are capped, so quality degrades progressively."""
+
+    def __init__(self, policy: PrecisionPolicy, watermarks: Watermarks, block_bytes: int,
+                 max_bytes_per_step: int, assignment: Mapping[ExpertKey, str]) -> None:
+        if block_bytes <= 0 or max_bytes_per_step <= 0:
+            raise ValueError("block_bytes and max_bytes_per_step must be positive")
+        self.policy, self.watermarks = policy, watermarks
+        self.block_bytes, self.max_bytes_per_step = block_bytes, max_bytes_per_step
+        self.assignment = dict(assignment)
+        self.demoting = False     # between crossing `low` and reaching the midpoint
+
+    def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
+        wm = self.watermarks
+        if num_free_blocks < wm.low:
+            self.demoting = True
+        elif num_free_blocks >= wm.mid:
+            self.demoting = False
+        if self.demoting:
+            return self._demote((wm.mid - num_free_blocks) * self.block_bytes, last_access)
+        if num_free_blocks > wm.high:
+            return self._promote((num_free_blocks - wm.mid) * self.block_bytes, last_access)
+        return []
+
+    def _demote(self, need_bytes: int, last_access) -> list[Move]:
+        cands = [m for k, p in self.assignment.items() if (m := self.policy.demotion(k, p)) is not None]
+        # Exact rungs first across steps too: no lossy demotion while an exact one is still possible.
+        if any(m.dst in EXACT for m in cands):
+            cands = [m for m in cands if m.dst in EXACT]
+        cands.sort(key=lambda m: self.policy.demote_rank(m, last_access))
+        moves, freed, changed = [], 0, 0
+        for m in cands:
+            if freed >= need_bytes:
+                break
+            if changed - m.bytes_delta > self.max_bytes_per_step:
+                continue
+            moves.append(m)
+            freed -= m.bytes_delta
+            changed -= m.bytes_delta
+        return moves
+
+    def _promote(self, room_bytes: int, last_access) -> list[Move]:
+        cands = [m for k, p in self.assignment.items() if (m := self.policy.promotion(k, p)) is not None]
+        # Mirror image: lossless -> bf16 only once no expert is lossy.
+        if any(m.src not in EXACT for m in cands):
+            cands = [m for m in cands if m.src not in EXACT]
+        cands.sort(key=lambda m: self.policy.promote_rank(m, last_access))
+        moves, used = [], 0
+        for m in cands:
+            # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
+            # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
+            if used + m.bytes_delta > min(room_bytes, self.max_bytes_per_step):
+                continue
+            moves.append(m)
+            used += m.bytes_delta
+        return moves
+
+    def applied(self, moves: Iterable[Move]) -> None:
+        """The runtime published these moves' new versions."""
+        for m in moves:
+            if self.assignment.get(m.key) != m.src:
+                raise ValueError(f"move {m} does not start from the expert's current precision "
+                                 f"{self.assignment.get(m.key)}")
+            self.assignment[m.key] = m.dst
