@@ -1,0 +1,318 @@
+"""`pagedmoe bench sweep [MODEL] --budgets ... --placements ...`: offline throughput for every (GPU budget,
+expert placement) in one process, with the planner's modelled figures next to each measurement.
+
+Each point builds an engine (`--gpu-memory-gb` = the budget, placement flags from PLACEMENTS), runs the
+`bench throughput` workload, records throughput, KV capacity, the step-time breakdown (prefill / decode wall
+time, expert copy and wait time, PCIe bytes) and the planner's modelled throughput and decode-step floors for
+the placement the engine actually took, then frees the engine before the next point. A placement that cannot
+run at a budget is recorded as "does not fit (needs X GiB)" and skipped. Output: DIR/sweep.json and PNG plots
+(bench/plots.py). `--replot A.json B.json` merges the points of earlier sweeps (e.g. one per device call)
+and redraws, without running anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedmoe.bench.common import environment, write_json
+
+logger = logging.getLogger("pagedmoe")
+
+# Placement name -> engine flags (EngineConfig field names). A new placement is one line here, e.g.
+# "paged+lossless": {"expert_placement": "paged", "expert_compression": "lossless"}.
+PLACEMENTS: dict[str, dict[str, Any]] = {
+    "resident": {"expert_placement": "resident"},
+    "paged": {"expert_placement": "paged"},
+    "auto": {"expert_placement": "auto"},
+    "cpu-moe": {"expert_placement": "paged", "cpu_moe": True},
+}
+# Flags that fix a paged split: the sweep's --num-gpu-experts etc. apply to "paged" entries only (they would
+# contradict resident, and silently turn auto into paged).
+_PAGED_ONLY_FLAGS = ("num_gpu_experts", "cpu_moe", "num_compressed_experts")
+_NOT_RESIDENT_FLAGS = _PAGED_ONLY_FLAGS + ("expert_compression",)
+
+
+def register(sub) -> None:
+    from pagedmoe.config import add_engine_args
+
+    p = sub.add_parser("sweep", help="offline throughput over GPU budgets x expert placements, JSON + plots",
+                       description=__doc__)
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--budgets", nargs="+", default=None,
+                   help="GPU budgets (--gpu-memory-gb of each point): GiB, or weights+X / weights-X")
+    p.add_argument("--placements", nargs="+", default=["resident", "paged", "auto"], choices=sorted(PLACEMENTS),
+                   help="expert placements to run at every budget (default: resident paged auto)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-dir", type=Path, default=Path("sweep-out"), help="sweep.json and the PNGs go here")
+    p.add_argument("--hardware-json", type=Path, default=None,
+                   help="rates for the modelled figures (HardwareProfile keys); default: the H200 profile")
+    p.add_argument("--replot", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="merge the points of these sweep.json files into --output-dir and redraw; runs nothing")
+    p.add_argument("--no-plots", action="store_true", help="write sweep.json only")
+    # --gpu-memory-gb and --expert-placement are what the sweep varies.
+    add_engine_args(p, skip=("model", "gpu_memory_gb", "expert_placement"))
+    p.set_defaults(func=run)
+
+
+def placement_flags(name: str, args) -> dict[str, Any]:
+    """EngineConfig overrides for one placement: the table entry, plus the sweep's paged-only flags on
+    paged entries; those flags are reset to their defaults elsewhere."""
+    from pagedmoe.config import EngineConfig
+
+    entry = dict(PLACEMENTS[name])
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    mode = entry["expert_placement"]
+    reset = _NOT_RESIDENT_FLAGS if mode == "resident" else _PAGED_ONLY_FLAGS if mode != "paged" else ()
+    for flag in reset:
+        entry.setdefault(flag, defaults[flag])
+    return entry
+
+
+def _placement_fields(config) -> dict[str, Any]:
+    return {k: getattr(config, k) for k in ("expert_placement", *_NOT_RESIDENT_FLAGS)}
+
+
+def _needs_gib(err: Exception) -> Optional[float]:
+    """The minimum budget an engine refusal names (PlacementBudgetError carries it; BudgetError says it)."""
+    from pagedmoe.engine.memory import GiB
+
+    if getattr(err, "min_budget_bytes", None) is not None:
+        return err.min_budget_bytes / GiB
+    m = re.search(r"(?:minimum is|needs) ([0-9.]+) GiB", str(err))
+    return float(m.group(1).rstrip(".")) if m else None
+
+
+def _free_engine_memory(closers: list) -> None:
+    """Drop the previous engine's device memory before the next point: tensors go with gc, CUDA VMM
+    mappings (expert buffers) need an explicit close, cached blocks go back with empty_cache."""
+    import torch
+
+    gc.collect()
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # a failed unmap must not hide the sweep's results
+            logger.warning("sweep: closing expert buffers failed: %s", e)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _pager_counters(stats: dict) -> dict:
+    keys = ("expert_bytes_h2d", "expert_bytes_d2d", "expert_bytes_decoded", "expert_copy_s", "expert_wait_s",
+            "expert_steps")
+    return {k: stats.get(k, 0) for k in keys}
+
+
+def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+    """run_throughput plus the pager's counters over the timed part only. run_throughput starts with a
+    one-request warm-up; running the same warm-up twice before it (the first compiles, the second is
+    warm) gives the warm-up's own counters to subtract."""
+    from pagedmoe.bench.throughput import _warm_up, run_throughput
+
+    _warm_up(engine, input_len)
+    a = _pager_counters(engine.get_stats())
+    _warm_up(engine, input_len)
+    b = _pager_counters(engine.get_stats())
+    show = os.environ.get("PAGEDMOE_NO_PROGRESS") is None
+    r = run_throughput(engine, num_prompts, input_len, output_len, seed=seed, show_progress=show)
+    c = _pager_counters(engine.get_stats())
+    pager = {k: max(0, (c[k] - b[k]) - (b[k] - a[k])) for k in c}
+    return {**r, "breakdown": {"prefill_s": r["prefill_time_s"], "decode_s": r["decode_time_s"],
+                               "expert_copy_s": pager["expert_copy_s"], "expert_wait_s": pager["expert_wait_s"],
+                               "pcie_h2d_bytes": pager["expert_bytes_h2d"], "d2d_bytes": pager["expert_bytes_d2d"],
+                               "decoded_bytes": pager["expert_bytes_decoded"], "pager_steps": pager["expert_steps"]}}
+
+
+def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int, output_len: int, hw) -> dict:
+    """The planner's figures for the placement this engine holds, on this workload (pure Python model)."""
+    from pagedmoe.experts.placement import Placement
+    from pagedmoe.experts.planner import PlacementBudgetError, PlanInputs, plan_placement
+    from pagedmoe.experts.table import COMPRESSED, RESIDENT
+
+    store, c = engine.expert_store, engine.config
+    table = store.table
+    L, E = table.num_layers, table.num_experts
+    if not store.paged:
+        placement, buffers = Placement.resident(L, E), "vmm"
+    else:
+        gpu = tuple(table.count(layer, RESIDENT) for layer in range(L))
+        comp = tuple(table.count(layer, COMPRESSED) for layer in range(L))
+        ratio = store.compressed_bytes / (sum(comp) * shape.expert_bytes) if sum(comp) else 0.0
+        placement = Placement(E, gpu, comp, ratio)
+        buffers = "vmm" if getattr(store.buffers, "maps_resident", False) else "plain"
+    # The engine gives the KV cache at most what max_num_seqs full-length sequences can use: so does the model.
+    useful_blocks = c.max_num_seqs * -(-engine.max_model_len // c.block_size)
+    try:
+        inputs = PlanInputs(shape, budget_bytes, engine.plan.activation_bytes, engine.max_model_len, c.block_size,
+                            (input_len, output_len), min(c.max_num_seqs, num_prompts), c.max_num_batched_tokens,
+                            hw, max_kv_blocks=useful_blocks, buffers=buffers)
+        plan = plan_placement(inputs, placement)
+    except PlacementBudgetError as e:
+        return {"fits": False, "placement": placement.label(), "min_budget_gib": _needs_gib(e), "error": str(e)}
+    except ValueError as e:
+        return {"fits": False, "placement": placement.label(), "error": str(e)}
+    d = plan.estimate.decode
+    return {"fits": True, "placement": placement.label(), "hardware": hw.name,
+            "output_throughput": plan.estimate.output_throughput,
+            "total_token_throughput": plan.estimate.total_throughput, "num_seqs": plan.num_seqs,
+            "kv_capacity_tokens": plan.kv_capacity_tokens,
+            "decode_step_ms": {"pcie": d.pcie_s * 1e3, "decode": d.decode_s * 1e3, "hbm": d.hbm_s * 1e3,
+                               "compute": d.compute_s * 1e3, "floor": d.floor_s * 1e3, "total": d.total_s * 1e3,
+                               "bound": d.bound},
+            "prefill_s_per_seq": plan.estimate.prefill_s_per_seq, "plan": plan.to_dict()}
+
+
+def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict:
+    """Build one engine, measure it, and leave its memory to _free_engine_memory."""
+    import torch
+
+    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.engine.memory import GiB
+
+    engine = None
+    t0 = time.perf_counter()
+    try:
+        engine = LLMEngine(config)
+        load_s = time.perf_counter() - t0
+        r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed)
+        stats, store = engine.get_stats(), engine.expert_store
+        point = {"status": "ok", "load_s": load_s, **r,
+                 "num_kv_blocks": engine.plan.num_kv_blocks,
+                 "expert_placement": stats["expert_placement"], "experts": stats["experts"],
+                 "memory_gib": {"budget": budget_bytes / GiB, "weights": engine.plan.weight_bytes / GiB,
+                                "activations": engine.plan.activation_bytes / GiB, "kv": engine.plan.kv_bytes / GiB,
+                                "resident_experts": store.resident_bytes / GiB,
+                                "compressed_experts": store.compressed_bytes / GiB,
+                                "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
+                 "engine_plan": engine.placement_plan.to_dict() if engine.placement_plan is not None else None,
+                 "modelled": modelled(engine, shape, budget_bytes, args.num_prompts, args.input_len,
+                                      args.output_len, hw)}
+        m = point["modelled"]
+        if m.get("fits"):
+            point["fraction_of_modelled_throughput"] = r["output_tokens_per_second"] / m["output_throughput"]
+            point["decode_step_over_floor"] = r["mean_decode_step_ms"] / m["decode_step_ms"]["floor"]
+        return point
+    except torch.cuda.OutOfMemoryError as e:
+        return {"status": "out_of_memory", "message": str(e).splitlines()[0]}
+    except ValueError as e:  # BudgetError / PlacementBudgetError, or a placement this model cannot take
+        need = _needs_gib(e)
+        return {"status": "does_not_fit" if need is not None else "error", "needs_gib": need, "message": str(e)}
+    finally:
+        buffers = getattr(getattr(engine, "expert_store", None), "buffers", None)
+        if hasattr(buffers, "close"):
+            closers.append(buffers.close)
+        engine = None
+
+
+def describe(point: dict) -> str:
+    if point["status"] == "ok":
+        return f"{point['output_tokens_per_second']:.2f} output tok/s"
+    if point["status"] == "does_not_fit":
+        return f"does not fit (needs {point['needs_gib']:.2f} GiB)"
+    return f"{point['status']}: {point.get('message', '')}"
+
+
+def format_table(points: list[dict]) -> str:
+    head = (f"{'budget GiB':>10}  {'placement':<10}{'out tok/s':>11}{'model tok/s':>12}{'KV tokens':>11}"
+            f"{'prefill s':>10}{'decode s':>10}{'copy s':>8}{'wait s':>8}{'H2D GB':>9}{'step/floor':>11}")
+    lines = [head, "-" * len(head)]
+    for p in points:
+        lead = f"{p['budget_gib']:>10.3f}  {p['placement']:<10}"
+        if p["status"] != "ok":
+            lines.append(lead + describe(p))
+            continue
+        b, m = p["breakdown"], p.get("modelled") or {}
+        model = f"{m['output_throughput']:>12.1f}" if m.get("fits") else f"{'-':>12}"
+        ratio = f"{p['decode_step_over_floor']:>11.2f}" if "decode_step_over_floor" in p else f"{'-':>11}"
+        lines.append(lead + f"{p['output_tokens_per_second']:>11.2f}{model}{p['kv_capacity_tokens']:>11}"
+                     f"{b['prefill_s']:>10.2f}{b['decode_s']:>10.2f}{b['expert_copy_s']:>8.2f}"
+                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{ratio}")
+    return "\n".join(lines)
+
+
+def _write_outputs(result: dict, out_dir: Path, plots: bool) -> None:
+    path = write_json(out_dir / "sweep.json", result)
+    print(format_table(result["points"]))
+    print(f"wrote {path}")
+    if plots:
+        from pagedmoe.bench.plots import plot_sweep
+
+        for png in plot_sweep(result, out_dir):
+            print(f"wrote {png}")
+
+
+def replot(args) -> int:
+    """Merge earlier sweeps' points (later files win for the same model, budget and placement) and redraw."""
+    merged: dict = {}
+    configs = []
+    for path in args.replot:
+        data = json.loads(Path(path).read_text())
+        configs.append({"file": str(path), **data.get("config", {}), "git_commit": data.get("git_commit"),
+                        "gpu_name": data.get("gpu_name")})
+        for p in data["points"]:
+            merged[(p.get("model"), round(p["budget_gib"], 6), p["placement"])] = p
+    points = sorted(merged.values(), key=lambda p: (str(p.get("model")), p["budget_gib"], p["placement"]))
+    _write_outputs({"config": {"merged_from": configs}, "points": points, **environment()}, args.output_dir,
+                   not args.no_plots)
+    return 0
+
+
+def run(args) -> int:
+    if args.replot:
+        return replot(args)
+    import torch
+
+    from pagedmoe.config import engine_config_from_args, resolve_model
+    from pagedmoe.engine.memory import GiB
+    from pagedmoe.entrypoints.plan import parse_budget
+    from pagedmoe.experts.cost_model import H200, HardwareProfile
+    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.models.loader import load_hf_config, resolve_dtype
+
+    if not args.budgets:
+        raise ValueError("--budgets is required (GiB, or weights+X), unless --replot")
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
+    path = resolve_model(args.model)
+    hf_config = load_hf_config(path)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    dtype_bytes = torch.empty(0, dtype=resolve_dtype(args.dtype, device, hf_config)).element_size()
+    shape = ModelShape.from_hf_config(hf_config, dtype_bytes=dtype_bytes)
+    budgets = [(text, parse_budget(text, shape.weight_bytes)) for text in args.budgets]
+    # Every point's config up front: a flag error stops the sweep before any engine is built.
+    configs = {(text, name): engine_config_from_args(args, model=args.model, gpu_memory_gb=b / GiB,
+                                                     **placement_flags(name, args))
+               for text, b in budgets for name in args.placements}
+    model_name = shape.name or Path(path).name
+    points, closers = [], []
+    for text, budget in budgets:
+        for name in args.placements:
+            logger.info("sweep: budget %s (%.3f GiB), placement %s", text, budget / GiB, name)
+            point = run_point(configs[(text, name)], shape, budget, args, hw, closers)
+            _free_engine_memory(closers)
+            closers.clear()
+            point = {"model": model_name, "budget_arg": text, "budget_gib": budget / GiB, "budget_bytes": budget,
+                     "placement": name, "engine_flags": _placement_fields(configs[(text, name)]), **point}
+            points.append(point)
+            print(f"[sweep] {model_name} budget {budget / GiB:.3f} GiB ({text}) {name}: {describe(point)}",
+                  flush=True)
+    base = dataclasses.asdict(next(iter(configs.values())))
+    for key in ("gpu_memory_gb", *_NOT_RESIDENT_FLAGS, "expert_placement"):
+        base.pop(key, None)
+    config = {"model": model_name, "model_path": path, "budgets": args.budgets, "placements": args.placements,
+              "placement_flags": {n: _placement_fields(configs[(budgets[0][0], n)]) for n in args.placements},
+              "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "engine": base, "shape": shape.to_dict(), "hardware_model": json.loads(hw.to_json())}
+    _write_outputs({"config": config, "points": points, **environment()}, args.output_dir, not args.no_plots)
+    return 0 if any(p["status"] == "ok" for p in points) else 1

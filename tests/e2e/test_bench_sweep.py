@@ -1,0 +1,91 @@
+"""`pagedmoe bench sweep` on CPU with the default model: budgets around the model's size, so the resident
+placement does not fit at the smaller one and does at the larger; JSON points, pager counters, PNGs."""
+import json
+
+import pytest
+
+from pagedmoe.engine.memory import GiB
+
+PNGS = ("throughput.png", "kv_capacity.png", "step_breakdown.png")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _weight_bytes() -> int:
+    from pagedmoe.config import default_model_path
+    from pagedmoe.experts.model_shape import ModelShape
+
+    return ModelShape.from_hf_config(default_model_path(), dtype_bytes=4).weight_bytes  # float32 on CPU
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    from pagedmoe.cli import main
+
+    out = tmp_path_factory.mktemp("sweep")
+    # Below the weights resident cannot load; paging keeps the backbone and part of the experts on the "GPU".
+    small = 0.8 * _weight_bytes() / GiB
+    argv = ["bench", "sweep", "--budgets", f"{small:.4f}", "weights+0.03", "--placements", "resident", "paged",
+            "--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--max-model-len", "64",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--device", "cpu", "--output-dir", str(out)]
+    assert main(argv) == 0
+    return out, small, json.loads((out / "sweep.json").read_text())
+
+
+def test_sweep_points(sweep):
+    out, small, result = sweep
+    points = result["points"]
+    assert [(p["budget_arg"], p["placement"]) for p in points] == [
+        (f"{small:.4f}", "resident"), (f"{small:.4f}", "paged"), ("weights+0.03", "resident"),
+        ("weights+0.03", "paged")]
+    assert points[2]["budget_bytes"] == _weight_bytes() + int(0.03 * GiB)
+    no_fit = points[0]
+    assert no_fit["status"] == "does_not_fit"
+    assert small < no_fit["needs_gib"] <= points[2]["budget_gib"]
+    for p in points[1:]:
+        assert p["status"] == "ok", p
+        assert p["num_output_tokens"] == 4 * 8 and p["kv_capacity_tokens"] > 0
+        assert p["modelled"]["fits"] and p["modelled"]["output_throughput"] > 0
+        b = p["breakdown"]
+        assert b["prefill_s"] > 0 and b["decode_s"] > 0
+    assert points[1]["expert_placement"] == "paged" and points[2]["expert_placement"] == "resident"
+    assert points[2]["breakdown"]["pcie_h2d_bytes"] == 0 and points[2]["breakdown"]["pager_steps"] == 0
+    # Paged: every host-tier expert is copied every step of the timed run, warm-up requests excluded
+    # (4 prompts of 16 tokens: one prefill step, then 7 decode steps).
+    paged = points[1]
+    b = paged["breakdown"]
+    assert b["pager_steps"] == paged["decode_steps"] + 1 == 8
+    host_bytes = round(paged["memory_gib"]["host_tier"] * GiB)
+    assert host_bytes > 0 and b["pcie_h2d_bytes"] == b["pager_steps"] * host_bytes
+    cfg = result["config"]
+    assert cfg["placement_flags"]["resident"]["expert_placement"] == "resident"
+    assert cfg["num_prompts"] == 4 and "git_commit" in result and "versions" in result
+
+
+def test_sweep_pngs_and_replot(sweep, tmp_path):
+    from pagedmoe.cli import main
+
+    out, _, result = sweep
+    for name in PNGS:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    # Two "device calls" of one sweep merge into one result; the same point twice is kept once.
+    merged = tmp_path / "merged"
+    assert main(["bench", "sweep", "--replot", str(out / "sweep.json"), str(out / "sweep.json"),
+                 "--output-dir", str(merged)]) == 0
+    again = json.loads((merged / "sweep.json").read_text())
+    assert len(again["points"]) == len(result["points"])
+    for name in PNGS:
+        assert (merged / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_placement_flags_apply_to_paged_only():
+    import argparse
+
+    from pagedmoe.bench.sweep import placement_flags, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["sweep", "--budgets", "1", "--num-gpu-experts", "3"])
+    assert placement_flags("resident", args)["num_gpu_experts"] is None
+    assert placement_flags("auto", args)["num_gpu_experts"] is None
+    assert "num_gpu_experts" not in placement_flags("paged", args)  # the sweep's --num-gpu-experts 3 stands
+    assert args.num_gpu_experts == 3
