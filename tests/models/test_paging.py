@@ -157,6 +157,34 @@ def test_table_places_three_tiers():
         table.place([(), ()], [{6}, ()])
 
 
+def test_store_encodes_a_layer_once_its_rows_are_complete():
+    from pagedmoe.codecs.lossless import decode_reference
+    from pagedmoe.experts.store import ExpertStore
+    from pagedmoe.experts.table import ExpertTable
+
+    H, I = 16, 8
+    table = ExpertTable(2, 4)
+    table.place([{0}, {0}], [{1, 3}, {2}])
+    store = ExpertStore(table, H, I, torch.bfloat16, torch.device("cpu"), paged=True)
+    gen = torch.Generator().manual_seed(3)
+    w = {(l, e): torch.randn(3 * I * H, generator=gen).to(torch.bfloat16) for l in range(2) for e in range(4)}
+    for e in (1, 3):
+        store.write(0, e, "w13", w[0, e][:2 * I * H].view(2 * I, H))
+    store.write(0, 1, "w13", w[0, 1][:2 * I * H].view(2 * I, H))  # written twice: still incomplete
+    assert store.compressed[0] is None
+    store.write(0, 1, "w2", w[0, 1][2 * I * H:].view(H, I))
+    assert store.compressed[0] is None
+    store.write(0, 3, "down", w[0, 3][2 * I * H:].view(H, I))
+    assert store.compressed[0] is not None  # encoded on the last part, staging freed
+    with pytest.raises(RuntimeError, match="no raw row"):
+        store.row(0, 1)
+    assert torch.equal(decode_reference(store.compressed[0]).view(2, -1), torch.stack([w[0, 1], w[0, 3]]))
+    store.write(1, 2, "gate", w[1, 2][:I * H].view(I, H))
+    assert store.compressed[1] is None
+    store.finalize()  # encodes what is staged
+    assert store.compressed[1] is not None and store.compressed_bytes > 0
+
+
 def test_compressed_tier_decodes_the_written_rows(bf16_ckpt):
     """Each compressed expert decodes to the raw row the loader wrote (first-N ids, any split)."""
     from pagedmoe import LLM

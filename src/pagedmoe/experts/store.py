@@ -26,6 +26,10 @@ from pagedmoe.experts.layout import expert_stride, expert_views, row_part
 from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT, ExpertTable
 
 
+# the parts of an expert row each checkpoint tensor kind covers (experts/layout.py::row_part)
+_PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "up"), "w2": ("down",)}
+
+
 class PlainDoubleBuffer:
     """Two [E, stride] device buffers; layer l uses buffer l % 2. Works anywhere (CPU included)."""
 
@@ -57,7 +61,7 @@ class ExpertStore:
         self.host: list[Optional[torch.Tensor]] = [None] * L
         self.compressed: list = [None] * L          # CompressedTensor per layer (paged, compressed tier)
         self._staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
-        self._staged_numel = [0] * L
+        self._staged_parts: list[set] = [set() for _ in range(L)]  # (slot, 'gate'|'up'|'down') written
         if not paged:
             self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
             return
@@ -102,11 +106,12 @@ class ExpertStore:
             raise ValueError(f"expert {expert} of MoE layer {layer}: {kind} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
         dst.copy_(tensor)
-        if self.paged and self.table._entries[layer][expert].tier == COMPRESSED:
-            # NOTE: counts elements, assuming each part is written once (the loader's checkpoints
-            # name each tensor once); finalize() encodes whatever a rewrite left staged.
-            self._staged_numel[layer] += dst.numel()
-            if self._staged_numel[layer] >= self._staging[layer].numel():
+        entry = self.table._entries[layer][expert] if self.paged else None
+        if entry is not None and entry.tier == COMPRESSED:
+            # Encode the layer as soon as every part of every staged row has been written (a part
+            # written twice counts once); finalize() encodes rows a checkpoint left incomplete.
+            self._staged_parts[layer].update((entry.slot, p) for p in _PARTS[kind])
+            if len(self._staged_parts[layer]) == 3 * self._staging[layer].shape[0]:
                 self._encode(layer)
 
     def _encode(self, layer: int) -> None:
@@ -124,7 +129,7 @@ class ExpertStore:
             _launch_info(ct)
             ct.decode_table(None, torch.int32)
         self._staging[layer] = None
-        self._staged_numel[layer] = 0
+        self._staged_parts[layer] = set()
 
     def finalize(self) -> None:
         """After loading or dummy init: encode every layer whose compressed experts are still staged."""
