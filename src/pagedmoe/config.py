@@ -88,14 +88,14 @@ class EngineConfig:
         if self.num_compressed_experts is not None:
             if self.num_compressed_experts < 0:
                 raise ValueError(f"num_compressed_experts must be >= 0, got {self.num_compressed_experts}")
-            if self.expert_placement == "resident":
+            if self.expert_placement == "resident" and self.num_compressed_experts:
                 raise ValueError("--num-compressed-experts pages experts and cannot take effect with "
                                  "--expert-placement resident")
         if self.expert_compression != "none":
             if self.expert_placement == "resident":
                 raise ValueError(f"--expert-compression {self.expert_compression} cannot take effect with "
                                  "--expert-placement resident")
-            if (self.cpu_moe or self.num_gpu_experts is not None) and self.num_compressed_experts is None:
+            if (self.cpu_moe or self.num_gpu_experts is not None) and not self.num_compressed_experts:
                 raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
                                  "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
                                  "--num-compressed-experts instead")
@@ -112,7 +112,7 @@ class EngineConfig:
             return "paged", 0
         if self.num_gpu_experts is not None:
             return "paged", self.num_gpu_experts
-        if self.num_compressed_experts is not None:  # a fixed compressed tier: nothing else resident
+        if self.num_compressed_experts:  # a fixed compressed tier: nothing else resident
             return "paged", 0
         return self.expert_placement, None
 
