@@ -58,7 +58,7 @@ def test_sweep_points(sweep):
     assert host_bytes > 0 and b["pcie_h2d_bytes"] == b["pager_steps"] * host_bytes
     cfg = result["config"]
     assert cfg["placement_flags"]["resident"]["expert_placement"] == "resident"
-    assert cfg["num_prompts"] == 4 and "git_commit" in result and "versions" in result
+    assert cfg["num_prompts"] == 4 and result["complete"] and "git_commit" in result and "versions" in result
 
 
 def test_sweep_pngs_and_replot(sweep, tmp_path):

@@ -11,6 +11,7 @@ and redraws, without running anything.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -43,7 +44,7 @@ def register(sub) -> None:
     from pagedmoe.config import add_engine_args
 
     p = sub.add_parser("sweep", help="offline throughput over GPU budgets x expert placements, JSON + plots",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
     p.add_argument("--budgets", nargs="+", default=None,
                    help="GPU budgets (--gpu-memory-gb of each point): GiB, or weights+X / weights-X")
@@ -104,6 +105,12 @@ def _free_engine_memory(closers: list) -> None:
             logger.warning("sweep: closing expert buffers failed: %s", e)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # Pinned host-tier blocks stay cached by torch's host allocator too (84 GiB for Mixtral's experts):
+        # give them back, or the next paged point may not find host memory for its own.
+        empty_host = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                      or getattr(torch._C, "_host_emptyCache", None))
+        if empty_host is not None:
+            empty_host()
 
 
 def _pager_counters(stats: dict) -> dict:
@@ -295,6 +302,14 @@ def run(args) -> int:
                                                      **placement_flags(name, args))
                for text, b in budgets for name in args.placements}
     model_name = shape.name or Path(path).name
+    base = dataclasses.asdict(next(iter(configs.values())))
+    for key in ("gpu_memory_gb", *_NOT_RESIDENT_FLAGS, "expert_placement"):
+        base.pop(key, None)
+    config = {"model": model_name, "model_path": path, "budgets": args.budgets, "placements": args.placements,
+              "placement_flags": {n: _placement_fields(configs[(budgets[0][0], n)]) for n in args.placements},
+              "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "engine": base, "shape": shape.to_dict(), "hardware_model": json.loads(hw.to_json())}
+    env = environment()
     points, closers = [], []
     for text, budget in budgets:
         for name in args.placements:
@@ -307,12 +322,8 @@ def run(args) -> int:
             points.append(point)
             print(f"[sweep] {model_name} budget {budget / GiB:.3f} GiB ({text}) {name}: {describe(point)}",
                   flush=True)
-    base = dataclasses.asdict(next(iter(configs.values())))
-    for key in ("gpu_memory_gb", *_NOT_RESIDENT_FLAGS, "expert_placement"):
-        base.pop(key, None)
-    config = {"model": model_name, "model_path": path, "budgets": args.budgets, "placements": args.placements,
-              "placement_flags": {n: _placement_fields(configs[(budgets[0][0], n)]) for n in args.placements},
-              "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "engine": base, "shape": shape.to_dict(), "hardware_model": json.loads(hw.to_json())}
-    _write_outputs({"config": config, "points": points, **environment()}, args.output_dir, not args.no_plots)
+            # After every point: a sweep stopped by a time limit keeps what it measured.
+            write_json(args.output_dir / "sweep.json", {"config": config, "points": points, "complete": False, **env})
+    _write_outputs({"config": config, "points": points, "complete": True, **env}, args.output_dir,
+                   not args.no_plots)
     return 0 if any(p["status"] == "ok" for p in points) else 1
