@@ -3,12 +3,13 @@
 Placements:
 - resident: every layer owns a device tensor packed [E, stride]; the GEMMs read its views, no copies.
 - paged: resident experts of layer l in `resident[l]` (device rows), compressed experts in
-  `compressed[l]` (one lossless CompressedTensor per layer on the device, one part per expert, in slot
-  order; codecs/lossless.py), the others in `host[l]` (pinned rows). Before layer l's MoE runs, its experts are assembled in a compute buffer whose address is
-  fixed per layer: `buffers.packed(l)`. With the plain double buffer, layers l and l+2 share one
-  buffer, so resident rows are copied in too (device to device); with CUDA VMM (experts/vmm.py) the
-  resident rows are mapped into the layer's range and only host rows are copied. Compressed experts
-are decoded into their buffer rows (experts/pager.py).
+  `compressed[l]` (one lossless CompressedTensor per layer on the device, one part per expert in slot
+  order; codecs/lossless.py), the others in `host[l]` (pinned rows). Before layer l's MoE runs, its
+  experts are assembled in a compute buffer whose address is fixed per layer: `buffers.packed(l)`.
+  With the plain double buffer, layers l and l+2 share one buffer, so resident rows are copied in too
+  (device to device); with CUDA VMM (experts/vmm.py) the resident rows are mapped into the layer's
+  range and only host rows are copied. Compressed experts are decoded into their buffer rows
+  (experts/pager.py).
 
 Loading a compressed expert: `write` stages its raw row in host memory; once every staged row of a
 layer is complete the layer is encoded (on the device) and its staging freed; `finalize()` (called
