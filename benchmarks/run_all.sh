@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Reproduce every figure of docs/benchmarks.md on the GPU machine (one NVIDIA H200), stage by stage.
+#
+#   bash benchmarks/run_all.sh list              # the stages, what each reproduces, its expected time
+#   bash benchmarks/run_all.sh STAGE [STAGE...]  # run these stages; results under $OUT/<stage>/
+#   bash benchmarks/run_all.sh all               # every GPU stage in order (a machine without a call limit)
+#   bash benchmarks/run_all.sh plots DIR [DIR...]  # CPU: merge the sweep.json files under DIRs and redraw
+#
+# The device tool allows 10 minutes per call, and one call cannot hold all of this: run ONE stage per device
+# call (each stage is cut at STAGE_TIMEOUT, default 560 s, to leave room for start-up and copying $OUT back):
+#   run(command="OUT=$OUT bash benchmarks/run_all.sh sweep-mixtral-24")
+# then, on the CPU machine, `bash benchmarks/run_all.sh plots <the fetched folders>` draws the combined
+# sweep plots into $OUT/plots (copy them to docs/ with the numbers).
+#
+# Every stage first writes $OUT/<stage>/env.txt: date, commit (git, or $COMMIT when the tree has no .git),
+# a dirty-tree flag, GPU name / driver / memory, Python, torch, CUDA, triton, transformers; and pip freeze.
+# Per-step timeouts: STAGE_TIMEOUT for a whole stage; gpu_issue4.sh and bench_serve.sh keep their own.
+#
+# Sweep workload (env, defaults in brackets): SWEEP_NUM_PROMPTS [128], SWEEP_INPUT_LEN [512],
+# SWEEP_OUTPUT_LEN [64], SWEEP_PLACEMENTS ["resident paged auto"], SWEEP_MAX_MODEL_LEN [1024]. Short outputs
+# on purpose: a paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s (docs/planner.md),
+# so 64 output tokens already cost ~2 minutes per paged point. Budgets per stage: 24, 64, weights+4 (w4)
+# and 139 GiB, `--load-format dummy` (random N(0, 0.02) bf16 weights, never zeros).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
+OUT=${OUT:-out}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-560}
+M=${MIXTRAL_MODEL:-benchmarks/configs/mixtral-8x7b}   # overridable for a dry run of the script on CPU
+Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
+
+# stage -> "expected device time | what it reproduces"
+declare -A STAGES=(
+  [issue4]="~9 min | GPU tests; fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh)"
+  [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
+  [codec]="~4 min | lossless codec table: bit-exactness, decoder variants, encoder (benchmarks/bench_codec.py)"
+  [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
+  [serve-resident]="~5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
+  [serve-paged]="~6 min | serving table, paged N=32 row"
+  [sweep-mixtral-24]="~8 min | sweep Mixtral-8x7B at 24 GiB (resident does not fit; paged and auto stream every expert)"
+  [sweep-mixtral-64]="~8 min | sweep Mixtral-8x7B at 64 GiB"
+  [sweep-mixtral-w4]="~5 min | sweep Mixtral-8x7B at weights + 4 GiB (resident keeps ~2 GiB of KV: the headline ratio)"
+  [sweep-mixtral-139]="~4 min | sweep Mixtral-8x7B at 139 GiB (everything fits)"
+  [sweep-qwen3-24]="~6 min | sweep Qwen3-30B-A3B at 24 GiB"
+  [sweep-qwen3-64]="~5 min | sweep Qwen3-30B-A3B at 64 GiB"
+  [sweep-qwen3-w4]="~4 min | sweep Qwen3-30B-A3B at weights + 4 GiB"
+  [sweep-qwen3-139]="~4 min | sweep Qwen3-30B-A3B at 139 GiB"
+)
+ORDER=(issue4 hf codec attention serve-resident serve-paged sweep-mixtral-24 sweep-mixtral-64 sweep-mixtral-w4
+       sweep-mixtral-139 sweep-qwen3-24 sweep-qwen3-64 sweep-qwen3-w4 sweep-qwen3-139)
+
+record_env() {  # $1 = folder
+  local d=$1 commit dirty
+  mkdir -p "$d"
+  commit=$(git rev-parse HEAD 2>/dev/null || echo "${COMMIT:-unknown (no .git: pass COMMIT=...)}")
+  dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -20)
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $commit"
+    [ -n "$dirty" ] && echo "uncommitted changes:" && echo "$dirty"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null \
+      | sed 's/^/gpu: /' || echo "gpu: none (nvidia-smi failed)"
+    python - <<'PY'
+import platform, importlib.metadata as md
+import torch
+print("python:", platform.python_version())
+print("torch:", torch.__version__, "cuda:", torch.version.cuda)
+for name in ("triton", "transformers", "safetensors", "matplotlib"):
+    try:
+        print(f"{name}:", md.version(name))
+    except md.PackageNotFoundError:
+        print(f"{name}: not installed")
+PY
+    echo "host: $(nproc) cores, $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB memory"}')"
+  } > "$d/env.txt" 2>&1
+  python -m pip freeze > "$d/pip-freeze.txt" 2>/dev/null || true
+  cat "$d/env.txt"
+}
+
+sweep() {  # $1 = model folder, $2 = budget, $3 = output folder
+  timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep "$1" --load-format dummy \
+    --budgets "$2" --placements ${SWEEP_PLACEMENTS:-resident paged auto} \
+    --num-prompts "${SWEEP_NUM_PROMPTS:-128}" --input-len "${SWEEP_INPUT_LEN:-512}" \
+    --output-len "${SWEEP_OUTPUT_LEN:-64}" --max-model-len "${SWEEP_MAX_MODEL_LEN:-1024}" --max-num-seqs 256 \
+    --max-num-batched-tokens 16384 --output-dir "$3" > "$3/sweep.log" 2>&1
+  local rc=$?
+  grep -E "^\[sweep\]|rror" "$3/sweep.log" | tail -20
+  # the table and the files written come last in the log; without them the stage was cut short
+  sed -n '/^budget GiB/,$p' "$3/sweep.log"
+  return $rc
+}
+
+run_stage() {  # $1 = stage
+  local s=$1 d="$OUT/$1" rc=0
+  mkdir -p "$d"
+  echo "=== stage $s: ${STAGES[$s]:-ad hoc (sweep-MODEL-BUDGET: any budget the sweep takes, w4 = weights+4)}"
+  record_env "$d"
+  local t0=$SECONDS
+  case $s in
+    issue4)
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 || rc=$?
+      sed -n '/=== summary ===/,$p' "$d/run.log" ;;
+    hf)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/hf_generate.py $M --batch 32 --input-len 512 \
+        --output-len 32 --output-json "$d/hf_generate_mixtral.json" 2>&1 | tee "$d/hf_generate.log" | tail -3 \
+        || rc=$? ;;
+    codec)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --out "$d" > "$d/bench_codec.log" 2>&1 \
+        || rc=$?
+      tail -30 "$d/bench_codec.log" ;;
+    attention)
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_attention.py > "$d/bench_attention.log" \
+        2>&1 || rc=$?
+      tail -30 "$d/bench_attention.log" ;;
+    serve-resident)
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh resident \
+        --expert-placement resident || rc=$? ;;
+    serve-paged)
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh paged-n32 \
+        --expert-placement paged --num-gpu-experts 32 || rc=$? ;;
+    sweep-*)
+      local name=${s#sweep-} model budget
+      case ${name%-*} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
+      budget=${name##*-}
+      [ "$budget" = w4 ] && budget=weights+4
+      sweep "$model" "$budget" "$d" || rc=$? ;;
+    *) echo "unknown stage $s (bash benchmarks/run_all.sh list)"; return 2 ;;
+  esac
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "stage $s: TIMED OUT after ${STAGE_TIMEOUT} s (partial results kept)"
+  echo "stage $s: exit $rc, $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"
+  return $rc
+}
+
+plots() {  # CPU is enough: merge the sweep.json files found under the given folders, one plot set per model
+  local dirs=("$@") files
+  [ ${#dirs[@]} -gt 0 ] || dirs=("$OUT")
+  for m in mixtral qwen3; do
+    mapfile -t files < <(find "${dirs[@]}" -path "*sweep-$m-*" -name sweep.json | sort)
+    [ ${#files[@]} -gt 0 ] || { echo "no sweep-$m-*/sweep.json under ${dirs[*]}"; continue; }
+    python -m pagedmoe.cli bench sweep --replot "${files[@]}" --output-dir "$OUT/plots/$m"
+  done
+}
+
+case ${1:-list} in
+  list)
+    for s in "${ORDER[@]}"; do printf '%-18s %s\n' "$s" "${STAGES[$s]}"; done
+    echo "plots DIR...       CPU: merge the sweeps' sweep.json under DIR... into \$OUT/plots/{mixtral,qwen3}" ;;
+  plots) shift; plots "$@" ;;
+  all)
+    status=0
+    for s in "${ORDER[@]}"; do run_stage "$s" || status=1; done
+    plots "$OUT"
+    echo "=== stages ==="; cat "$OUT/stages.txt"
+    exit $status ;;
+  *)
+    status=0
+    for s in "$@"; do run_stage "$s" || status=1; done
+    echo "=== stages ==="; cat "$OUT/stages.txt"
+    exit $status ;;
+esac
