@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision, next_pow2
+from .device_info import sm_count
 from .moe_align import moe_align
 
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
@@ -174,17 +175,6 @@ class FusedMoEConfig:
                 raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
         if self.num_stages < 1 or self.num_stages2 < 1 or not 0 <= self.split_k <= 64:
             raise ValueError(f"bad stages/split_k in {self}")
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: choose as on an H200 so tests cover the same paths
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> float:

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import sm_count
 from ._attention_checks import (
     check_block_tables, check_caches, check_index, check_out, check_query, check_same_device, dot_precision,
     next_pow2,
@@ -132,17 +133,6 @@ def paged_attention_decode_reduce_kernel(
     tl.store(out_ptr + b * stride_o_b + h * stride_o_h + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: split as on an H200 so tests cover the same path
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
-
-
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): enough programs for ~2 per SM, partitions >= MIN_PARTITION_TOKENS.
 
@@ -197,7 +187,7 @@ def paged_attention_decode(
         else:
             block_n = 64 if head_dim_pad <= 128 else 32
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, _sm_count(q.device))
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, sm_count(q.device))
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in 1..1024, got {num_splits}")
     partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
