@@ -28,16 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "set as PAGEDMOE_<FLAG_NAME> in the environment (flags win).")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="verb", metavar="{verb}")
-    for name in VERB_MODULES:
+    register_modules(parser.add_subparsers(dest="verb", metavar="{verb}"), VERB_MODULES)
+    return parser
+
+
+def register_modules(subparsers, module_names: list[str]) -> None:
+    """Let each module add its verb(s); a module that is not part of this build is skipped."""
+    for name in module_names:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name and name.startswith(e.name):
-                continue  # the verb's module is not part of this build yet
+                continue
             raise
-        module.register(sub)
-    return parser
+        module.register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
