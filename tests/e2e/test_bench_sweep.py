@@ -80,12 +80,18 @@ def test_sweep_pngs_and_replot(sweep, tmp_path):
 def test_placement_flags_apply_to_paged_only():
     import argparse
 
-    from pagedmoe.bench.sweep import placement_flags, register
+    from pagedmoe.bench.sweep import point_config, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["sweep", "--budgets", "1", "--num-gpu-experts", "3"])
-    assert placement_flags("resident", args)["num_gpu_experts"] is None
-    assert placement_flags("auto", args)["num_gpu_experts"] is None
-    assert "num_gpu_experts" not in placement_flags("paged", args)  # the sweep's --num-gpu-experts 3 stands
-    assert args.num_gpu_experts == 3
+    args = parser.parse_args(["sweep", "--budgets", "1", "--num-gpu-experts", "3", "--max-num-seqs", "7"])
+    paged, resident, auto = (point_config(args, name, 2 * GiB) for name in ("paged", "resident", "auto"))
+    assert (paged.expert_placement, paged.num_gpu_experts) == ("paged", 3)
+    assert (resident.expert_placement, resident.num_gpu_experts) == ("resident", None)
+    assert (auto.expert_placement, auto.num_gpu_experts) == ("auto", None)
+    assert {c.gpu_memory_gb for c in (paged, resident, auto)} == {2.0}
+    assert {c.max_num_seqs for c in (paged, resident, auto)} == {7}
+    with pytest.raises(ValueError, match="cpu-moe"):  # --cpu-moe and --num-gpu-experts 3 contradict
+        point_config(args, "cpu-moe", GiB)
+    plain = parser.parse_args(["sweep", "--budgets", "1"])
+    assert point_config(plain, "cpu-moe", GiB).placement() == ("paged", 0)

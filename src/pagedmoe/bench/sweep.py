@@ -64,9 +64,10 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def placement_flags(name: str, args) -> dict[str, Any]:
-    """EngineConfig overrides for one placement: the table entry, plus the sweep's paged-only flags on
-    paged entries; those flags are reset to their defaults elsewhere."""
+def placement_flags(name: str) -> dict[str, Any]:
+    """EngineConfig overrides for one placement: its PLACEMENTS entry, with the paging flags reset to their
+    defaults where they cannot apply (all of them on resident entries, the paged-only ones on auto), so
+    the sweep's own --num-gpu-experts etc. reach the paged entries only."""
     from pagedmoe.config import EngineConfig
 
     entry = dict(PLACEMENTS[name])
@@ -76,6 +77,14 @@ def placement_flags(name: str, args) -> dict[str, Any]:
     for flag in reset:
         entry.setdefault(flag, defaults[flag])
     return entry
+
+
+def point_config(args, name: str, budget_bytes: int):
+    """The EngineConfig of one point: the sweep's engine flags, the budget, the placement's flags."""
+    from pagedmoe.config import engine_config_from_args
+    from pagedmoe.engine.memory import GiB
+
+    return engine_config_from_args(args, model=args.model, gpu_memory_gb=budget_bytes / GiB, **placement_flags(name))
 
 
 def _placement_fields(config) -> dict[str, Any]:
@@ -278,7 +287,7 @@ def run(args) -> int:
         return replot(args)
     import torch
 
-    from pagedmoe.config import engine_config_from_args, resolve_model
+    from pagedmoe.config import resolve_model
     from pagedmoe.engine.memory import GiB
     from pagedmoe.entrypoints.plan import parse_budget
     from pagedmoe.experts.cost_model import H200, HardwareProfile
@@ -298,9 +307,7 @@ def run(args) -> int:
     shape = ModelShape.from_hf_config(hf_config, dtype_bytes=dtype_bytes)
     budgets = [(text, parse_budget(text, shape.weight_bytes)) for text in args.budgets]
     # Every point's config up front: a flag error stops the sweep before any engine is built.
-    configs = {(text, name): engine_config_from_args(args, model=args.model, gpu_memory_gb=b / GiB,
-                                                     **placement_flags(name, args))
-               for text, b in budgets for name in args.placements}
+    configs = {(text, name): point_config(args, name, b) for text, b in budgets for name in args.placements}
     model_name = shape.name or Path(path).name
     base = dataclasses.asdict(next(iter(configs.values())))
     for key in ("gpu_memory_gb", *_NOT_RESIDENT_FLAGS, "expert_placement"):
