@@ -95,3 +95,21 @@ def test_placement_flags_apply_to_paged_only():
         point_config(args, "cpu-moe", GiB)
     plain = parser.parse_args(["sweep", "--budgets", "1"])
     assert point_config(plain, "cpu-moe", GiB).placement() == ("paged", 0)
+
+
+def test_failed_points_are_recorded(tmp_path, monkeypatch):
+    """An engine that cannot start (host memory, CUDA) costs its point, not the sweep's other points."""
+    import pagedmoe.engine.llm_engine as llm_engine
+    from pagedmoe.cli import main
+
+    def refuse(config):
+        if config.expert_placement == "paged":
+            raise RuntimeError("CUDA error: out of memory (pinning the host tier)")
+        raise ValueError("some other refusal without a budget")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", refuse)
+    assert main(["bench", "sweep", "--budgets", "1", "--placements", "resident", "paged", "--device", "cpu",
+                 "--no-plots", "--output-dir", str(tmp_path)]) == 1  # nothing ran
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert [(p["placement"], p["status"]) for p in points] == [("resident", "error"), ("paged", "error")]
+    assert "out of memory" in points[1]["message"] and points[0]["needs_gib"] is None

@@ -222,6 +222,9 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
     except ValueError as e:  # BudgetError / PlacementBudgetError, or a placement this model cannot take
         need = _needs_gib(e)
         return {"status": "does_not_fit" if need is not None else "error", "needs_gib": need, "message": str(e)}
+    except RuntimeError as e:  # e.g. pinning the host tier failed: keep the other points
+        logger.warning("sweep: point failed", exc_info=True)
+        return {"status": "error", "message": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     finally:
         buffers = getattr(getattr(engine, "expert_store", None), "buffers", None)
         if hasattr(buffers, "close"):
