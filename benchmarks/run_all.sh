@@ -21,6 +21,10 @@
 # on purpose: a paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s (docs/planner.md),
 # so 64 output tokens already cost ~2 minutes per paged point. Budgets per stage: 24, 64, weights+4 (w4)
 # and 139 GiB, `--load-format dummy` (random N(0, 0.02) bf16 weights, never zeros).
+# Host memory (unverified on the machine): the host tier is pinned one tensor per MoE layer, and torch's
+# caching host allocator rounds each pinned allocation up to a power of two, so Mixtral with every expert
+# paged (8 x 336 MiB = 2.6 GiB per layer -> 4 GiB) would pin 128 GiB, all of the machine's host memory.
+# A point that fails that way is recorded as an error in sweep.json and the sweep goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
