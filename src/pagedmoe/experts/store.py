@@ -19,6 +19,7 @@ Shapes: E experts, H hidden, I expert intermediate size (see experts/layout.py).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -29,6 +30,33 @@ from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT, ExpertTable
 
 # the parts of an expert row each checkpoint tensor kind covers (experts/layout.py::row_part)
 _PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "up"), "w2": ("down",)}
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly this size.
+
+    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds every
+    block up to a power of two (a 2.6 GiB Mixtral layer would pin 4 GiB, 128 GiB for the model), so
+    the pages are allocated normally and registered with the driver instead.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # 1: cudaHostRegisterPortable
+    if int(err) != 0 or not t.is_pinned():
+        # Fall back on the caching allocator (exact size lost, but copies stay asynchronous).
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    # NOTE: registered pages must be unregistered before they are freed.
+    weakref.finalize(t, _unregister, t.data_ptr())
+    return t
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process is going away anyway
+        pass
 
 
 class PlainDoubleBuffer:
@@ -77,7 +105,8 @@ class ExpertStore:
                 self.resident.append(self.buffers.resident_rows(layer))
             else:
                 self.resident.append(torch.empty(n_res, self.stride, dtype=dtype, device=device))
-            self.host[layer] = torch.empty(n_host, self.stride, dtype=dtype, pin_memory=pin)
+            self.host[layer] = pinned_empty((n_host, self.stride), dtype) if pin else \
+                torch.empty(n_host, self.stride, dtype=dtype)
             n_comp = table.count(layer, COMPRESSED)
             if n_comp:
                 if dtype != torch.bfloat16:
