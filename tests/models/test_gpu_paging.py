@@ -45,5 +45,7 @@ def test_paged_matches_resident_on_gpu(ckpt, flags, eager):
     assert stats["expert_bytes_h2d"] == engine.pager.bytes_per_forward * engine.num_steps
     if eager:
         assert stats["expert_copy_s"] > 0
+    host = [t for t in engine.expert_store.host if t is not None and t.numel()]
+    assert host and all(t.is_pinned() for t in host)  # registered pages: asynchronous copies
     if flags.get("expert_buffers") == "vmm":
         assert stats["expert_bytes_d2d"] == 0  # resident experts are mapped, never copied
