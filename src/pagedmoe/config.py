@@ -19,6 +19,9 @@ _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm")
 _EXPERT_COMPRESSION = ("none", "lossless")
+# exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
+# format, dequantised into the paged compute buffers; dynamic: not implemented yet (refused).
+_EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -64,6 +67,10 @@ class EngineConfig:
                                     _EXPERT_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
                                         "mapped in place), plain (double buffer), auto", _EXPERT_BUFFERS)
+    expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
+                                           "every expert held in GPU memory in that lossy format and "
+                                           "dequantised each step (paged); dynamic: not implemented yet",
+                                  _EXPERT_PRECISIONS)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -99,22 +106,42 @@ class EngineConfig:
                 raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
                                  "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
                                  "--num-compressed-experts instead")
+        if self.expert_precision == "dynamic":
+            raise ValueError("--expert-precision dynamic is not implemented yet (the pressure controller is "
+                             "not wired to the runtime); use exact or static-fp8/static-int8/static-int4")
+        if self.quantized_precision() is not None:
+            flag = self.expert_precision
+            if self.expert_placement == "resident":
+                raise ValueError(f"--expert-precision {flag} dequantises experts into paged buffers and cannot "
+                                 "take effect with --expert-placement resident")
+            for name, given in (("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
+                                ("--num-compressed-experts", self.num_compressed_experts is not None),
+                                ("--expert-compression", self.expert_compression != "none")):
+                if given:
+                    raise ValueError(f"--expert-precision {flag} holds every expert in one lossy format; it "
+                                     f"contradicts {name}")
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
-                              ("expert_compression", _EXPERT_COMPRESSION)):
+                              ("expert_compression", _EXPERT_COMPRESSION),
+                              ("expert_precision", _EXPERT_PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
 
     def placement(self) -> tuple[str, Optional[int]]:
         """(resident|paged|auto, resident experts per layer or None when not fixed by a flag)."""
-        if self.cpu_moe:
+        if self.cpu_moe or self.quantized_precision() is not None:
             return "paged", 0
         if self.num_gpu_experts is not None:
             return "paged", self.num_gpu_experts
         if self.num_compressed_experts:  # a fixed compressed tier: nothing else resident
             return "paged", 0
         return self.expert_placement, None
+
+    def quantized_precision(self) -> Optional[str]:
+        """The lossy format of a static --expert-precision ("fp8", "int8", "int4"), else None."""
+        p = self.expert_precision
+        return p[len("static-"):] if p in _EXPERT_PRECISIONS and p.startswith("static-") else None
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

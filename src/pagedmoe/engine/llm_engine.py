@@ -75,7 +75,8 @@ class LLMEngine:
         placement, num_gpu_experts, num_compressed = self._resolve_placement()
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
-                               config.expert_buffers, num_compressed)
+                               config.expert_buffers, num_compressed,
+                               quantized_precision=config.quantized_precision())
         self.expert_store = self.model.expert_store
         self.pager = self.model.pager
         self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
@@ -84,8 +85,9 @@ class LLMEngine:
         store = self.expert_store
         logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
                     time.perf_counter() - t0, self.plan.summary())
-        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB host tier, "
-                    "%.2f GiB expert buffers", placement, store.resident_bytes / GiB, store.compressed_bytes / GiB,
+        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
+                    "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", placement, store.resident_bytes / GiB,
+                    store.compressed_bytes / GiB, store.quantized_bytes / GiB, config.expert_precision,
                     store.host_bytes / GiB, store.buffer_bytes / GiB)
         self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
@@ -108,9 +110,9 @@ class LLMEngine:
     # -- memory ----------------------------------------------------------------------------------
     def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
         """(resident|paged, resident experts per MoE layer, compressed experts per MoE layer). Flags
-        decide when they fix it; otherwise the planner (experts/planner.py) picks the placement with the
-        best modelled throughput (with the lossless compressed tier among its choices only under
-        --expert-compression lossless)."""
+        decide when they fix it (a static --expert-precision pages every expert: all quantized); otherwise
+        the planner (experts/planner.py) picks the placement with the best modelled throughput (with the
+        lossless compressed tier among its choices only under --expert-compression lossless)."""
         from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
         from pagedmoe.experts.model_shape import ModelShape
         from pagedmoe.experts.planner import plan_memory as plan_placement_memory
@@ -335,7 +337,7 @@ class LLMEngine:
         out = {"expert_placement": "paged" if store.paged else "resident",
                "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
                "expert_resident_bytes": store.resident_bytes, "expert_compressed_bytes": store.compressed_bytes,
-               "expert_host_bytes": store.host_bytes,
+               "expert_quantized_bytes": store.quantized_bytes, "expert_host_bytes": store.host_bytes,
                "expert_buffer_bytes": store.buffer_bytes}
         if self.pager is not None:
             out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})

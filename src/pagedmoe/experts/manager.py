@@ -27,7 +27,8 @@ def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: s
 
 def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[int], None],
                    device: torch.device, dtype: torch.dtype, buffers: str = "auto",
-                   num_compressed_experts: Union[int, Sequence[int], None] = None) -> ExpertStore:
+                   num_compressed_experts: Union[int, Sequence[int], None] = None,
+                   quantized_precision: Optional[str] = None) -> ExpertStore:
     """Create the expert table and store for `model` and route its MoE layers through them.
 
     placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
@@ -35,6 +36,9 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     double-buffered compute area. `num_compressed_experts` (paged only; one count, or one per MoE
     layer) of the others are kept losslessly compressed on the device instead (bf16 only) and decoded
     into the compute area; the store encodes them when loading ends (ExpertStore.finalize).
+    `quantized_precision` ("fp8", "int8" or "int4"; paged only): the experts that would go to the host
+    tier are held on the device in that lossy format instead and dequantised into the compute area (the
+    static `--expert-precision static-*` modes: every expert, with no resident or compressed ones).
     """
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
@@ -48,6 +52,9 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     if any(comp) and dtype != torch.bfloat16:
         raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
                          "(use --dtype bfloat16)")
+    if quantized_precision is not None and not paged:
+        raise ValueError("quantized experts are dequantised into paged compute buffers; they need placement "
+                         "'paged'")
     if not paged:
         table.place_first(dims.num_experts)
     else:
@@ -59,7 +66,11 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
                              "experts per layer")
         # Without activity statistics every expert is as good as another: the first N resident, the
         # next C compressed (consecutive ids: one decode launch per layer).
-        table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)])
+        quant = None
+        if quantized_precision is not None:
+            quant = [range(n + c, E) for n, c in zip(counts, comp)]
+        table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)], quant,
+                    quantized_precision or "int8")
     factory, align = None, 16
     if paged and buffers in ("auto", "vmm") and device.type == "cuda":
         from pagedmoe.experts import vmm

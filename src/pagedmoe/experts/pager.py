@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedmoe.experts.store import ExpertStore
-from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT
+from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT
 
 
 @dataclass
@@ -33,6 +33,7 @@ class PagerStats:
     bytes_h2d: int = 0          # host -> device, paged experts
     bytes_d2d: int = 0          # resident rows copied into a shared buffer (plain double buffer only)
     bytes_decoded: int = 0      # bf16 bytes decoded from the compressed tier into the buffers
+    bytes_dequantized: int = 0  # buffer-dtype bytes dequantised from the quantized tier into the buffers
     copy_s: float = 0.0         # time the copy stream spent copying (CUDA events)
     wait_s: float = 0.0         # time the compute stream waited for experts (CUDA events)
     layers_loaded: int = 0
@@ -59,6 +60,8 @@ class ExpertPager:
         elem = torch.empty(0, dtype=store.dtype).element_size()
         self._decoded_per_layer = [store.table.count(layer, COMPRESSED) * store.expert_numel * elem
                                    for layer in range(self.num_layers)]
+        self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
+                                       for layer in range(self.num_layers)]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(store.device)
             ev = (lambda: torch.cuda.Event(enable_timing=self.timing))
@@ -143,6 +146,8 @@ class ExpertPager:
                 rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
                 for p0, p1, dst in self._decodes[layer]:
                     dst.copy_(rows[p0:p1].reshape(-1))
+            if self._dequantized_per_layer[layer]:
+                self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
             return
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.free[layer % 2])
@@ -156,6 +161,10 @@ class ExpertPager:
                 ct = self._compressed(layer)
                 for p0, p1, dst in self._decodes[layer]:
                     lossless_decode(ct, dst, parts=(p0, p1))
+            if self._dequantized_per_layer[layer]:
+                # NOTE: the PyTorch reference dequantiser (sync-free torch ops) on the copy stream; its
+                # temporaries are allocated and freed on this stream. Triton kernels come later.
+                self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
             self.loaded[layer].record()
 
     def _compressed(self, layer: int):
@@ -163,6 +172,12 @@ class ExpertPager:
         if ct is None:
             raise RuntimeError(f"MoE layer {layer}'s compressed experts are not encoded yet (ExpertStore.finalize)")
         return ct
+
+    def _quantized(self, layer: int):
+        q = self.store.quantized[layer]
+        if q is None:
+            raise RuntimeError(f"MoE layer {layer}'s quantized experts are not quantised yet (ExpertStore.finalize)")
+        return q
 
     def reset_stats(self) -> None:
         self.stats = PagerStats()
@@ -173,6 +188,7 @@ class ExpertPager:
         self.stats.bytes_h2d += h2d
         self.stats.bytes_d2d += d2d
         self.stats.bytes_decoded += self._decoded_per_layer[layer]
+        self.stats.bytes_dequantized += self._dequantized_per_layer[layer]
         self.stats.layers_loaded += 1
 
     def account_replay(self) -> None:
@@ -187,6 +203,10 @@ class ExpertPager:
     @property
     def decoded_bytes_per_forward(self) -> int:
         return sum(self._decoded_per_layer)
+
+    @property
+    def dequantized_bytes_per_forward(self) -> int:
+        return sum(self._dequantized_per_layer)
 
     def end_step(self) -> None:
         """After the step's results reached the host (all events done): fold event timings into stats."""

@@ -9,11 +9,14 @@ Placements:
   With the plain double buffer, layers l and l+2 share one buffer, so resident rows are copied in too
   (device to device); with CUDA VMM (experts/vmm.py) the resident rows are mapped into the layer's
   range and only host rows are copied. Compressed experts are decoded into their buffer rows
-  (experts/pager.py).
+  (experts/pager.py); quantized experts (`quantized[l]`, one QuantizedLayer of fp8/int8/int4 experts
+  on the device, experts/quantized.py) are dequantised into theirs.
 
 Loading a compressed expert: `write` stages its raw row in host memory; once every staged row of a
 layer is complete the layer is encoded (on the device) and its staging freed; `finalize()` (called
-by the loader after loading or dummy init) encodes whatever is still staged.
+by the loader after loading or dummy init) encodes whatever is still staged. Quantized experts are
+staged the same way and quantised (on the device) once the layer's staged rows are complete; the raw
+rows are then dropped: static precision modes keep no bf16 master (promotion is a later, dynamic mode).
 
 Shapes: E experts, H hidden, I expert intermediate size (see experts/layout.py).
 """
@@ -25,7 +28,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.experts.layout import expert_stride, expert_views, row_part
-from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT, ExpertTable
+from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, ExpertTable
 
 
 # the parts of an expert row each checkpoint tensor kind covers (experts/layout.py::row_part)
@@ -91,6 +94,9 @@ class ExpertStore:
         self.compressed: list = [None] * L          # CompressedTensor per layer (paged, compressed tier)
         self._staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
         self._staged_parts: list[set] = [set() for _ in range(L)]  # (slot, 'gate'|'up'|'down') written
+        self.quantized: list = [None] * L           # QuantizedLayer per layer (paged, quantized tier)
+        self._qstaging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
+        self._qstaged_parts: list[set] = [set() for _ in range(L)]
         if not paged:
             self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
             return
@@ -113,6 +119,9 @@ class ExpertStore:
                     raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
                                      "(use --dtype bfloat16)")
                 self._staging[layer] = torch.empty(n_comp, self.expert_numel, dtype=dtype)
+            n_quant = table.count(layer, QUANTIZED)
+            if n_quant:
+                self._qstaging[layer] = torch.empty(n_quant, self.expert_numel, dtype=dtype)
 
     # -- where an expert's bytes live ---------------------------------------------------------
     def row(self, layer: int, expert: int) -> torch.Tensor:
@@ -126,6 +135,11 @@ class ExpertStore:
                 raise RuntimeError(f"expert {expert} of MoE layer {layer} is compressed; it has no raw row "
                                    "(decode it with the pager)")
             return self._staging[layer][entry.slot]
+        if entry.tier == QUANTIZED:
+            if self._qstaging[layer] is None:
+                raise RuntimeError(f"expert {expert} of MoE layer {layer} is quantized; it has no raw row "
+                                   "(dequantise it with the pager)")
+            return self._qstaging[layer][entry.slot]
         store = self.resident[layer] if entry.tier == RESIDENT else self.host[layer]
         return store[entry.slot]
 
@@ -143,6 +157,10 @@ class ExpertStore:
             self._staged_parts[layer].update((entry.slot, p) for p in _PARTS[kind])
             if len(self._staged_parts[layer]) == 3 * self._staging[layer].shape[0]:
                 self._encode(layer)
+        elif entry is not None and entry.tier == QUANTIZED:
+            self._qstaged_parts[layer].update((entry.slot, p) for p in _PARTS[kind])
+            if len(self._qstaged_parts[layer]) == 3 * self._qstaging[layer].shape[0]:
+                self._quantize(layer)
 
     def _encode(self, layer: int) -> None:
         from pagedmoe.codecs.lossless import encode
@@ -161,12 +179,25 @@ class ExpertStore:
         self._staging[layer] = None
         self._staged_parts[layer] = set()
 
+    def _quantize(self, layer: int) -> None:
+        from pagedmoe.experts.quantized import QuantizedLayer
+
+        ids = self.table.ids(layer, QUANTIZED)  # slot order = expert-id order
+        precision = self.table._entries[layer][ids[0]].precision
+        self.quantized[layer] = QuantizedLayer.quantize_rows(self._qstaging[layer], precision, self.hidden,
+                                                             self.inter, ids, self.device)
+        self._qstaging[layer] = None
+        self._qstaged_parts[layer] = set()
+
     def finalize(self) -> None:
-        """After loading or dummy init: encode every layer whose compressed experts are still staged."""
+        """After loading or dummy init: encode (quantise) every layer whose compressed (quantized) experts
+        are still staged."""
         for layer in range(self.table.num_layers):
             if self._staging[layer] is not None:
                 self._encode(layer)
-        if self.device.type == "cuda" and any(ct is not None for ct in self.compressed):
+            if self._qstaging[layer] is not None:
+                self._quantize(layer)
+        if self.device.type == "cuda" and any(x is not None for x in self.compressed + self.quantized):
             # the encoder's temporaries (~80 B per weight of a chunk) would otherwise stay cached and
             # shrink the free memory the KV cache is sized from
             torch.cuda.empty_cache()
@@ -210,9 +241,14 @@ class ExpertStore:
         return sum(ct.nbytes for ct in self.compressed if ct is not None)
 
     @property
+    def quantized_bytes(self) -> int:
+        """Device bytes of the quantized tier: data + scales, exactly `quant.bytes_of` per weight."""
+        return sum(q.nbytes for q in self.quantized if q is not None)
+
+    @property
     def buffer_bytes(self) -> int:
         return self.buffers.nbytes if self.paged else 0
 
     @property
     def device_bytes(self) -> int:
-        return self.resident_bytes + self.compressed_bytes + self.buffer_bytes
+        return self.resident_bytes + self.compressed_bytes + self.quantized_bytes + self.buffer_bytes

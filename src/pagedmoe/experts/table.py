@@ -3,7 +3,8 @@
 Tiers: "resident" (its own GPU memory, mapped or copied into the layer's compute buffer), "compressed"
 (a lossless compressed copy in GPU memory, decoded into the compute buffer before its layer runs; its
 precision stays "bf16": the decode is exact) and "host" (pinned host memory, streamed into the compute
-buffer before its layer runs). The lower precisions are further tiers of the same table.
+buffer before its layer runs) and "quantized" (a lossy fp8/int8/int4 copy in GPU memory, dequantised into
+the compute buffer before its layer runs; its precision is that format).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Iterable, Optional, Sequence
 RESIDENT = "resident"
 COMPRESSED = "compressed"
 HOST = "host"
-TIERS = (RESIDENT, COMPRESSED, HOST)
+QUANTIZED = "quantized"
+TIERS = (RESIDENT, COMPRESSED, HOST, QUANTIZED)
+QUANTIZED_PRECISIONS = ("fp8", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -37,27 +40,39 @@ class ExpertTable:
         self._entries: list[list[Optional[ExpertEntry]]] = [[None] * num_experts for _ in range(num_layers)]
 
     def place(self, resident: Sequence[Iterable[int]],
-              compressed: Optional[Sequence[Iterable[int]]] = None) -> None:
+              compressed: Optional[Sequence[Iterable[int]]] = None,
+              quantized: Optional[Sequence[Iterable[int]]] = None, quantized_precision: str = "int8") -> None:
         """resident[l] = the expert ids of MoE layer l kept on the GPU, compressed[l] (optional) those
-        kept losslessly compressed on the GPU; the rest go to the host tier. Slots number the experts
-        of each tier in expert-id order."""
+        kept losslessly compressed on the GPU, quantized[l] (optional) those kept on the GPU in the lossy
+        format `quantized_precision`; the rest go to the host tier. Slots number the experts of each
+        tier in expert-id order."""
         if len(resident) != self.num_layers:
             raise ValueError(f"need a resident set for each of {self.num_layers} MoE layers")
         if compressed is None:
             compressed = [()] * self.num_layers
         if len(compressed) != self.num_layers:
             raise ValueError(f"need a compressed set for each of {self.num_layers} MoE layers")
-        for layer, (ids, comp) in enumerate(zip(resident, compressed)):
-            ids, comp = set(ids), set(comp)
-            bad = [e for e in ids | comp if not 0 <= e < self.num_experts]
+        if quantized is None:
+            quantized = [()] * self.num_layers
+        if len(quantized) != self.num_layers:
+            raise ValueError(f"need a quantized set for each of {self.num_layers} MoE layers")
+        if quantized_precision not in QUANTIZED_PRECISIONS:
+            raise ValueError(f"quantized precision must be one of {QUANTIZED_PRECISIONS}, got {quantized_precision!r}")
+        for layer, (ids, comp, quant) in enumerate(zip(resident, compressed, quantized)):
+            ids, comp, quant = set(ids), set(comp), set(quant)
+            bad = [e for e in ids | comp | quant if not 0 <= e < self.num_experts]
             if bad:
                 raise ValueError(f"layer {layer}: expert ids out of range: {sorted(bad)}")
             if ids & comp:
                 raise ValueError(f"layer {layer}: experts {sorted(ids & comp)} are both resident and compressed")
+            if (ids | comp) & quant:
+                raise ValueError(f"layer {layer}: experts {sorted((ids | comp) & quant)} are quantized and in "
+                                 "another tier")
             slots = dict.fromkeys(TIERS, 0)
             for e in range(self.num_experts):
-                tier = RESIDENT if e in ids else COMPRESSED if e in comp else HOST
-                self._entries[layer][e] = ExpertEntry(tier, slots[tier])
+                tier = RESIDENT if e in ids else COMPRESSED if e in comp else QUANTIZED if e in quant else HOST
+                precision = quantized_precision if tier == QUANTIZED else "bf16"
+                self._entries[layer][e] = ExpertEntry(tier, slots[tier], precision)
                 slots[tier] += 1
 
     def place_first(self, num_gpu_experts: int) -> None:
