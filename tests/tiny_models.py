@@ -29,6 +29,15 @@ def tiny_hf_config(family: str, **overrides):
                                           head_dim=16, norm_topk_prob=True, **common)
     elif family == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=32, num_experts=8, **common)
+    elif family == "glm4_moe":
+        # Layer 0 dense, layers 1-2 MoE; 4 groups of 2 experts, the best 2 groups compete; half of
+        # each head rotates; every optional path on (bias, qk norm, shared expert, scaling).
+        common = dict(common, num_hidden_layers=3)
+        cfg = transformers.Glm4MoeConfig(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                         n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                         routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=16,
+                                         partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                                         **common)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -67,6 +76,9 @@ def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, dtype=torch.flo
                 p.add_(torch.randn_like(p) * 0.1)
             elif p.ndim >= 2:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer the choice
+                b.normal_(0.0, 0.1)
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)

@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 12
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -33,7 +33,17 @@ class ArchSpec:
     clip_qkv: Optional[float] = None
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    shared_expert_name: str = "shared_expert"  # "shared_experts" (GLM-4.5, DeepSeek): no gate
     dense_layers: frozenset = field(default_factory=frozenset)  # layer indices with a dense MLP
+    # Router: "softmax" (Mixtral, Qwen, OLMoE) or "sigmoid_grouped" (GLM-4.5, DeepSeek-V3: sigmoid
+    # scores, e_score_correction_bias, group-limited top-k, routed scaling); layers/moe.py.
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Trailing multi-token-prediction layers some checkpoints carry (model.layers.{num_layers + i}.*,
+    # GLM-4.5 / DeepSeek-V3): not part of the decoder, skipped at load like transformers does.
+    num_mtp_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class ModelDims:
     rope_theta: float
     max_position: int
     tie_word_embeddings: bool
+    rotary_dim: int = 0  # dims of each head that rotate (partial rotary, GLM-4.5); 0: all head_dim
 
     @classmethod
     def from_hf(cls, c, num_experts: int, moe_intermediate_size: int) -> "ModelDims":
@@ -82,7 +93,9 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             moe = FusedMoE(dims.hidden_size, dims.moe_intermediate_size, dims.num_experts, dims.top_k,
                            spec.renormalize, moe_idx, spec.shared_intermediate_size,
-                           spec.shared_expert_gate)
+                           spec.shared_expert_gate, router=spec.router, n_group=spec.n_group,
+                           topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
+                           shared_expert_name=spec.shared_expert_name)
         else:
             moe = GatedMLP(dims.hidden_size, dims.dense_intermediate_size)
         # Registered under the family's checkpoint name so the tensors load by name.
@@ -101,7 +114,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(dims.head_dim, max_position, dims.rope_theta)
+        self.rotary = RotaryEmbedding(dims.head_dim, max_position, dims.rope_theta, dims.rotary_dim)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         moe_layers = [i for i in range(dims.num_layers) if i not in spec.dense_layers]
         self.layers = nn.ModuleList(
@@ -167,6 +180,8 @@ class MoEForCausalLM(nn.Module):
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
         """Copy one checkpoint tensor into place. Returns the names of the units (re)written."""
+        if self.spec.num_mtp_layers and self._is_mtp_tensor(name):
+            return []
         expert = self.expert_tensor_name(name)
         if expert is not None:
             layer, e, kind = expert
@@ -197,6 +212,13 @@ class MoEForCausalLM(nn.Module):
                              f"model shape {tuple(target.shape)}")
         target.copy_(tensor)
         return [name]
+
+    def _is_mtp_tensor(self, name: str) -> bool:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return False
+        n = self.dims.num_layers
+        return n <= int(parts[2]) < n + self.spec.num_mtp_layers
 
     def expected_tensor_names(self) -> set[str]:
         """Every unit load_tensor must write for a complete checkpoint."""

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pagedmoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from pagedmoe.models import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
 MODEL_REGISTRY: dict[str, Callable] = {
     "MixtralForCausalLM": mixtral.build_spec,
     "Qwen2MoeForCausalLM": qwen2_moe.build_spec,
     "Qwen3MoeForCausalLM": qwen3_moe.build_spec,
     "OlmoeForCausalLM": olmoe.build_spec,
+    "Glm4MoeForCausalLM": glm4_moe.build_spec,
 }
 
 

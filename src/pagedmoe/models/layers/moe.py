@@ -24,6 +24,56 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: boo
     return weights, ids
 
 
+def route_sigmoid_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                          n_group: int, topk_group: int, renormalize: bool, routed_scaling_factor: float):
+    """GLM-4.5 / DeepSeek-V3 routing ("noaux_tc"). -> (weights f32 [T, A], ids [T, A]).
+
+    Sigmoid scores in float32; the correction bias only steers the *choice* (the weights are the plain
+    scores). Experts split into n_group groups; a group scores the sum of its best two biased scores;
+    only the topk_group best groups compete for the top-k. Then optional renormalisation (+1e-20, as
+    transformers) and the routed scaling factor. Follows transformers' Glm4MoeTopkRouter op for op.
+    """
+    scores = router_logits.float().sigmoid()                                   # [T, E]
+    choice = scores + correction_bias
+    if n_group > 1:
+        T, E = choice.shape
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class SigmoidGroupedGate(nn.Module):
+    """Router of GLM-4.5 / DeepSeek-V3: logits in float32 from float32 weights, plus the per-expert
+    `e_score_correction_bias` (checkpoint name `mlp.gate.e_score_correction_bias`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: stays float32 whatever dtype the model is cast to (transformers keeps gate.weight and
+        # the bias in float32: `_keep_in_fp32_modules_strict`); a bf16 bias would change the top-k.
+        super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+ROUTERS = ("softmax", "sigmoid_grouped")
+
+
 def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """Reference: one expert at a time (slow, any shape, any dtype)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -107,22 +157,44 @@ MOE_BACKENDS: dict[str, Callable] = {
 
 
 class FusedMoE(nn.Module):
-    """Router + routed experts (+ optional shared expert with a sigmoid gate, as in Qwen2-MoE)."""
+    """Router + routed experts (+ optional shared expert).
+
+    Shared experts come in two kinds: Qwen2-MoE's `shared_expert` behind a sigmoid gate, and
+    GLM-4.5 / DeepSeek's `shared_experts` added without one (shared_expert_name names the module as
+    in the checkpoint). Routers: "softmax" (softmax top-k, optional renormalisation) and
+    "sigmoid_grouped" (route_sigmoid_grouped).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, moe_idx: int, shared_intermediate_size: int = 0,
-                 shared_expert_gate: bool = False) -> None:
+                 shared_expert_gate: bool = False, router: str = "softmax", n_group: int = 1,
+                 topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 shared_expert_name: str = "shared_expert") -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        if router == "sigmoid_grouped" and n_group > 1:
+            if num_experts % n_group or num_experts // n_group < 2 or not 1 <= topk_group <= n_group:
+                raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts} "
+                                 f"experts (groups of >= 2 experts, 1 <= topk_group <= n_group)")
+            if topk_group * (num_experts // n_group) < top_k:
+                raise ValueError(f"topk_group {topk_group} groups hold fewer than top_k {top_k} experts")
         self.moe_idx = moe_idx  # index among the MoE layers: the expert table's layer index
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.shared_expert: Optional[GatedMLP] = None
+        self.router, self.n_group, self.topk_group = router, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        if router == "softmax":
+            self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        else:
+            self.gate = SigmoidGroupedGate(hidden_size, num_experts)
+        self.shared_expert_name: Optional[str] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_name = shared_expert_name
+            self.add_module(shared_expert_name, GatedMLP(hidden_size, shared_intermediate_size))
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.experts_fn: Callable = experts_auto
@@ -134,21 +206,32 @@ class FusedMoE(nn.Module):
         # Hook for the activity table: called with the router's top-k ids (device tensor, no sync).
         self.on_route: Optional[Callable[[int, torch.Tensor], None]] = None
 
+    def shared_mlp(self) -> Optional[GatedMLP]:
+        return None if self.shared_expert_name is None else self._modules[self.shared_expert_name]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights f32 [T, A], ids [T, A])."""
+        if self.router == "softmax":
+            return route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        return route_sigmoid_grouped(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
+                                     self.n_group, self.topk_group, self.renormalize,
+                                     self.routed_scaling_factor)
+
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.weights_provider is None:
             raise RuntimeError("expert weights are not attached (no expert store)")
         return self.weights_provider(self.moe_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.route(x)
         if self.on_route is not None:
             self.on_route(self.moe_idx, topk_ids)
         w13, w2 = self.expert_weights()
         out = self.experts_fn(x, w13, w2, topk_weights, topk_ids)
         if self.on_experts_done is not None:
             self.on_experts_done(self.moe_idx)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+        if self.shared_expert_name is not None:
+            shared = self.shared_mlp()(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
