@@ -28,25 +28,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def _fix_interpreter_index():
-    # triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses, so any
-    # loop with a runtime bound fails (triton-lang/triton#9171; same patch as test_paged_attention).
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
 if INTERPRET:
-    _fix_interpreter_index()
+    from triton_interp import fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
 
 
 def make_layer(T, A, E, H, I, dtype, seed, pad=24, banned=(), device=DEVICE):
