@@ -38,6 +38,8 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.theta = theta
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # Every layer of one forward rotates at the same positions: gather cos/sin once per forward.
+        self._cached: tuple = (None, None, None, None)
 
     def build(self, device: torch.device) -> None:
         dim = self.rotary_dim
@@ -50,8 +52,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (same dtypes)."""
-        cos = self.cos_sin[0, positions].unsqueeze(1).to(q.dtype)
-        sin = self.cos_sin[1, positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         if self.rotary_dim == self.head_dim:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         r = self.rotary_dim
@@ -59,6 +60,17 @@ class RotaryEmbedding(nn.Module):
         q = torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., r:]), dim=-1)
         k = torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., r:]), dim=-1)
         return q, k
+
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        cached_positions, cached_dtype, cos, sin = self._cached
+        # NOTE: keyed on the positions tensor object, which the model passes unchanged to every
+        # layer; holding it keeps its id from being reused by a later step's tensor.
+        if cached_positions is not positions or cached_dtype != dtype:
+            cos = self.cos_sin[0, positions].unsqueeze(1).to(dtype)
+            sin = self.cos_sin[1, positions].unsqueeze(1).to(dtype)
+            self._cached = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
