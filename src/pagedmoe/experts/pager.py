@@ -137,35 +137,38 @@ class ExpertPager:
         if not (self.cuda and torch.cuda.is_current_stream_capturing()):
             self._account(layer)
         if not self.cuda:
-            for dst, src, _ in self._copies[layer]:
-                dst.copy_(src)
-            if self._decodes[layer]:
-                from pagedmoe.codecs.lossless import decode_reference
-
-                ct = self._compressed(layer)
-                rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
-                for p0, p1, dst in self._decodes[layer]:
-                    dst.copy_(rows[p0:p1].reshape(-1))
-            if self._dequantized_per_layer[layer]:
-                self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
+            self._fill(layer)
             return
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.free[layer % 2])
             if self.timing and not torch.cuda.is_current_stream_capturing():
                 self.copy_start[layer].record()
-            for dst, src, _ in self._copies[layer]:
-                dst.copy_(src, non_blocking=True)
-            if self._decodes[layer]:
+            self._fill(layer)
+            self.loaded[layer].record()
+
+    def _fill(self, layer: int) -> None:
+        """Put layer `layer`'s non-resident experts into its compute buffer: copies from the host tier
+        (and resident rows for the plain double buffer), lossless decodes, dequantisation. On CUDA this
+        runs on the copy stream; on CPU synchronously."""
+        for dst, src, _ in self._copies[layer]:
+            dst.copy_(src, non_blocking=self.cuda)
+        if self._decodes[layer]:
+            ct = self._compressed(layer)
+            if self.cuda:
                 from pagedmoe.kernels.lossless_decode import lossless_decode
 
-                ct = self._compressed(layer)
                 for p0, p1, dst in self._decodes[layer]:
                     lossless_decode(ct, dst, parts=(p0, p1))
-            if self._dequantized_per_layer[layer]:
-                # NOTE: the PyTorch reference dequantiser (sync-free torch ops) on the copy stream; its
-                # temporaries are allocated and freed on this stream. Triton kernels come later.
-                self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
-            self.loaded[layer].record()
+            else:
+                from pagedmoe.codecs.lossless import decode_reference
+
+                rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
+                for p0, p1, dst in self._decodes[layer]:
+                    dst.copy_(rows[p0:p1].reshape(-1))
+        if self._dequantized_per_layer[layer]:
+            # NOTE: the PyTorch reference dequantiser (sync-free torch ops); on CUDA its temporaries are
+            # allocated and freed on the copy stream. Triton kernels come later.
+            self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
 
     def _compressed(self, layer: int):
         ct = self.store.compressed[layer]
