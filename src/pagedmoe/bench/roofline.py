@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pagedmoe.experts.cost_model import H200, expected_distinct_experts
 
 H200_HBM_BYTES_PER_S = H200.hbm_bytes_per_s   # device-to-device copy, bytes read + written
-H200_BF16_FLOPS = H200.gemm_flops              # bf16 GEMM 8192^3
 
 
 @dataclass(frozen=True)

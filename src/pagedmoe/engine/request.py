@@ -40,9 +40,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: object = None
-    # Detokenized text so far and how much of it has been handed out (for streaming deltas).
-    output_text: str = ""
-    num_text_emitted: int = 0
+    output_text: str = ""  # detokenized output so far
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
 

@@ -92,9 +92,6 @@ class ExpertTable:
     def count(self, layer: int, tier: str) -> int:
         return len(self.ids(layer, tier))
 
-    def max_count(self, tier: str) -> int:
-        return max((self.count(l, tier) for l in range(self.num_layers)), default=0)
-
     def counts(self) -> Counter:
         """(tier, precision) -> number of experts, over all layers (for metrics)."""
         return Counter((e.tier, e.precision) for row in self._entries for e in row if e is not None)

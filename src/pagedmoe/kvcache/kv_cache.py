@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import torch
 
-GiB = 1024 ** 3
-
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype) -> int:
