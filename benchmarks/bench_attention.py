@@ -23,6 +23,7 @@ import triton
 
 from pagedmoe.kernels import paged_attention as pa
 from pagedmoe.kernels.attention_ref import paged_attention_ref
+from timing import time_graph as _time_graph  # noqa: E402  (benchmarks/ is on sys.path)
 
 HBM_BYTES_PER_S = 4.19e12  # ../shared/H200.md: device-to-device copy, bytes read + written
 BF16_FLOPS_PER_S = 753e12  # ../shared/H200.md: bf16 GEMM 8192^3
@@ -64,29 +65,7 @@ def layer_batch(batch, ctx_lens, num_copies, q_len=None, seed=0):
 
 
 def time_graph(fn, num_copies, reps=7):
-    """Median µs per call of fn(i), i over the copies, replayed from one CUDA graph."""
-    for i in range(num_copies):  # compile and warm outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(num_copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(); g.replay(); end.record(); torch.cuda.synchronize()
-    inner = max(1, int(2.0 / max(start.elapsed_time(end), 1e-3)))  # ~2 ms per sample
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(inner):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (inner * num_copies))
-    del g
-    return statistics.median(samples), (max(samples) - min(samples))
+    return _time_graph(fn, num_copies, reps=reps, sample_ms=2.0)
 
 
 def time_eager(fn, num_copies, reps=7):

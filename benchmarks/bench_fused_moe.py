@@ -35,6 +35,7 @@ import triton
 from pagedmoe.experts.layout import expert_stride, expert_views
 from pagedmoe.kernels import fused_moe as fm
 from pagedmoe.models.layers.moe import experts_grouped_mm, experts_loop, route_softmax_topk
+from timing import time_graph as _time_graph  # noqa: E402  (benchmarks/ is on sys.path)
 
 HBM_BYTES_PER_S = 4.19e12  # ../shared/H200.md: device-to-device copy, bytes read + written
 DEV, DTYPE = "cuda", torch.bfloat16
@@ -119,29 +120,7 @@ def touched_bytes(model: dict, ids: torch.Tensor) -> int:
 
 
 def time_graph(fn, num_copies, reps=9):
-    """Median and spread (µs per call) of fn(i) over the copies, replayed from one CUDA graph."""
-    for i in range(num_copies):  # compile and warm outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(num_copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(); g.replay(); end.record(); torch.cuda.synchronize()
-    inner = max(1, int(5.0 / max(start.elapsed_time(end), 1e-3)))  # ~5 ms per sample
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(inner):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (inner * num_copies))
-    del g
-    return statistics.median(samples), max(samples) - min(samples)
+    return _time_graph(fn, num_copies, reps=reps, sample_ms=5.0)
 
 
 def time_eager(fn, num_copies, reps=9):
