@@ -16,15 +16,16 @@
 # a dirty-tree flag, GPU name / driver / memory, Python, torch, CUDA, triton, transformers; and pip freeze.
 # Per-step timeouts: STAGE_TIMEOUT for a whole stage; gpu_issue4.sh and bench_serve.sh keep their own.
 #
-# Sweep workload (env, defaults in brackets): SWEEP_NUM_PROMPTS [128], SWEEP_INPUT_LEN [512],
-# SWEEP_OUTPUT_LEN [64], SWEEP_PLACEMENTS ["resident paged auto"], SWEEP_MAX_MODEL_LEN [1024]. Short outputs
-# on purpose: a paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s (docs/planner.md),
-# so 64 output tokens already cost ~2 minutes per paged point. Budgets per stage: 24, 64, weights+4 (w4)
-# and 139 GiB, `--load-format dummy` (random N(0, 0.02) bf16 weights, never zeros).
-# Host memory (unverified on the machine): the host tier is pinned one tensor per MoE layer, and torch's
-# caching host allocator rounds each pinned allocation up to a power of two, so Mixtral with every expert
-# paged (8 x 336 MiB = 2.6 GiB per layer -> 4 GiB) would pin 128 GiB, all of the machine's host memory.
-# A point that fails that way is recorded as an error in sweep.json and the sweep goes on.
+# Sweep workload (env, defaults in brackets): SWEEP_INPUT_LEN [1024], SWEEP_OUTPUT_LEN [1024],
+# SWEEP_STEADY_STEPS [64], SWEEP_NUM_PROMPTS [256, a cap on the batch], SWEEP_PLACEMENTS ["resident paged"],
+# SWEEP_MAX_MODEL_LEN [2048]. A paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s
+# (docs/planner.md), so 1024 output tokens cannot finish inside one device call: each point fills the KV cache
+# with as many sequences as 1024 in / 1024 out keeps in flight, times SWEEP_STEADY_STEPS decode steps with the
+# cache full and projects the full run (`--steady-decode-steps`, bench/throughput.py); SWEEP_STEADY_STEPS=0
+# runs SWEEP_NUM_PROMPTS prompts to the end instead. A stage's budget part may list several budgets joined by
+# "_" (sweep-mixtral-24_64); w4 = weights + 4 GiB. `--load-format dummy`: random N(0, 0.02) bf16, never zeros.
+# The host tier is pinned with cudaHostRegister at its exact size (Mixtral, every expert paged: 84 GiB of the
+# machine's 128 GiB), unregistered when the engine is freed before the next point.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
@@ -35,23 +36,20 @@ Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 
 # stage -> "expected device time | what it reproduces"
 declare -A STAGES=(
+  [gputests]="~2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
   [issue4]="~9 min | GPU tests; fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh)"
   [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
   [codec]="~4 min | lossless codec table: bit-exactness, decoder variants, encoder (benchmarks/bench_codec.py)"
   [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
   [serve-resident]="~5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
   [serve-paged]="~6 min | serving table, paged N=32 row"
-  [sweep-mixtral-24]="~8 min | sweep Mixtral-8x7B at 24 GiB (resident does not fit; paged and auto stream every expert)"
-  [sweep-mixtral-64]="~8 min | sweep Mixtral-8x7B at 64 GiB"
-  [sweep-mixtral-w4]="~5 min | sweep Mixtral-8x7B at weights + 4 GiB (resident keeps ~2 GiB of KV: the headline ratio)"
-  [sweep-mixtral-139]="~4 min | sweep Mixtral-8x7B at 139 GiB (everything fits)"
-  [sweep-qwen3-24]="~6 min | sweep Qwen3-30B-A3B at 24 GiB"
-  [sweep-qwen3-64]="~5 min | sweep Qwen3-30B-A3B at 64 GiB"
-  [sweep-qwen3-w4]="~4 min | sweep Qwen3-30B-A3B at weights + 4 GiB"
-  [sweep-qwen3-139]="~4 min | sweep Qwen3-30B-A3B at 139 GiB"
+  [sweep-mixtral-24_64]="~6 min | sweep Mixtral-8x7B at 24 and 64 GiB (resident does not fit; paged streams every expert)"
+  [sweep-mixtral-w4_139]="~4 min | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio) and 139 GiB"
+  [sweep-qwen3-24_64]="~4 min | sweep Qwen3-30B-A3B at 24 and 64 GiB"
+  [sweep-qwen3-w4_139]="~3 min | sweep Qwen3-30B-A3B at weights + 4 and 139 GiB"
 )
-ORDER=(issue4 hf codec attention serve-resident serve-paged sweep-mixtral-24 sweep-mixtral-64 sweep-mixtral-w4
-       sweep-mixtral-139 sweep-qwen3-24 sweep-qwen3-64 sweep-qwen3-w4 sweep-qwen3-139)
+ORDER=(gputests issue4 hf codec attention serve-resident serve-paged sweep-mixtral-24_64 sweep-mixtral-w4_139
+       sweep-qwen3-24_64 sweep-qwen3-w4_139)
 
 record_env() {  # $1 = folder
   local d=$1 commit dirty
@@ -81,11 +79,13 @@ PY
   cat "$d/env.txt"
 }
 
-sweep() {  # $1 = model folder, $2 = budget, $3 = output folder
+sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output folder
+  # shellcheck disable=SC2086  # budgets and placements are word lists
   timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep "$1" --load-format dummy \
-    --budgets "$2" --placements ${SWEEP_PLACEMENTS:-resident paged auto} \
-    --num-prompts "${SWEEP_NUM_PROMPTS:-128}" --input-len "${SWEEP_INPUT_LEN:-512}" \
-    --output-len "${SWEEP_OUTPUT_LEN:-64}" --max-model-len "${SWEEP_MAX_MODEL_LEN:-1024}" --max-num-seqs 256 \
+    --budgets $2 --placements ${SWEEP_PLACEMENTS:-resident paged} \
+    --num-prompts "${SWEEP_NUM_PROMPTS:-256}" --input-len "${SWEEP_INPUT_LEN:-1024}" \
+    --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-64}" \
+    --max-model-len "${SWEEP_MAX_MODEL_LEN:-2048}" --max-num-seqs 256 \
     --max-num-batched-tokens 16384 --output-dir "$3" > "$3/sweep.log" 2>&1
   local rc=$?
   grep -E "^\[sweep\]|rror" "$3/sweep.log" | tail -20
@@ -101,6 +101,9 @@ run_stage() {  # $1 = stage
   record_env "$d"
   local t0=$SECONDS
   case $s in
+    gputests)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pytest -q -n 8 -m gpu tests > "$d/pytest.log" 2>&1 || rc=$?
+      tail -15 "$d/pytest.log" ;;
     issue4)
       OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 || rc=$?
       sed -n '/=== summary ===/,$p' "$d/run.log" ;;
@@ -126,7 +129,8 @@ run_stage() {  # $1 = stage
       local name=${s#sweep-} model budget
       case ${name%-*} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
       budget=${name##*-}
-      [ "$budget" = w4 ] && budget=weights+4
+      budget=${budget//_/ }
+      budget=${budget//w4/weights+4}
       sweep "$model" "$budget" "$d" || rc=$? ;;
     *) echo "unknown stage $s (bash benchmarks/run_all.sh list)"; return 2 ;;
   esac

@@ -46,3 +46,36 @@ def test_bench_latency_reports_floor(ckpt, tmp_path, capsys):
     # More sequences read more KV and touch at least as many experts.
     assert res[1]["step_bytes"]["kv"] > res[0]["step_bytes"]["kv"]
     assert res[1]["step_bytes"]["experts"] >= res[0]["step_bytes"]["experts"]
+
+
+@pytest.mark.parametrize("placement", ["resident", "paged"])
+def test_steady_state_fills_the_kv_cache(ckpt, placement):
+    """The steady-state window runs with as many sequences as the workload keeps in flight, every step a
+    decode step of all of them, the KV cache (nearly) full at the end and nothing preempted; afterwards the
+    engine is idle with every block free."""
+    from pagedmoe.bench.throughput import run_steady_state
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_model_len=64, num_kv_blocks=40,
+                                    block_size=8, max_num_batched_tokens=64, expert_placement=placement))
+    r = run_steady_state(engine, input_len=20, output_len=12, decode_steps=4)
+    assert r["num_requests"] == 40 * 8 // 32  # KV tokens // (input + output)
+    # fill phase: ceil(10 * 32 / 64) + 1 = 6 steps of slack, 4 in the window
+    assert r["prompt_len"] == 20 + 12 - 4 - 6 - 1
+    assert r["window_decode_steps"] == 4 and r["mean_decode_batch"] == 10 and r["num_preemptions"] == 0
+    assert 0.7 < r["kv_cache_usage_at_end"] <= 1.0
+    assert r["output_tokens_per_second"] > 0 and r["decode_tokens_per_second"] > r["output_tokens_per_second"]
+    if placement == "paged":
+        assert r["window_expert_stats"]["expert_steps"] >= 4
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_steady_state_refuses_a_window_longer_than_the_output(ckpt):
+    from pagedmoe.bench.throughput import run_steady_state
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_model_len=64, num_kv_blocks=40, block_size=8))
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        run_steady_state(engine, input_len=4, output_len=4, decode_steps=8)

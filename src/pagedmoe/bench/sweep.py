@@ -41,6 +41,7 @@ _NOT_RESIDENT_FLAGS = _PAGED_ONLY_FLAGS + ("expert_compression",)
 
 
 def register(sub) -> None:
+    from pagedmoe.bench.throughput import add_steady_arg
     from pagedmoe.config import add_engine_args
 
     p = sub.add_parser("sweep", help="offline throughput over GPU budgets x expert placements, JSON + plots",
@@ -59,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--replot", nargs="+", type=Path, default=None, metavar="JSON",
                    help="merge the points of these sweep.json files into --output-dir and redraw; runs nothing")
     p.add_argument("--no-plots", action="store_true", help="write sweep.json only")
+    add_steady_arg(p)
     # --gpu-memory-gb and --expert-placement are what the sweep varies.
     add_engine_args(p, skip=("model", "gpu_memory_gb", "expert_placement"))
     p.set_defaults(func=run)
@@ -128,12 +130,23 @@ def _pager_counters(stats: dict) -> dict:
     return {k: stats.get(k, 0) for k in keys}
 
 
-def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int, steady_steps: int = 0) -> dict:
     """run_throughput plus the pager's counters over the timed part only. run_throughput starts with a
     one-request warm-up; running the same warm-up twice before it (the first compiles, the second is
-    warm) gives the warm-up's own counters to subtract."""
-    from pagedmoe.bench.throughput import _warm_up, run_throughput
+    warm) gives the warm-up's own counters to subtract. With `steady_steps`, run_steady_state instead
+    (num_prompts caps its batch), its breakdown the window's own."""
+    from pagedmoe.bench.throughput import _warm_up, run_steady_state, run_throughput
 
+    if steady_steps:
+        r = run_steady_state(engine, input_len, output_len, steady_steps, seed, max_seqs=num_prompts)
+        w = r["window_expert_stats"]
+        return {**r, "breakdown": {"prefill_s": r["fill_time_s"], "decode_s": r["window_time_s"],
+                                   "expert_copy_s": w.get("expert_copy_s", 0.0),
+                                   "expert_wait_s": w.get("expert_wait_s", 0.0),
+                                   "pcie_h2d_bytes": w.get("expert_bytes_h2d", 0),
+                                   "d2d_bytes": w.get("expert_bytes_d2d", 0),
+                                   "decoded_bytes": w.get("expert_bytes_decoded", 0),
+                                   "pager_steps": w.get("expert_steps", 0)}}
     _warm_up(engine, input_len)
     a = _pager_counters(engine.get_stats())
     _warm_up(engine, input_len)
@@ -199,7 +212,7 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
     try:
         engine = LLMEngine(config)
         load_s = time.perf_counter() - t0
-        r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed)
+        r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed, args.steady_decode_steps)
         stats, store = engine.get_stats(), engine.expert_store
         point = {"status": "ok", "load_s": load_s, **r,
                  "num_kv_blocks": engine.plan.num_kv_blocks,
@@ -210,9 +223,12 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
                                 "compressed_experts": store.compressed_bytes / GiB,
                                 "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
                  "engine_plan": engine.placement_plan.to_dict() if engine.placement_plan is not None else None,
-                 "modelled": modelled(engine, shape, budget_bytes, args.num_prompts, args.input_len,
+                 "modelled": modelled(engine, shape, budget_bytes, r["num_requests"], args.input_len,
                                       args.output_len, hw)}
         m = point["modelled"]
+        b = r["breakdown"]
+        if b["expert_copy_s"] > 0:
+            point["pcie_h2d_gb_per_s"] = b["pcie_h2d_bytes"] / b["expert_copy_s"] / 1e9
         if m.get("fits"):
             point["fraction_of_modelled_throughput"] = r["output_tokens_per_second"] / m["output_throughput"]
             point["decode_step_over_floor"] = r["mean_decode_step_ms"] / m["decode_step_ms"]["floor"]
@@ -242,7 +258,8 @@ def describe(point: dict) -> str:
 
 def format_table(points: list[dict]) -> str:
     head = (f"{'budget GiB':>10}  {'placement':<10}{'out tok/s':>11}{'model tok/s':>12}{'KV tokens':>11}"
-            f"{'prefill s':>10}{'decode s':>10}{'copy s':>8}{'wait s':>8}{'H2D GB':>9}{'step/floor':>11}")
+            f"{'seqs':>6}{'prefill s':>10}{'decode s':>10}{'step ms':>9}{'copy s':>8}{'wait s':>8}{'H2D GB':>9}"
+            f"{'GB/s':>7}{'step/floor':>11}")
     lines = [head, "-" * len(head)]
     for p in points:
         lead = f"{p['budget_gib']:>10.3f}  {p['placement']:<10}"
@@ -252,9 +269,11 @@ def format_table(points: list[dict]) -> str:
         b, m = p["breakdown"], p.get("modelled") or {}
         model = f"{m['output_throughput']:>12.1f}" if m.get("fits") else f"{'-':>12}"
         ratio = f"{p['decode_step_over_floor']:>11.2f}" if "decode_step_over_floor" in p else f"{'-':>11}"
+        gbps = f"{p['pcie_h2d_gb_per_s']:>7.1f}" if "pcie_h2d_gb_per_s" in p else f"{'-':>7}"
         lines.append(lead + f"{p['output_tokens_per_second']:>11.2f}{model}{p['kv_capacity_tokens']:>11}"
-                     f"{b['prefill_s']:>10.2f}{b['decode_s']:>10.2f}{b['expert_copy_s']:>8.2f}"
-                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{ratio}")
+                     f"{p['num_requests']:>6}{b['prefill_s']:>10.2f}{b['decode_s']:>10.2f}"
+                     f"{p['mean_decode_step_ms']:>9.1f}{b['expert_copy_s']:>8.2f}"
+                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{gbps}{ratio}")
     return "\n".join(lines)
 
 
@@ -318,6 +337,7 @@ def run(args) -> int:
     config = {"model": model_name, "model_path": path, "budgets": args.budgets, "placements": args.placements,
               "placement_flags": {n: _placement_fields(configs[(budgets[0][0], n)]) for n in args.placements},
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "steady_decode_steps": args.steady_decode_steps,
               "engine": base, "shape": shape.to_dict(), "hardware_model": json.loads(hw.to_json())}
     env = environment()
     points, closers = [], []

@@ -15,7 +15,15 @@ def register(sub) -> None:
                        description="Offline throughput on random token prompts with ignore_eos.")
     add_offline_bench_args(p)
     p.add_argument("--num-prompts", type=int, default=1000)
+    add_steady_arg(p)
     p.set_defaults(func=run)
+
+
+def add_steady_arg(p) -> None:
+    p.add_argument("--steady-decode-steps", type=int, default=0, metavar="N",
+                   help="instead of the full run: fill the KV cache with as many sequences as the workload "
+                        "keeps in flight (KV tokens // (input+output)), time N decode steps with the cache full, "
+                        "and project the full run's throughput (for runs too long to finish; 0 = full run)")
 
 
 def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
@@ -61,6 +69,77 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     }
 
 
+def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int, seed: int = 0,
+                     max_seqs: int | None = None) -> dict:
+    """Steady-state throughput of the (input_len, output_len) workload, for runs too long to finish.
+
+    The full run keeps n = KV tokens // (input_len + output_len) sequences in flight (capped by
+    max_num_seqs and `max_seqs`). This admits n prompts long enough that after the fill phase (prefill
+    chunks, each also decoding the sequences already prefilled) and `decode_steps` more decode steps each
+    sequence holds about input_len + output_len tokens: the window is the end of a full run, KV cache full.
+    Times those decode steps (each one decode token for all n sequences), then aborts the requests.
+    Projected full-run output tokens/s = n * output_len / (prefill of n prompts of input_len, scaled from the
+    fill phase + output_len * the window's mean step): the window has the run's longest contexts, so the
+    projection errs low."""
+    from pagedmoe.sampling_params import SamplingParams
+
+    if input_len < 1 or output_len < 1 or decode_steps < 1:
+        raise ValueError("--input-len, --output-len and --steady-decode-steps must be >= 1")
+    c, block = engine.config, engine.config.block_size
+    per_seq = -(-(input_len + output_len) // block) * block
+    n = min(c.max_num_seqs, engine.plan.kv_capacity_tokens // per_seq, max_seqs or c.max_num_seqs)
+    if n < 1:
+        raise ValueError(f"the KV cache ({engine.plan.kv_capacity_tokens} tokens) cannot hold one sequence of "
+                         f"{input_len} + {output_len} tokens")
+    fill_steps = -(-n * (input_len + output_len) // c.max_num_batched_tokens) + 1
+    prompt_len = input_len + output_len - decode_steps - fill_steps - 1
+    if prompt_len < 1:
+        raise ValueError(f"--steady-decode-steps {decode_steps} leaves no prompt: input + output must exceed "
+                         f"the window plus {fill_steps} fill steps")
+    _warm_up(engine, input_len)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
+    before = engine.get_stats()
+    start = time.perf_counter()
+    ids = [f"steady-{i}" for i in range(n)]
+    for rid, p in zip(ids, random_prompts(n, prompt_len, engine.model.dims.vocab_size, seed)):
+        engine.add_request(rid, None, params, prompt_token_ids=p)
+    started: set[str] = set()
+    while len(started) < n and engine.has_unfinished_requests():
+        started.update(o.request_id for o in engine.step())
+    fill_s = time.perf_counter() - start
+    filled = engine.get_stats()
+    window_start = time.perf_counter()
+    for _ in range(decode_steps):
+        engine.step()
+    window_s = time.perf_counter() - window_start
+    after = engine.get_stats()
+    for rid in ids:
+        engine.abort_request(rid)
+    steps = after["step_decode_steps"] - filled["step_decode_steps"]
+    tokens = after["step_decode_tokens"] - filled["step_decode_tokens"]
+    preempted = after["num_preemptions_total"] - before["num_preemptions_total"]
+    if steps != decode_steps or tokens != n * decode_steps:
+        raise RuntimeError(f"steady state broken: {steps} decode steps of {tokens} tokens in the window, expected "
+                           f"{decode_steps} of {n} ({preempted} preemptions)")
+    step_s = window_s / decode_steps
+    prefill_s = (filled["step_prefill_s"] - before["step_prefill_s"]) * input_len / prompt_len
+    projected = n * output_len / (prefill_s + output_len * step_s)
+    return {
+        "mode": "steady_state", "num_requests": n, "prompt_len": prompt_len, "fill_time_s": fill_s,
+        "window_decode_steps": decode_steps, "window_time_s": window_s, "mean_decode_step_ms": 1e3 * step_s,
+        "mean_decode_batch": n, "decode_tokens_per_second": n / step_s,
+        "kv_cache_usage_at_end": after["kv_cache_usage_perc"], "num_preemptions": preempted,
+        "prefill_time_s": prefill_s, "decode_time_s": output_len * step_s,
+        "output_tokens_per_second": projected,
+        "tokens_per_second": projected * (input_len + output_len) / output_len,
+        "requests_per_second": projected / output_len,
+        "kv_capacity_tokens": engine.plan.kv_capacity_tokens,
+        # the pager's counters over the window alone (bytes moved, copy and wait time)
+        "window_expert_stats": {k: after[k] - filled[k] for k in after
+                                if k.startswith("expert_") and isinstance(after[k], (int, float))},
+    }
+
+
 def _warm_up(engine, input_len: int) -> None:
     """One short request, so kernel compilation stays out of the timing."""
     from pagedmoe.sampling_params import SamplingParams
@@ -73,7 +152,14 @@ def _warm_up(engine, input_len: int) -> None:
 
 def run(args) -> int:
     engine, config = make_engine(args)
-    r = run_throughput(engine, args.num_prompts, args.input_len, args.output_len, seed=args.seed)
+    if args.steady_decode_steps:
+        r = run_steady_state(engine, args.input_len, args.output_len, args.steady_decode_steps, args.seed,
+                             max_seqs=args.num_prompts)
+        print(f"Steady state: {r['num_requests']} sequences, {r['mean_decode_step_ms']:.2f} ms per decode step "
+              f"over {r['window_decode_steps']} steps (KV cache {100 * r['kv_cache_usage_at_end']:.1f}% used), "
+              f"{r['decode_tokens_per_second']:.2f} decode tokens/s; projected full run:")
+    else:
+        r = run_throughput(engine, args.num_prompts, args.input_len, args.output_len, seed=args.seed)
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     if args.output_json:
