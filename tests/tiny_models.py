@@ -38,6 +38,30 @@ def tiny_hf_config(family: str, **overrides):
                                          routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=16,
                                          partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
                                          **common)
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        # MLA: q/kv low-rank projections, the latent (kv_lora_rank + qk_rope_head_dim) in the cache;
+        # HF's MLA needs num_key_value_heads == num_attention_heads. Layer 0 dense, layers 1-2 MoE.
+        common = dict(common, num_hidden_layers=3, num_key_value_heads=4)
+        mla = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, first_k_dense_replace=1)
+        if family == "deepseek_v2":
+            # V2-Lite-like: no q low rank, softmax group-limited greedy routing, YaRN with mscale 0.707
+            # (attention factor 1, softmax scale mscale^2); interleaved rope (complex form).
+            cfg = transformers.DeepseekV2Config(
+                q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                routed_scaling_factor=1.5, norm_topk_prob=False,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.707,
+                                     mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
+                                     original_max_position_embeddings=64), **mla, **common)
+        else:
+            # V3-like: q low rank, sigmoid grouped routing with the correction bias, YaRN with
+            # mscale 1 / mscale_all_dim 0.8 (attention factor != 1), interleaved rope.
+            cfg = transformers.DeepseekV3Config(
+                q_lora_rank=32, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                norm_topk_prob=True, rope_interleave=True,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                     mscale_all_dim=0.8, beta_fast=32, beta_slow=1,
+                                     original_max_position_embeddings=64), **mla, **common)
     else:
         raise ValueError(family)
     for k, v in overrides.items():

@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_checkpoint
 
 MAX_NEW = 12
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

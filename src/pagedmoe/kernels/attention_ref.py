@@ -74,3 +74,63 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[starts[b]:starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v_b).to(q.dtype)
     return out
+
+
+# -- MLA (DeepSeek-V2/V3): the compressed latent in the paged cache -------------------------------
+# Per token and layer the cache holds the latent [L] = kv_a_layernorm(c_kv) [kv_lora_rank] ++
+# roped k_pe [qk_rope_head_dim]. NOTE: it is stored split across the layer's two cache tensors, the
+# first D = ceil(L / 2) values in k_cache[..., 0, :] and the rest in v_cache[..., 0, :L - D], so
+# the generic [num_blocks, block_size, 1, D] pair, its sizing (kv_cache.kv_bytes_per_block with one
+# KV head of D) and the block tables serve MLA unchanged (models/deepseek.py sets Hkv = 1, D).
+
+def write_latent_ref(latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """Scatter latent [T, L] into the split cache pair at slot_mapping [T] (slots < 0 skipped)."""
+    D = k_cache.shape[-1]
+    lo, hi = latent[:, :D], latent[:, D:]
+    if hi.shape[1] < D:  # odd L: the last element of v_cache's row is padding
+        hi = torch.nn.functional.pad(hi, (0, D - hi.shape[1]))
+    write_kv_ref(lo.unsqueeze(1), hi.unsqueeze(1), k_cache, v_cache, slot_mapping)
+
+
+def gather_latent_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                      latent_dim: int) -> torch.Tensor:
+    """The first seq_len latents of one sequence: [seq_len, L]."""
+    lo = gather_kv_ref(k_cache, block_table, seq_len)[:, 0]
+    hi = gather_kv_ref(v_cache, block_table, seq_len)[:, 0]
+    return torch.cat((lo, hi), dim=-1)[:, :latent_dim]
+
+
+def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal MLA over each sequence's paged latents. Returns [T, Hq, v_head_dim] in q's dtype.
+
+    q_nope [T, Hq, Dn], q_pe [T, Hq, Dr] (roped); kv_b_weight [Hq * (Dn + Dv), kv_lora_rank].
+    Expands the latent of each cached token to per-head k_nope and v with kv_b_proj, as transformers
+    does (the order of operations the golden tests compare against), in float32.
+    """
+    T, Hq, Dn = q_nope.shape
+    Dr = q_pe.shape[-1]
+    w = kv_b_weight.float().view(Hq, Dn + v_head_dim, kv_lora_rank)
+    w_k, w_v = w[:, :Dn], w[:, Dn:]
+    out = torch.empty(T, Hq, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        lat = gather_latent_ref(k_cache, v_cache, block_tables[b], seq_len, kv_lora_rank + Dr).float()
+        c, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]                      # [S, R], [S, Dr]
+        k_nope = torch.einsum("sr,hdr->shd", c, w_k)                               # [S, Hq, Dn]
+        v = torch.einsum("sr,hdr->shd", c, w_v)                                    # [S, Hq, Dv]
+        scores = (torch.einsum("qhd,shd->hqs", q_nope[s:e].float(), k_nope)
+                  + torch.einsum("qhd,sd->hqs", q_pe[s:e].float(), k_pe)) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q_nope.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q_nope.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
+    return out

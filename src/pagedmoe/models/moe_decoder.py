@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedmoe.models.layers.attention import Attention, AttentionMetadata
+from pagedmoe.models.layers.mla import MLADims, MLAttention
 from pagedmoe.models.layers.mlp import GatedMLP
 from pagedmoe.models.layers.moe import FusedMoE
 from pagedmoe.models.layers.norm import RMSNorm
@@ -35,7 +36,8 @@ class ArchSpec:
     shared_expert_gate: bool = False
     shared_expert_name: str = "shared_expert"  # "shared_experts" (GLM-4.5, DeepSeek): no gate
     dense_layers: frozenset = field(default_factory=frozenset)  # layer indices with a dense MLP
-    # Router: "softmax" (Mixtral, Qwen, OLMoE) or "sigmoid_grouped" (GLM-4.5, DeepSeek-V3: sigmoid
+    # Router: "softmax" (Mixtral, Qwen, OLMoE), "softmax_grouped" (DeepSeek-V2: float32 gate, softmax,
+    # group-limited greedy top-k, routed scaling) or "sigmoid_grouped" (GLM-4.5, DeepSeek-V3: sigmoid
     # scores, e_score_correction_bias, group-limited top-k, routed scaling); layers/moe.py.
     router: str = "softmax"
     n_group: int = 1
@@ -63,6 +65,12 @@ class ModelDims:
     max_position: int
     tie_word_embeddings: bool
     rotary_dim: int = 0  # dims of each head that rotate (partial rotary, GLM-4.5); 0: all head_dim
+    # DeepSeek-V2/V3 (models/deepseek.py): multi-head latent attention. NOTE: then num_kv_heads = 1
+    # and head_dim = mla.cache_head_dim describe the KV *cache* pair (the split latent), which is
+    # all the engine, the model runner and kv_cache.py read them for.
+    mla: Optional[MLADims] = None
+    rope_parameters: Optional[dict] = None  # None: "default" rope at rope_theta
+    rope_interleaved: bool = False
 
     @classmethod
     def from_hf(cls, c, num_experts: int, moe_intermediate_size: int) -> "ModelDims":
@@ -84,9 +92,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, layer_idx: int, rotary: RotaryEmbedding,
                  moe_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                   rotary, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
-                                   rms_norm_eps=dims.rms_norm_eps, clip_qkv=spec.clip_qkv)
+        if dims.mla is not None:
+            self.self_attn = MLAttention(dims.hidden_size, dims.num_heads, dims.mla, rotary)
+        else:
+            self.self_attn = Attention(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                       rotary, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
+                                       rms_norm_eps=dims.rms_norm_eps, clip_qkv=spec.clip_qkv)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.is_moe = layer_idx not in spec.dense_layers
@@ -114,7 +125,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(dims.head_dim, max_position, dims.rope_theta, dims.rotary_dim)
+        rot_dim = dims.mla.qk_rope_head_dim if dims.mla is not None else dims.head_dim
+        self.rotary = RotaryEmbedding(rot_dim, max_position, dims.rope_theta, dims.rotary_dim,
+                                      dims.rope_parameters, dims.rope_interleaved)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         moe_layers = [i for i in range(dims.num_layers) if i not in spec.dense_layers]
         self.layers = nn.ModuleList(
@@ -143,7 +156,7 @@ class MoEForCausalLM(nn.Module):
     def moe_layers(self) -> list[FusedMoE]:
         return [layer.ffn for layer in self.model.layers if layer.is_moe]
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list:  # Attention, or MLAttention (same cache binding)
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

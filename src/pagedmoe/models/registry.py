@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pagedmoe.models import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from pagedmoe.models import deepseek, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
 MODEL_REGISTRY: dict[str, Callable] = {
     "MixtralForCausalLM": mixtral.build_spec,
@@ -11,6 +11,8 @@ MODEL_REGISTRY: dict[str, Callable] = {
     "Qwen3MoeForCausalLM": qwen3_moe.build_spec,
     "OlmoeForCausalLM": olmoe.build_spec,
     "Glm4MoeForCausalLM": glm4_moe.build_spec,
+    "DeepseekV2ForCausalLM": deepseek.build_spec_v2,
+    "DeepseekV3ForCausalLM": deepseek.build_spec_v3,
 }
 
 

@@ -49,20 +49,42 @@ def route_sigmoid_grouped(router_logits: torch.Tensor, correction_bias: torch.Te
     return weights * routed_scaling_factor, ids
 
 
-class SigmoidGroupedGate(nn.Module):
-    """Router of GLM-4.5 / DeepSeek-V3: logits in float32 from float32 weights, plus the per-expert
-    `e_score_correction_bias` (checkpoint name `mlp.gate.e_score_correction_bias`)."""
+def route_softmax_grouped(router_logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          renormalize: bool, routed_scaling_factor: float):
+    """DeepSeek-V2 routing ("greedy" when n_group == 1, else "group_limited_greedy").
+    -> (weights f32 [T, A], ids [T, A]).
+
+    Softmax in float32; a group scores its best expert; experts outside the topk_group best groups
+    score 0 (not -inf: transformers' DeepseekV2TopkRouter, op for op); top-k; optional
+    renormalisation (norm_topk_prob, +1e-20); times the routed scaling factor.
+    """
+    scores = torch.softmax(router_logits.float(), dim=-1)                      # [T, E]
+    if n_group > 1:
+        T, E = scores.shape
+        group_scores = scores.view(T, n_group, E // n_group).max(dim=-1).values  # [T, G]
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+    weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class Float32Gate(nn.Module):
+    """Router weight kept in float32 whatever the model dtype, logits in float32 (DeepSeek-V2, and
+    the base of SigmoidGroupedGate)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def _apply(self, fn, recurse=True):
         # NOTE: stays float32 whatever dtype the model is cast to (transformers keeps gate.weight and
         # the bias in float32: `_keep_in_fp32_modules_strict`); a bf16 bias would change the top-k.
         super()._apply(fn, recurse)
-        for p in (self.weight, self.e_score_correction_bias):
+        for p in self.parameters(recurse=False):
             if p.dtype != torch.float32:
                 p.data = p.data.float()
         return self
@@ -71,7 +93,16 @@ class SigmoidGroupedGate(nn.Module):
         return F.linear(x.float(), self.weight)
 
 
-ROUTERS = ("softmax", "sigmoid_grouped")
+class SigmoidGroupedGate(Float32Gate):
+    """Router of GLM-4.5 / DeepSeek-V3: float32 logits plus the per-expert `e_score_correction_bias`
+    (checkpoint name `mlp.gate.e_score_correction_bias`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__(hidden_size, num_experts)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+
+ROUTERS = ("softmax", "softmax_grouped", "sigmoid_grouped")
 
 
 def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -161,8 +192,8 @@ class FusedMoE(nn.Module):
 
     Shared experts come in two kinds: Qwen2-MoE's `shared_expert` behind a sigmoid gate, and
     GLM-4.5 / DeepSeek's `shared_experts` added without one (shared_expert_name names the module as
-    in the checkpoint). Routers: "softmax" (softmax top-k, optional renormalisation) and
-    "sigmoid_grouped" (route_sigmoid_grouped).
+    in the checkpoint). Routers: "softmax" (softmax top-k, optional renormalisation),
+    "softmax_grouped" (route_softmax_grouped, DeepSeek-V2) and "sigmoid_grouped" (route_sigmoid_grouped).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -175,7 +206,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
-        if router == "sigmoid_grouped" and n_group > 1:
+        if router != "softmax" and n_group > 1:
             if num_experts % n_group or num_experts // n_group < 2 or not 1 <= topk_group <= n_group:
                 raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts} "
                                  f"experts (groups of >= 2 experts, 1 <= topk_group <= n_group)")
@@ -188,6 +219,8 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         if router == "softmax":
             self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        elif router == "softmax_grouped":
+            self.gate = Float32Gate(hidden_size, num_experts)
         else:
             self.gate = SigmoidGroupedGate(hidden_size, num_experts)
         self.shared_expert_name: Optional[str] = None
@@ -213,6 +246,9 @@ class FusedMoE(nn.Module):
         """x [T, H] -> (weights f32 [T, A], ids [T, A])."""
         if self.router == "softmax":
             return route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        if self.router == "softmax_grouped":
+            return route_softmax_grouped(self.gate(x), self.top_k, self.n_group, self.topk_group,
+                                         self.renormalize, self.routed_scaling_factor)
         return route_sigmoid_grouped(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
                                      self.n_group, self.topk_group, self.renormalize,
                                      self.routed_scaling_factor)
