@@ -93,7 +93,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  # MLA runs a PyTorch path that reads host copies of the
+                                  # sequence lengths: not capturable in a CUDA graph.
+                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None)
         self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
