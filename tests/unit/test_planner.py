@@ -42,7 +42,9 @@ def test_from_hf_config_matches_hand_built_shape():
 
 @pytest.mark.parametrize("family,overrides", [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}),
                                               ("qwen2_moe", {"mlp_only_layers": [0], "qkv_bias": True}),
-                                              ("mixtral", {"tie_word_embeddings": True})])
+                                              ("mixtral", {"tie_word_embeddings": True}), ("glm4_moe", {}),
+                                              ("deepseek_v2", {}), ("deepseek_v3", {}),
+                                              ("deepseek_v3", {"kv_lora_rank": 23, "attention_bias": True})])
 def test_backbone_matches_the_module_tree(family, overrides):
     import torch
     from tiny_models import tiny_hf_config
@@ -53,7 +55,8 @@ def test_backbone_matches_the_module_tree(family, overrides):
 
     cfg = tiny_hf_config(family, **overrides)
     arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}[family]
+            "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}[family]
     dims, spec = MODEL_REGISTRY[arch](cfg)
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, dims, spec, 64)

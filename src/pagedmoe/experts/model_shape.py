@@ -29,6 +29,14 @@ class ModelShape:
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2            # weights and KV cache
     name: str = ""
+    router_bias: bool = False       # e_score_correction_bias (GLM-4.5, DeepSeek-V3)
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0; q_lora_rank 0: plain q_proj.
+    # The cache then holds the latent, kv_lora_rank + qk_rope_head_dim values per token and layer.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -40,6 +48,12 @@ class ModelShape:
     @classmethod
     def from_model_dims(cls, dims, spec, dtype_bytes: int = 2, name: str = "") -> "ModelShape":
         """From the engine's `ModelDims` and `ArchSpec` (models/moe_decoder.py)."""
+        mla = {}
+        if dims.mla is not None:
+            m = dims.mla
+            mla = dict(q_lora_rank=m.q_lora_rank or 0, kv_lora_rank=m.kv_lora_rank,
+                       qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                       v_head_dim=m.v_head_dim)
         return cls(
             vocab_size=dims.vocab_size, hidden_size=dims.hidden_size, num_layers=dims.num_layers,
             num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
@@ -48,8 +62,9 @@ class ModelShape:
             num_moe_layers=dims.num_layers - len(spec.dense_layers),
             shared_intermediate_size=spec.shared_intermediate_size,
             shared_expert_gate=bool(spec.shared_intermediate_size and spec.shared_expert_gate),
-            qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, tie_word_embeddings=dims.tie_word_embeddings,
-            dtype_bytes=dtype_bytes, name=name,
+            qkv_bias=dims.mla.attention_bias if dims.mla is not None else spec.qkv_bias, qk_norm=spec.qk_norm,
+            tie_word_embeddings=dims.tie_word_embeddings, dtype_bytes=dtype_bytes, name=name,
+            router_bias=spec.router == "sigmoid_grouped", **mla,
         )
 
     @classmethod
@@ -94,9 +109,23 @@ class ModelShape:
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA: the values one token keeps per layer (compressed kv ++ shared roped key)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def _attention_matmul_params(self) -> int:
         H, D = self.hidden_size, self.head_dim
-        return H * D * (2 * self.num_heads + 2 * self.num_kv_heads)   # q, o + k, v
+        if not self.is_mla:
+            return H * D * (2 * self.num_heads + 2 * self.num_kv_heads)   # q, o + k, v
+        Hq, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = H * self.q_lora_rank + self.q_lora_rank * Hq * qk if self.q_lora_rank else H * Hq * qk
+        kv = H * self.latent_dim + self.kv_lora_rank * Hq * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + Hq * self.v_head_dim * H                                   # + o_proj
 
     def _moe_backbone_matmul_params(self) -> int:
         """Router, shared expert and its gate: read by every token of a MoE layer."""
@@ -116,14 +145,19 @@ class ModelShape:
         """Every parameter that is not a routed expert; equals the module tree's count (tested)."""
         H, D = self.hidden_size, self.head_dim
         per_layer = 2 * H                                                               # two norms
-        if self.qkv_bias:
+        if self.is_mla:
+            per_layer += self.q_lora_rank + self.kv_lora_rank                           # low-rank norms
+            if self.qkv_bias:  # q_a_proj, kv_a_proj_with_mqa, o_proj biases
+                per_layer += self.q_lora_rank + self.latent_dim + H
+        elif self.qkv_bias:
             per_layer += D * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm == "head":
             per_layer += 2 * D
         elif self.qk_norm == "full":
             per_layer += D * (self.num_heads + self.num_kv_heads)
         embed = 0 if self.tie_word_embeddings else self.vocab_size * H
-        return self._backbone_matmul_params() + self.num_layers * per_layer + H + embed
+        bias = self.num_moe_layers * self.num_experts if self.router_bias else 0
+        return self._backbone_matmul_params() + self.num_layers * per_layer + H + embed + bias
 
     @property
     def backbone_bytes(self) -> int:
@@ -141,7 +175,10 @@ class ModelShape:
     # -- KV cache and FLOPs ----------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer (kvcache/kv_cache.py::kv_bytes_per_block / block_size)."""
+        """K and V, every layer (kvcache/kv_cache.py::kv_bytes_per_block / block_size). MLA: the latent,
+        stored split over the layer's cache pair (ceil(L / 2) each, kernels/attention_ref.py)."""
+        if self.is_mla:
+            return 2 * self.num_layers * (-(-self.latent_dim // 2)) * self.dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
@@ -151,6 +188,10 @@ class ModelShape:
 
     def flops_per_token(self, context_len: float) -> float:
         """2 FLOPs per active weight, plus attention over `context_len` cached tokens
-        (QK^T and PV: 2 * 2 * heads * D per cached token, every layer)."""
+        (QK^T and PV: 2 * 2 * heads * D per cached token, every layer). MLA is costed in its absorbed
+        form (scores over the latent, R + Dr, and values in it, R, per head and cached token)."""
+        if self.is_mla:
+            per_head = 2 * (self.latent_dim + self.kv_lora_rank)
+            return 2.0 * self.active_params_per_token + self.num_layers * self.num_heads * per_head * context_len
         attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * context_len
         return 2.0 * self.active_params_per_token + attention

@@ -1,0 +1,122 @@
+"""DeepSeek-V2/V3 pieces against transformers' own modules: YaRN + interleaved rope, the V2 softmax
+group-limited router, MLA's compressed latent in the paged cache and its sizing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import make_tiny_checkpoint, tiny_hf_config
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_v3_rope_matches_transformers(interleave):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
+
+    from pagedmoe.models.deepseek import build_spec_v3
+    from pagedmoe.models.moe_decoder import DecoderModel
+
+    cfg = tiny_hf_config("deepseek_v3", rope_interleave=interleave)
+    dims, spec = build_spec_v3(cfg)
+    rot = DecoderModel(dims, spec, 256).rotary
+    rot.build(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(9, 4, 8, generator=gen), torch.randn(9, 1, 8, generator=gen)
+    positions = torch.tensor([0, 1, 2, 5, 17, 33, 63, 64, 200])
+    cos, sin = ref.DeepseekV3RotaryEmbedding(cfg)(q, positions[None])
+    apply = ref.apply_rotary_pos_emb_interleave if interleave else ref.apply_rotary_pos_emb
+    ref_q, ref_k = apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got_q, got_k = rot(positions, q, k)
+    torch.testing.assert_close(got_q, ref_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, ref_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    # YaRN is on: the attention factor scales cos/sin, and the softmax scale carries mscale^2.
+    assert abs(rot.cos_sin[0, 0, 0].item() - 1.0) > 1e-3
+    assert dims.mla.scale == pytest.approx(ref.DeepseekV3Attention(cfg, 0).scaling, rel=1e-7)
+
+
+def test_v2_complex_rope_gives_the_same_scores():
+    """V2 rotates pairs as complex numbers and keeps them interleaved; ours writes them half-split.
+    The same permutation applies to q and k, so every q.k (what attention sees) is equal."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ref
+
+    from pagedmoe.models.deepseek import build_spec_v2
+    from pagedmoe.models.moe_decoder import DecoderModel
+
+    cfg = tiny_hf_config("deepseek_v2")
+    dims, spec = build_spec_v2(cfg)
+    rot = DecoderModel(dims, spec, 256).rotary
+    rot.build(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(7, 4, 8, generator=gen), torch.randn(7, 1, 8, generator=gen)
+    positions = torch.tensor([0, 3, 9, 31, 64, 100, 255])
+    freqs = ref.DeepseekV2RotaryEmbedding(cfg)(q, positions[None])
+    ref_q, ref_k = ref.apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs)
+    got_q, got_k = rot(positions, q, k)
+    ref_scores = torch.einsum("hqd,hkd->hqk", ref_q[0], ref_k[0].expand(4, -1, -1))
+    got_scores = torch.einsum("qhd,khd->hqk", got_q, got_k.expand(-1, 4, -1))
+    torch.testing.assert_close(got_scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert dims.mla.scale == pytest.approx(ref.DeepseekV2Attention(cfg, 0).scaling, rel=1e-7)
+
+
+@pytest.mark.parametrize("method,n_group,topk_group,scale", [("greedy", 1, 1, 1.0),
+                                                            ("group_limited_greedy", 4, 2, 1.5),
+                                                            ("group_limited_greedy", 8, 3, 16.0)])
+def test_v2_router_matches_transformers(method, n_group, topk_group, scale):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from pagedmoe.models.layers.moe import route_softmax_grouped
+
+    cfg = tiny_hf_config("deepseek_v2", n_routed_experts=16, num_experts_per_tok=4, topk_method=method,
+                         n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale)
+    gen = torch.Generator().manual_seed(n_group)
+    ref = DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16, 64, generator=gen))
+    x = torch.randn(41, 64, generator=gen)
+    logits, ref_w, ref_ids = ref(x)
+    w, ids = route_softmax_grouped(logits, 4, n_group, topk_group, False, scale)
+    ref_order, order = ref_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+    if n_group > 1:  # the group limit changes choices here
+        ungrouped = route_softmax_grouped(logits, 4, 1, 1, False, scale)[1]
+        assert not torch.equal(ungrouped.sort(dim=-1)[0], ids.sort(dim=-1)[0])
+
+
+@pytest.mark.parametrize("kv_lora_rank", [24, 23])  # even and odd latent sizes (odd: one pad value)
+def test_cache_holds_the_compressed_latent(tmp_path, kv_lora_rank):
+    """The paged cache holds kv_a_layernorm(c) ++ roped k_pe per token, nothing expanded; the engine,
+    the model runner and the planner agree on its size."""
+    from pagedmoe import LLM, SamplingParams
+    from pagedmoe.experts.model_shape import ModelShape
+
+    hf = make_tiny_checkpoint("deepseek_v3", tmp_path, seed=3, kv_lora_rank=kv_lora_rank)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64, block_size=8)
+    engine = llm.engine
+    latent = kv_lora_rank + 8
+    D = -(-latent // 2)
+    shape = ModelShape.from_hf_config(str(tmp_path), dtype_bytes=4)
+    assert shape.kv_bytes_per_token == 3 * 2 * D * 4
+    assert engine.plan.kv_bytes_per_block == shape.kv_bytes_per_token * 8
+    for k_cache, v_cache in engine.runner.kv_caches:
+        assert k_cache.shape[1:] == v_cache.shape[1:] == (8, 1, D)
+    prompt = list(range(5, 16))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    # Recompute layer 0's latent for the prompt with transformers' own modules.
+    attn = hf.model.layers[0].self_attn
+    with torch.no_grad():
+        h = hf.model.layers[0].input_layernorm(hf.model.embed_tokens(torch.tensor([prompt])))
+        c, k_pe = attn.kv_a_proj_with_mqa(h).split([kv_lora_rank, 8], dim=-1)
+        c = attn.kv_a_layernorm(c)
+        cos, sin = hf.model.rotary_emb(h, torch.arange(len(prompt))[None])
+        _, k_pe = attn_apply(k_pe[:, None], cos, sin)
+    want = torch.cat((c[0], k_pe[0, 0]), dim=-1)                                  # [11, L]
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    # One request on a fresh pool: blocks 0 and 1 in order (the block pool hands out ascending ids).
+    stored = torch.cat((k_cache[:2, :, 0].reshape(16, D), v_cache[:2, :, 0].reshape(16, D)), dim=-1)
+    torch.testing.assert_close(stored[:len(prompt), :latent], want, rtol=1e-5, atol=1e-5)
+
+
+def attn_apply(k, cos, sin):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    return apply_rotary_pos_emb_interleave(k, k, cos, sin)
