@@ -108,3 +108,68 @@ def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, dtype=torch.flo
     model.save_pretrained(str(path), **kwargs)
     save_tokenizer(path)
     return model
+
+
+def fp8_quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] -> (fp8 e4m3 weight, float32 scale_inv [ceil(O/bo), ceil(I/bi)]), amax / 448 per block,
+    as DeepSeek-V3's checkpoints are made."""
+    O, I = w.shape
+    bo, bi = block
+    nb_o, nb_i = -(-O // bo), -(-I // bi)
+    padded = torch.zeros(nb_o * bo, nb_i * bi, dtype=torch.float32)
+    padded[:O, :I] = w.float()
+    blocks = padded.view(nb_o, bo, nb_i, bi)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0                       # [nb_o, nb_i]
+    q = (blocks / scale[:, None, :, None]).view(nb_o * bo, nb_i * bi)[:O, :I].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def write_fp8_checkpoint(hf_model, src: Path, dst: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Rewrite a tiny DeepSeek-V3 checkpoint the way the real one is stored: per-expert tensors, every
+    linear weight but embeddings, lm_head and the router in fp8 with `weight_scale_inv` blocks (the
+    scales in a second shard, so pairs cross shards), quantization_config in config.json.
+    Returns the dequantised float32 state dict (per-expert names) the loader must reproduce."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {}
+    for name, t in hf_model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                state[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                state[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith("experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(t.shape[0]):
+                state[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            state[name] = t
+    weights, scales, dequantised = {}, {}, {}
+    for name, t in state.items():
+        quantise = (t.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name
+                    and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+        if quantise:
+            q, s = fp8_quantize_blocks(t, block)
+            weights[name], scales[name + "_scale_inv"] = q, s
+            full = s.repeat_interleave(block[0], 0)[:t.shape[0]].repeat_interleave(block[1], 1)[:, :t.shape[1]]
+            dequantised[name] = q.float() * full
+        else:
+            weights[name] = t.contiguous()
+            dequantised[name] = t.float()
+    save_file(weights, str(dst / "model-00001-of-00002.safetensors"))
+    save_file(scales, str(dst / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {**{n: "model-00001-of-00002.safetensors" for n in weights},
+                                            **{n: "model-00002-of-00002.safetensors" for n in scales}}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dequantised

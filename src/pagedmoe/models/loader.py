@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from pagedmoe.models.fp8 import Fp8Dequantizer, fp8_block_size
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.models.registry import spec_builder
 
@@ -90,17 +91,26 @@ def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -
     decode_device = next(iter(params.values())).device if params else torch.device("cpu")
     expected = model.expected_tensor_names()
     written: set[str] = set()
+    fp8 = None
+    block = fp8_block_size(model.hf_config)
+    if block is not None:  # DeepSeek-V3's fp8 checkpoints: dequantised to the model dtype (models/fp8.py)
+        fp8 = Fp8Dequantizer(block, model.model.embed_tokens.weight.dtype, decode_device)
     files = checkpoint_files(path)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="Loading weights", disable=not show_progress)
     for file in files:
         try:
-            for name, tensor in iter_file_tensors(file, decode_device):
+            for raw_name, raw in iter_file_tensors(file, decode_device):
                 try:
-                    written.update(model.load_tensor(name, tensor, params))
-                except KeyError:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
-                                          f"{type(model.hf_config).__name__}") from None
+                    ready = fp8.feed(raw_name, raw) if fp8 is not None else [(raw_name, raw)]
+                except ValueError as e:
+                    raise CheckpointError(f"{file.name}: {e}") from None
+                for name, tensor in ready:
+                    try:
+                        written.update(model.load_tensor(name, tensor, params))
+                    except KeyError:
+                        raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
+                                              f"{type(model.hf_config).__name__}") from None
         except CorruptCheckpointError as e:
             raise CheckpointError(f"{file}: {e}") from e
         except (SafetensorError, OSError, RuntimeError) as e:
@@ -108,6 +118,8 @@ def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -
                                   f"corrupt") from e
         bar.update(file.stat().st_size)
     bar.close()
+    if fp8 is not None and fp8.unpaired():
+        raise CheckpointError(f"{path}: fp8 weights and scales that do not pair up: {fp8.unpaired()[:8]}")
     missing = sorted(expected - written)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
