@@ -20,8 +20,10 @@ _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm")
 _EXPERT_COMPRESSION = ("none", "lossless")
 # exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
-# format, dequantised into the paged compute buffers; dynamic: not implemented yet (refused).
+# format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
+# the ladder by the pressure controller (experts/controller.py).
 _EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
+_MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -69,8 +71,17 @@ class EngineConfig:
                                         "mapped in place), plain (double buffer), auto", _EXPERT_BUFFERS)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "
-                                           "dequantised each step (paged); dynamic: not implemented yet",
+                                           "dequantised each step (paged); dynamic: each expert at its own "
+                                           "precision, demoted under KV-cache pressure and promoted back",
                                   _EXPERT_PRECISIONS)
+    min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
+                                                      "(default int4; dynamic only)", _MIN_EXPERT_PRECISIONS)
+    kv_low_watermark: Optional[float] = _flag(None, "dynamic: demote experts while free KV blocks are below this "
+                                                    "fraction of the KV cache (default 0.05)", type_=float)
+    kv_high_watermark: Optional[float] = _flag(None, "dynamic: promote experts while free KV blocks are above this "
+                                                     "fraction (default 0.25; 1.0 never promotes)", type_=float)
+    expert_stats: Optional[str] = _flag(None, "JSON file of expert activity (and the dynamic precision map): "
+                                              "loaded at start when it exists, saved at exit")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -106,9 +117,7 @@ class EngineConfig:
                 raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
                                  "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
                                  "--num-compressed-experts instead")
-        if self.expert_precision == "dynamic":
-            raise ValueError("--expert-precision dynamic is not implemented yet (the pressure controller is "
-                             "not wired to the runtime); use exact or static-fp8/static-int8/static-int4")
+        self._check_dynamic()
         if self.quantized_precision() is not None:
             flag = self.expert_precision
             if self.expert_placement == "resident":
@@ -128,9 +137,38 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
 
+    def _check_dynamic(self) -> None:
+        dynamic = self.expert_precision == "dynamic"
+        for name in ("min_expert_precision", "kv_low_watermark", "kv_high_watermark"):
+            if getattr(self, name) is not None and not dynamic:
+                raise ValueError(f"--{name.replace('_', '-')} only takes effect with --expert-precision dynamic")
+        if self.min_expert_precision is not None and self.min_expert_precision not in _MIN_EXPERT_PRECISIONS:
+            raise ValueError(f"min_expert_precision must be one of {', '.join(_MIN_EXPERT_PRECISIONS)}; got "
+                             f"{self.min_expert_precision!r}")
+        if not dynamic:
+            return
+        low, high = self.watermarks()
+        if not (0.0 <= low < high <= 1.0):
+            raise ValueError(f"KV watermarks need 0 <= --kv-low-watermark < --kv-high-watermark <= 1 (fractions "
+                             f"of the KV cache's blocks); got low={low}, high={high}")
+        for name, given in (("--expert-placement resident", self.expert_placement == "resident"),
+                            ("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
+                            ("--num-compressed-experts", self.num_compressed_experts is not None),
+                            ("--expert-compression", self.expert_compression != "none"),
+                            ("--expert-buffers vmm", self.expert_buffers == "vmm")):
+            if given:
+                raise ValueError(f"--expert-precision dynamic places every expert itself (paged, plain compute "
+                                 f"buffers); it contradicts {name}")
+
+    def watermarks(self) -> tuple[float, float]:
+        """(low, high) KV watermarks of dynamic precision, as fractions of the KV cache's blocks."""
+        low = 0.05 if self.kv_low_watermark is None else self.kv_low_watermark
+        high = 0.25 if self.kv_high_watermark is None else self.kv_high_watermark
+        return low, high
+
     def placement(self) -> tuple[str, Optional[int]]:
         """(resident|paged|auto, resident experts per layer or None when not fixed by a flag)."""
-        if self.cpu_moe or self.quantized_precision() is not None:
+        if self.cpu_moe or self.quantized_precision() is not None or self.expert_precision == "dynamic":
             return "paged", 0
         if self.num_gpu_experts is not None:
             return "paged", self.num_gpu_experts

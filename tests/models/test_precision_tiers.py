@@ -157,8 +157,7 @@ def test_expert_precision_flags(ckpt):
     from pagedmoe import LLM
     from pagedmoe.config import EngineConfig
 
-    with pytest.raises(ValueError, match="not implemented yet"):
-        EngineConfig(expert_precision="dynamic")
+    assert EngineConfig(expert_precision="dynamic").placement() == ("paged", 0)   # tests/models/test_dynamic*.py
     with pytest.raises(ValueError, match="expert_precision must be one of"):
         EngineConfig(expert_precision="int8")
     with pytest.raises(ValueError, match="cannot take effect"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -72,12 +73,15 @@ class LLMEngine:
         self.placement_plan = None
 
         t0 = time.perf_counter()
+        dynamic = config.expert_precision == "dynamic"
         placement, num_gpu_experts, num_compressed = self._resolve_placement()
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
-                               config.expert_buffers, num_compressed,
+                               "plain" if dynamic else config.expert_buffers, num_compressed,
                                quantized_precision=config.quantized_precision())
         self.expert_store = self.model.expert_store
+        if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
+            self.expert_store.enable_dynamic(config.min_expert_precision or "int4")
         self.pager = self.model.pager
         self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
         self.activity.attach(self.model)
@@ -95,8 +99,10 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   # MLA runs a PyTorch path that reads host copies of the
                                   # sequence lengths: not capturable in a CUDA graph.
-                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None)
+                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None
+                                  or dynamic)  # dynamic precision: graphs would bake old expert versions
         self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
+        self._start_expert_precision(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
@@ -108,6 +114,19 @@ class LLMEngine:
                           "decode_tokens": 0, "prefill_tokens": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _start_expert_precision(self, config) -> None:
+        from pagedmoe.experts.manager import load_expert_stats, save_expert_stats, start_dynamic_precision
+
+        stats = load_expert_stats(config.expert_stats, self.activity)
+        self.precision = None
+        if self.expert_store.dynamic is not None:
+            self.precision = start_dynamic_precision(config, self.expert_store, self.kv, self.plan.kv_bytes_per_block,
+                                                     -(-self.max_model_len // config.block_size), self.activity,
+                                                     stats)
+        if config.expert_stats:
+            self._stats_saver = weakref.finalize(self, save_expert_stats, config.expert_stats, self.activity,
+                                                 self.precision)
 
     # -- memory ----------------------------------------------------------------------------------
     def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
@@ -250,6 +269,8 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.precision is not None:
+            self.precision.tick()  # publish / start precision moves between steps (lends KV blocks)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -343,4 +364,6 @@ class LLMEngine:
                "expert_buffer_bytes": store.buffer_bytes}
         if self.pager is not None:
             out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})
+        if self.precision is not None:
+            out.update(self.precision.as_dict())
         return out

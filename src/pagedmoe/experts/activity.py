@@ -18,6 +18,8 @@ class ActivityTable:
         self.step_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.ema = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
+        self.last_step = torch.full((num_layers, num_experts), -1, dtype=torch.int64, device=device)
+        self.num_steps = 0
         self._ones = torch.ones(4096, dtype=torch.float32, device=device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -30,8 +32,12 @@ class ActivityTable:
     def reset(self) -> None:
         for t in (self.step_counts, self.total, self.ema):
             t.zero_()
+        self.last_step.fill_(-1)
+        self.num_steps = 0
 
     def end_step(self) -> None:
+        self.last_step.masked_fill_(self.step_counts > 0, self.num_steps)  # LRU: the last step routed to
+        self.num_steps += 1
         self.total += self.step_counts
         self.ema.mul_(self.decay).add_(self.step_counts, alpha=1.0 - self.decay)
         self.step_counts.zero_()
@@ -40,13 +46,19 @@ class ActivityTable:
         for moe in model.moe_layers():
             moe.on_route = self.record
 
+    def host_view(self) -> tuple[list[list[float]], list[list[int]]]:
+        """(ema, last step routed to) per [layer][expert], read to the host (between steps only)."""
+        return self.ema.cpu().tolist(), self.last_step.cpu().tolist()
+
     def snapshot(self) -> dict:
         return {"total": self.total.cpu().tolist(), "ema": self.ema.cpu().tolist(), "decay": self.decay}
 
-    def save(self, path: str) -> None:
-        Path(path).write_text(json.dumps(self.snapshot()))
+    def save(self, path: str, extra: dict | None = None) -> None:
+        """`extra` (e.g. the dynamic precision map and measured errors) is stored alongside."""
+        Path(path).write_text(json.dumps({**self.snapshot(), **(extra or {})}))
 
-    def load(self, path: str) -> None:
+    def load(self, path: str) -> dict:
+        """Loads the counts; returns the whole file (its extra keys are for the precision manager)."""
         data = json.loads(Path(path).read_text())
         total = torch.tensor(data["total"], dtype=torch.float64)
         if tuple(total.shape) != (self.num_layers, self.num_experts):
@@ -54,6 +66,7 @@ class ActivityTable:
                              f"({self.num_layers} MoE layers x {self.num_experts} experts)")
         self.total.copy_(total)
         self.ema.copy_(torch.tensor(data["ema"], dtype=torch.float32))
+        return data
 
 
 def busiest_quarter_share(counts: list[list[float]]) -> list[float]:

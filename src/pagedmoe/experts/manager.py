@@ -96,3 +96,42 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
             moe.weights_provider = store.views
             moe.on_experts_done = None
     return store
+
+
+# -- --expert-precision dynamic and --expert-stats ------------------------------------------------------
+def load_expert_stats(path: Optional[str], activity) -> Optional[dict]:
+    """--expert-stats PATH: load the activity table when the file exists (the first run creates it)."""
+    from pathlib import Path
+
+    if not path or not Path(path).exists():
+        return None
+    data = activity.load(path)
+    logger.info("expert stats loaded from %s", path)
+    return data
+
+
+def save_expert_stats(path: str, activity, precision=None) -> None:
+    """At exit: the activity table, and under dynamic precision the precision map and measured errors."""
+    try:
+        activity.save(path, precision.state_json() if precision is not None else None)
+    except Exception as e:  # at interpreter exit: report, never raise
+        logger.warning("could not save expert stats to %s: %s", path, e)
+
+
+def start_dynamic_precision(config, store, kv, block_bytes: int, min_usable_blocks: int, activity,
+                            stats: Optional[dict] = None):
+    """Build the DynamicPrecisionManager of `--expert-precision dynamic` (the store's DynamicExperts was
+    enabled before the KV cache was sized). A precision map in the stats file is the starting point
+    when it fits the budget."""
+    from pagedmoe.experts.controller import DynamicPrecisionManager, parse_state
+
+    initial = rel = None
+    if stats is not None:
+        initial, rel = parse_state(stats, store.table.num_layers, store.table.num_experts)
+    low, high = config.watermarks()
+    mgr = DynamicPrecisionManager(store.dynamic, kv, block_bytes, low, high, store.dynamic.min_precision,
+                                  activity=activity, min_usable_blocks=min_usable_blocks, initial=initial,
+                                  rel_error=rel)
+    logger.info("dynamic expert precision: %s; %d KV blocks lent to experts (watermarks %d / %d of %d blocks)",
+                mgr.precision_counts(), mgr.withheld, mgr.watermarks.low, mgr.watermarks.high, mgr.num_blocks)
+    return mgr

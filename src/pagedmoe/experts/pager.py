@@ -150,6 +150,11 @@ class ExpertPager:
         """Put layer `layer`'s non-resident experts into its compute buffer: copies from the host tier
         (and resident rows for the plain double buffer), lossless decodes, dequantisation. On CUDA this
         runs on the copy stream; on CPU synchronously."""
+        dyn = self.store.dynamic
+        if dyn is not None:
+            # NOTE: read the published version once: a publish happens only between steps.
+            dyn.versions[layer].fill(self.store.buffers.packed(layer))
+            return
         for dst, src, _ in self._copies[layer]:
             dst.copy_(src, non_blocking=self.cuda)
         if self._decodes[layer]:
@@ -187,6 +192,15 @@ class ExpertPager:
         self._pending_timing.clear()
 
     def _account(self, layer: int) -> None:
+        dyn = self.store.dynamic
+        if dyn is not None:
+            v = dyn.versions[layer]
+            elem = torch.empty(0, dtype=self.store.dtype).element_size()
+            n_exact = len(v.exact_ids)
+            self.stats.bytes_d2d += n_exact * self.store.expert_numel * elem
+            self.stats.bytes_dequantized += (self.store.table.num_experts - n_exact) * self.store.expert_numel * elem
+            self.stats.layers_loaded += 1
+            return
         h2d, d2d = self._bytes_per_layer[layer]
         self.stats.bytes_h2d += h2d
         self.stats.bytes_d2d += d2d

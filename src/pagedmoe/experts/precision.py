@@ -1,4 +1,5 @@
-"""Quality-aware expert precision: the ladder, quality costs, the budget policy and the pressure controller.
+"""Quality-aware expert precision: the ladder, quality costs and the budget policy (the pressure controller
+that drives it at run time: experts/controller.py).
 
 Pure decisions on numbers (no torch): the runtime feeds in bytes per rung, quality costs, free KV
 blocks and last-access steps, and applies the (expert, from, to) moves it gets back.
@@ -209,86 +210,11 @@ class PrecisionPolicy:
         return assignment
 
 
-@dataclass(frozen=True)
-class Watermarks:
-    """On free KV blocks: once free drops below `low`, demote (over as many steps as the per-step cap
-    needs) until free reaches the midpoint; above `high`, promote while free stays at or above the
-    midpoint. Otherwise nothing moves (hysteresis)."""
-    low: int
-    high: int
+def __getattr__(name: str):
+    # The pressure controller lives in experts/controller.py (which imports this module); re-exported
+    # lazily for older imports.
+    if name in ("PressureController", "Watermarks"):
+        from pagedmoe.experts import controller
 
-    def __post_init__(self):
-        if not 0 <= self.low < self.high:
-            raise ValueError(f"watermarks need 0 <= low < high (got low={self.low}, high={self.high})")
-
-    @property
-    def mid(self) -> int:
-        return (self.low + self.high) // 2
-
-
-class PressureController:
-    """Reads free KV blocks every N steps and returns (expert, from, to) moves; the runtime builds the
-    new versions asynchronously and publishes them, then calls `applied`. Each expert moves at most one
-    rung per step and the bytes changed per step are capped, so quality degrades progressively."""
-
-    def __init__(self, policy: PrecisionPolicy, watermarks: Watermarks, block_bytes: int,
-                 max_bytes_per_step: int, assignment: Mapping[ExpertKey, str]) -> None:
-        if block_bytes <= 0 or max_bytes_per_step <= 0:
-            raise ValueError("block_bytes and max_bytes_per_step must be positive")
-        self.policy, self.watermarks = policy, watermarks
-        self.block_bytes, self.max_bytes_per_step = block_bytes, max_bytes_per_step
-        self.assignment = dict(assignment)
-        self.demoting = False     # between crossing `low` and reaching the midpoint
-
-    def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
-        wm = self.watermarks
-        if num_free_blocks < wm.low:
-            self.demoting = True
-        elif num_free_blocks >= wm.mid:
-            self.demoting = False
-        if self.demoting:
-            return self._demote((wm.mid - num_free_blocks) * self.block_bytes, last_access)
-        if num_free_blocks > wm.high:
-            return self._promote((num_free_blocks - wm.mid) * self.block_bytes, last_access)
-        return []
-
-    def _demote(self, need_bytes: int, last_access) -> list[Move]:
-        cands = [m for k, p in self.assignment.items() if (m := self.policy.demotion(k, p)) is not None]
-        # Exact rungs first across steps too: no lossy demotion while an exact one is still possible.
-        if any(m.dst in EXACT for m in cands):
-            cands = [m for m in cands if m.dst in EXACT]
-        cands.sort(key=lambda m: self.policy.demote_rank(m, last_access))
-        moves, freed, changed = [], 0, 0
-        for m in cands:
-            if freed >= need_bytes:
-                break
-            if changed - m.bytes_delta > self.max_bytes_per_step:
-                continue
-            moves.append(m)
-            freed -= m.bytes_delta
-            changed -= m.bytes_delta
-        return moves
-
-    def _promote(self, room_bytes: int, last_access) -> list[Move]:
-        cands = [m for k, p in self.assignment.items() if (m := self.policy.promotion(k, p)) is not None]
-        # Mirror image: lossless -> bf16 only once no expert is lossy.
-        if any(m.src not in EXACT for m in cands):
-            cands = [m for m in cands if m.src not in EXACT]
-        cands.sort(key=lambda m: self.policy.promote_rank(m, last_access))
-        moves, used = [], 0
-        for m in cands:
-            # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
-            # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
-            if used + m.bytes_delta > min(room_bytes, self.max_bytes_per_step):
-                continue
-            moves.append(m)
-            used += m.bytes_delta
-        return moves
-
-    def applied(self, moves: Iterable[Move]) -> None:
-        """The runtime published these moves' new versions."""
-        for m in moves:
-            if self.assignment.get(m.key) != m.src:
-                raise ValueError(f"move {m} does not start from the expert's current precision "
-                                 f"{self.assignment.get(m.key)}")
-            self.assignment[m.key] = m.dst
+        return getattr(controller, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

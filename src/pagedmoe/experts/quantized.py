@@ -8,10 +8,14 @@ Every format's scales are per output channel (fp8/int8) or per output channel an
 (int4), so stacking experts along N changes nothing: dequantising the stack gives, element for element,
 what dequantising each expert alone gives (codecs/quant.py::dequantize, the PyTorch reference; its
 Triton kernels come later). Bytes are exactly `quant.bytes_of` per weight (data + float32 scales).
+
+Dynamic precision (`--expert-precision dynamic`, end of file): each expert of a layer at its own rung;
+a LayerVersion holds the exact rows and one QuantizedLayer per lossy precision, DynamicExperts builds
+new versions from the host master and publishes them atomically.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -81,3 +85,189 @@ def _stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
     n_rows = sum(p.shape[0] for p in parts)
     return QuantizedTensor(parts[0].precision, (n_rows, parts[0].shape[1]),
                            torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
+
+
+# -- dynamic precision: per-expert forms, mixed within a layer ---------------------------------------
+class LayerVersion:
+    """One published state of a MoE layer under --expert-precision dynamic: its exact experts' rows
+    (`exact_rows` [n, 3*I*H], model dtype, on the device) and one QuantizedLayer per lossy precision.
+    Immutable once published: a change builds a new LayerVersion and swaps the reference."""
+
+    def __init__(self, exact_ids: Sequence[int], exact_rows: Optional[torch.Tensor],
+                 groups: dict[str, QuantizedLayer]) -> None:
+        self.exact_ids, self.exact_rows, self.groups = list(exact_ids), exact_rows, groups
+        self.precision = {e: "bf16" for e in self.exact_ids}
+        for p, g in groups.items():
+            self.precision.update({e: p for e in g.expert_ids})
+        self._index = None
+        if self.exact_ids:
+            self._index = torch.tensor(self.exact_ids, dtype=torch.long, device=exact_rows.device)
+
+    @property
+    def nbytes(self) -> int:
+        rows = self.exact_rows.numel() * self.exact_rows.element_size() if self.exact_ids else 0
+        return rows + sum(g.nbytes for g in self.groups.values())
+
+    def fill(self, packed: torch.Tensor) -> None:
+        """Write every expert of the layer into the compute buffer packed [E, stride]. Sync-free."""
+        if self.exact_ids:
+            n = self.exact_rows.shape[1]
+            packed[:, :n].index_copy_(0, self._index, self.exact_rows)
+        for g in self.groups.values():
+            g.dequantize_into(packed)
+
+
+def _expert_slices(q: QuantizedLayer, pos: int) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The `pos`-th expert of a stacked QuantizedLayer as (w13, w2) QuantizedTensors (views)."""
+    out = []
+    for qt, N in ((q.w13, 2 * q.inter), (q.w2, q.hidden)):
+        sl = slice(pos * N, (pos + 1) * N)
+        out.append(QuantizedTensor(qt.precision, (N, qt.shape[1]), qt.data[sl], qt.scales[sl]))
+    return out[0], out[1]
+
+
+class DynamicExperts:
+    """Every expert of every MoE layer at its own precision, built from a master copy in host memory.
+
+    `master[l]` [E, stride] is the store's host tier (pinned on CUDA): the checkpoint's values in the
+    model dtype, from which exact rows are copied and lossy forms quantised. Each MoE layer has one
+    published LayerVersion; the pager fills the layer's compute buffer from it.
+
+    build(changes) makes new versions of the touched layers *off the forward path*: on CUDA on a side
+    stream, ending with an event; on CPU synchronously, between steps. publish() (a step boundary, once
+    ready()) swaps the layers' references and updates the ExpertTable.
+    # NOTE: a forward reads `versions[l]` once per layer fill; versions are swapped only between steps
+    # and only after their build event completed (observed on the host), so a forward never sees a
+    # half-written expert and the old version is no longer read when it is dropped (the step's results
+    # reached the host before the swap).
+    """
+
+    def __init__(self, store, master: Sequence[torch.Tensor], min_precision: str = "int4") -> None:
+        self.store, self.master = store, list(master)
+        self.num_layers, self.num_experts = store.table.num_layers, store.table.num_experts
+        self.hidden, self.inter, self.numel = store.hidden, store.inter, store.expert_numel
+        self.device, self.dtype = store.device, store.dtype
+        self.keys = [(l, e) for l in range(self.num_layers) for e in range(self.num_experts)]
+        self.versions: list[Optional[LayerVersion]] = [None] * self.num_layers
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._event = None
+        self._staged: dict[int, LayerVersion] = {}
+        self._errors: list[tuple[tuple[int, int], str, torch.Tensor]] = []
+        self.min_precision = min_precision
+
+    def bytes_per_rung(self) -> dict[str, int]:
+        from pagedmoe.codecs.quant import LOSSY_PRECISIONS, expert_bytes
+
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        out = {"bf16": self.numel * elem}   # "bf16": the exact rung, in the model dtype
+        out.update({p: expert_bytes(p, self.hidden, self.inter) for p in LOSSY_PRECISIONS})
+        return out
+
+    def precision(self, layer: int, expert: int) -> str:
+        return self.versions[layer].precision[expert]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(v.nbytes for v in self.versions if v is not None)
+
+    # -- build / publish --------------------------------------------------------------------------
+    def build_all(self, assignment) -> None:
+        """The first versions (at start-up): built and published at once."""
+        self.build(dict(assignment), full=True)
+        if self._event is not None:
+            self._event.synchronize()
+        self.publish()
+
+    def build(self, changes, full: bool = False) -> None:
+        """Start building new versions of the layers `changes` ({(layer, expert): precision}) touches."""
+        if self._staged:
+            raise RuntimeError("a build is still waiting to be published")
+        layers = sorted({l for l, _ in changes})
+        ctx = torch.cuda.stream(self.stream) if self.cuda else _nullcontext()
+        with ctx, torch.inference_mode():
+            if self.cuda:
+                # the side stream must not start before what the compute stream queued (e.g. the loader)
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for layer in layers:
+                old = self.versions[layer]
+                want = [old.precision[e] if old is not None and not full else None for e in range(self.num_experts)]
+                for (l, e), p in changes.items():
+                    if l == layer:
+                        want[e] = p
+                if None in want:
+                    raise ValueError(f"layer {layer}: a first build needs every expert's precision")
+                self._staged[layer] = self._build_layer(layer, old if not full else None, want)
+            if self.cuda:
+                self._event = torch.cuda.Event()
+                self._event.record(self.stream)
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def publish(self) -> dict[tuple[int, int], dict[str, float]]:
+        """Swap the built layers in; returns the measured relative weight error of each new lossy form."""
+        from pagedmoe.experts.table import QUANTIZED, RESIDENT
+
+        if not self.ready():
+            raise RuntimeError("publish() before the build finished")
+        for layer, version in self._staged.items():
+            self.versions[layer] = version
+            for e in range(self.num_experts):
+                p = version.precision[e]
+                self.store.table.set_entry(layer, e, RESIDENT if p == "bf16" else QUANTIZED, e, p)
+        measured: dict[tuple[int, int], dict[str, float]] = {}
+        for key, p, err in self._errors:
+            measured.setdefault(key, {})[p] = float(err)
+        self._staged, self._errors, self._event = {}, [], None
+        return measured
+
+    def _build_layer(self, layer: int, old: Optional[LayerVersion], want: list[str]) -> LayerVersion:
+        E, H, I, n = self.num_experts, self.hidden, self.inter, self.numel
+        exact_ids = [e for e in range(E) if want[e] == "bf16"]
+        if old is not None and exact_ids == old.exact_ids:
+            exact_rows = old.exact_rows
+        elif exact_ids:
+            pos = {e: i for i, e in enumerate(old.exact_ids)} if old is not None else {}
+            exact_rows = torch.empty(len(exact_ids), n, dtype=self.dtype, device=self.device)
+            for i, e in enumerate(exact_ids):
+                src = old.exact_rows[pos[e]] if e in pos else self.master[layer][e, :n]
+                exact_rows[i].copy_(src, non_blocking=True)
+        else:
+            exact_rows = None
+        groups = {}
+        for p in sorted({q for q in want if q != "bf16"}):
+            ids = [e for e in range(E) if want[e] == p]
+            prev = old.groups.get(p) if old is not None else None
+            if prev is not None and prev.expert_ids == ids:
+                groups[p] = prev
+                continue
+            kept = {e: i for i, e in enumerate(prev.expert_ids)} if prev is not None else {}
+            parts13, parts2 = [], []
+            for e in ids:
+                if e in kept:
+                    w13, w2 = _expert_slices(prev, kept[e])
+                else:
+                    w13, w2 = self._quantize_expert(layer, e, p)
+                parts13.append(w13)
+                parts2.append(w2)
+            groups[p] = QuantizedLayer(p, H, I, ids, _stack(parts13), _stack(parts2))
+        return LayerVersion(exact_ids, exact_rows, groups)
+
+    def _quantize_expert(self, layer: int, e: int, p: str) -> tuple[QuantizedTensor, QuantizedTensor]:
+        H, I = self.hidden, self.inter
+        r = self.master[layer][e, :self.numel].to(self.device, non_blocking=True).float()
+        w13, w2 = r[:2 * I * H].view(2 * I, H), r[2 * I * H:].view(H, I)
+        q13, q2 = quantize(w13, p), quantize(w2, p)
+        # relative weight error, kept on the device until publish (no sync on the side stream)
+        d = (dequantize(q13, torch.float32) - w13).pow(2).sum() + (dequantize(q2, torch.float32) - w2).pow(2).sum()
+        self._errors.append(((layer, e), p, (d / r.pow(2).sum().clamp_min(1e-30)).sqrt()))
+        return q13, q2
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -97,6 +97,7 @@ class ExpertStore:
         self.quantized: list = [None] * L           # QuantizedLayer per layer (paged, quantized tier)
         self._qstaging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
         self._qstaged_parts: list[set] = [set() for _ in range(L)]
+        self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
         if not paged:
             self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
             return
@@ -129,6 +130,8 @@ class ExpertStore:
         no raw master copy once encoded; before that, this is its staging row [3*I*H]."""
         if not self.paged:
             return self.resident[layer][expert]
+        if self.dynamic is not None:   # the host master (experts live at their current rung on the device)
+            return self.host[layer][expert]
         entry = self.table._entries[layer][expert]
         if entry.tier == COMPRESSED:
             if self._staging[layer] is None:
@@ -150,7 +153,7 @@ class ExpertStore:
             raise ValueError(f"expert {expert} of MoE layer {layer}: {kind} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
         dst.copy_(tensor)
-        entry = self.table._entries[layer][expert] if self.paged else None
+        entry = self.table._entries[layer][expert] if self.paged and self.dynamic is None else None
         if entry is not None and entry.tier == COMPRESSED:
             # Encode the layer as soon as every part of every staged row has been written (a part
             # written twice counts once); finalize() encodes rows a checkpoint left incomplete.
@@ -246,9 +249,30 @@ class ExpertStore:
         return sum(q.nbytes for q in self.quantized if q is not None)
 
     @property
+    def dynamic_bytes(self) -> int:
+        """Device bytes of the experts under dynamic precision: the floor every expert is guaranteed
+        (what the KV cache is sized around; the rest is lent from the KV cache: experts/controller.py)."""
+        return self.dynamic_floor_bytes if self.dynamic is not None else 0
+
+    def enable_dynamic(self, min_precision: str):
+        """--expert-precision dynamic: every expert paged from the host tier becomes the master of a
+        DynamicExperts (its device forms are built by the DynamicPrecisionManager)."""
+        from pagedmoe.experts.quantized import DynamicExperts
+
+        if not self.paged or self.buffers.maps_resident or any(
+                self.table.count(l, t) for l in range(self.table.num_layers) for t in (RESIDENT, COMPRESSED,
+                                                                                     QUANTIZED)):
+            raise ValueError("dynamic precision needs every expert in the host tier and plain compute buffers")
+        self.dynamic = DynamicExperts(self, self.host, min_precision)
+        self.dynamic_floor_bytes = len(self.dynamic.keys) * self.dynamic.bytes_per_rung()[min_precision]
+        return self.dynamic
+
+    @property
     def buffer_bytes(self) -> int:
         return self.buffers.nbytes if self.paged else 0
 
     @property
     def device_bytes(self) -> int:
+        if self.dynamic is not None:
+            return self.dynamic_bytes + self.buffer_bytes
         return self.resident_bytes + self.compressed_bytes + self.quantized_bytes + self.buffer_bytes

@@ -4,7 +4,9 @@ Tiers: "resident" (its own GPU memory, mapped or copied into the layer's compute
 (a lossless compressed copy in GPU memory, decoded into the compute buffer before its layer runs; its
 precision stays "bf16": the decode is exact) and "host" (pinned host memory, streamed into the compute
 buffer before its layer runs) and "quantized" (a lossy fp8/int8/int4 copy in GPU memory, dequantised into
-the compute buffer before its layer runs; its precision is that format).
+the compute buffer before its layer runs; its precision is that format). Under --expert-precision
+dynamic the tiers mix within a layer and change at run time: "resident" experts are exact rows on the
+device, "quantized" ones lossy forms; both slots are the expert id (experts/quantized.py::DynamicExperts).
 """
 from __future__ import annotations
 
@@ -79,6 +81,17 @@ class ExpertTable:
         """The first N experts of every layer resident (used when nothing better is known)."""
         n = max(0, min(num_gpu_experts, self.num_experts))
         self.place([range(n)] * self.num_layers)
+
+    def set_entry(self, layer: int, expert: int, tier: str, slot: int, precision: str = "bf16") -> None:
+        """Dynamic precision: one expert's tier and precision change when a new version is published
+        (experts/quantized.py::DynamicExperts; its slot is the expert id)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}")
+        self._entries[layer][expert] = ExpertEntry(tier, slot, precision)
+
+    def precision_map(self) -> list[list[str]]:
+        """[layer][expert] -> precision (for stats and plots)."""
+        return [[e.precision if e is not None else "" for e in row] for row in self._entries]
 
     def entry(self, key: ExpertKey) -> ExpertEntry:
         entry = self._entries[key.layer_idx][key.expert_id]

@@ -18,10 +18,27 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
+        self._withheld: list[int] = []   # free blocks lent to expert weights (dynamic precision)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_withheld_blocks(self) -> int:
+        return len(self._withheld)
+
+    def withhold(self, n: int) -> None:
+        """Take `n` free blocks out of circulation (their memory is lent to expert weights)."""
+        if n > len(self._free):
+            raise MemoryError(f"cannot withhold {n} KV blocks, {len(self._free)} free")
+        self._withheld.extend(self._free.pop() for _ in range(n))
+
+    def release(self, n: int) -> None:
+        """Give `n` withheld blocks back to the free list."""
+        if n > len(self._withheld):
+            raise ValueError(f"cannot release {n} KV blocks, {len(self._withheld)} withheld")
+        self._free.extend(self._withheld.pop() for _ in range(n))
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -42,7 +59,7 @@ class BlockPool:
             self._free.append(b)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / (self.num_blocks - len(self._withheld))
 
 
 class KVCacheManager:
@@ -90,6 +107,12 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def withhold(self, n: int) -> None:
+        self.pool.withhold(n)
+
+    def release(self, n: int) -> None:
+        self.pool.release(n)
 
     def usage(self) -> float:
         return self.pool.usage()

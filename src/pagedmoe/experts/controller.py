@@ -1,0 +1,321 @@
+"""The pressure controller of dynamic expert precision, and the manager that wires it to the runtime.
+
+`PressureController` is a pure decision: free KV blocks in, (expert, from, to) moves out.
+`DynamicPrecisionManager` runs it between engine steps. It owns the lending of KV blocks: the KV
+cache is sized as if every expert sat at the floor (`--min-expert-precision`), and the bytes the
+experts hold above the floor are *withheld* from the block pool, block for block:
+
+    withheld blocks = ceil((expert bytes now - expert bytes at the floor) / KV bytes per block)
+
+A demotion is published first and its blocks are released after (the pool grows); a promotion takes
+its blocks out of the free list first and is built after (the pool shrinks), so at every instant
+usable KV blocks + expert bytes fit the budget. The builds run off the forward path
+(experts/quantized.py::DynamicExperts: a side stream on CUDA, between steps on CPU) and are published
+at a step boundary, whole layers at a time.
+
+Pure Python (no torch): the runtime and the KV manager are passed in.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+from pagedmoe.experts.precision import EXACT, ExpertKey, Move, PrecisionPolicy, QualityCosts
+
+# Relative output error assumed for an expert before its lossy form was ever built (then measured on
+# its weights); N(0, 0.02)-like weights give about these. Only their order matters much for ranking.
+PRIOR_REL_ERROR = {"fp8": 0.025, "int8": 0.004, "int4": 0.07}
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """On free KV blocks: once free drops below `low`, demote (over as many steps as the per-step cap
+    needs) until free reaches the midpoint; above `high`, promote while free stays at or above the
+    midpoint. Otherwise nothing moves (hysteresis)."""
+    low: int
+    high: int
+
+    def __post_init__(self):
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"watermarks need 0 <= low < high (got low={self.low}, high={self.high})")
+
+    @property
+    def mid(self) -> int:
+        return (self.low + self.high) // 2
+
+    @classmethod
+    def from_fractions(cls, low: float, high: float, num_blocks: int) -> "Watermarks":
+        """`--kv-low-watermark`/`--kv-high-watermark` are fractions of the KV cache's blocks. high=1.0
+        can never be exceeded (free <= blocks): it switches promotion off."""
+        lo = int(math.floor(low * num_blocks))
+        hi = max(lo + 1, int(math.ceil(high * num_blocks)))
+        return cls(lo, hi)
+
+
+class PressureController:
+    """Reads free KV blocks every N steps and returns (expert, from, to) moves; the runtime builds the
+    new versions asynchronously and publishes them, then calls `applied`. Each expert moves at most one
+    rung per step and the bytes changed per step are capped, so quality degrades progressively."""
+
+    def __init__(self, policy: PrecisionPolicy, watermarks: Watermarks, block_bytes: int,
+                 max_bytes_per_step: int, assignment: Mapping[ExpertKey, str]) -> None:
+        if block_bytes <= 0 or max_bytes_per_step <= 0:
+            raise ValueError("block_bytes and max_bytes_per_step must be positive")
+        self.policy, self.watermarks = policy, watermarks
+        self.block_bytes, self.max_bytes_per_step = block_bytes, max_bytes_per_step
+        self.assignment = dict(assignment)
+        self.demoting = False     # between crossing `low` and reaching the midpoint
+
+    def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
+        wm = self.watermarks
+        if num_free_blocks < wm.low:
+            self.demoting = True
+        elif num_free_blocks >= wm.mid:
+            self.demoting = False
+        if self.demoting:
+            return self.demote((wm.mid - num_free_blocks) * self.block_bytes, last_access)
+        if num_free_blocks > wm.high:
+            return self._promote((num_free_blocks - wm.mid) * self.block_bytes, last_access)
+        return []
+
+    def demote(self, need_bytes: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
+        """The best-ranked demotions (one rung each) that free `need_bytes`, within the per-step cap."""
+        cands = [m for k, p in self.assignment.items() if (m := self.policy.demotion(k, p)) is not None]
+        # Exact rungs first across steps too: no lossy demotion while an exact one is still possible.
+        if any(m.dst in EXACT for m in cands):
+            cands = [m for m in cands if m.dst in EXACT]
+        cands.sort(key=lambda m: self.policy.demote_rank(m, last_access))
+        moves, freed, changed = [], 0, 0
+        for m in cands:
+            if freed >= need_bytes:
+                break
+            if changed - m.bytes_delta > self.max_bytes_per_step:
+                continue
+            moves.append(m)
+            freed -= m.bytes_delta
+            changed -= m.bytes_delta
+        return moves
+
+    def _promote(self, room_bytes: int, last_access) -> list[Move]:
+        cands = [m for k, p in self.assignment.items() if (m := self.policy.promotion(k, p)) is not None]
+        # Mirror image: lossless -> bf16 only once no expert is lossy.
+        if any(m.src not in EXACT for m in cands):
+            cands = [m for m in cands if m.src not in EXACT]
+        cands.sort(key=lambda m: self.policy.promote_rank(m, last_access))
+        moves, used = [], 0
+        for m in cands:
+            # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
+            # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
+            if used + m.bytes_delta > min(room_bytes, self.max_bytes_per_step):
+                continue
+            moves.append(m)
+            used += m.bytes_delta
+        return moves
+
+    def applied(self, moves: Iterable[Move]) -> None:
+        """The runtime published these moves' new versions."""
+        for m in moves:
+            if self.assignment.get(m.key) != m.src:
+                raise ValueError(f"move {m} does not start from the expert's current precision "
+                                 f"{self.assignment.get(m.key)}")
+            self.assignment[m.key] = m.dst
+
+
+@dataclass
+class ControllerStats:
+    demotions: int = 0
+    promotions: int = 0
+    bytes_changed: int = 0      # sum of |bytes_delta| over published moves
+    publishes: int = 0          # step boundaries at which a new version went live
+    builds_waited: int = 0      # ticks that found the previous build still running (CUDA)
+    ticks: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DynamicPrecisionManager:
+    """Between engine steps: publish finished builds, read pressure, start the next moves.
+
+    `runtime` is an experts/quantized.py::DynamicExperts; `kv` a kvcache KVCacheManager (its pool
+    withholds and releases blocks); `activity` the ActivityTable (read on the host every tick)."""
+
+    def __init__(self, runtime, kv, block_bytes: int, low: float, high: float, min_precision: str,
+                 activity=None, min_usable_blocks: int = 1, max_bytes_per_step: Optional[int] = None,
+                 initial: Optional[Mapping[ExpertKey, str]] = None,
+                 rel_error: Optional[Mapping[ExpertKey, Mapping[str, float]]] = None) -> None:
+        self.runtime, self.kv, self.activity = runtime, kv, activity
+        self.block_bytes = block_bytes
+        self.num_blocks = kv.num_blocks
+        keys = runtime.keys
+        errors = {k: dict(PRIOR_REL_ERROR) for k in keys}
+        for k, v in (rel_error or {}).items():
+            if k in errors:
+                errors[k].update(v)
+        self.costs = QualityCosts(errors, {k: 1.0 for k in keys})
+        bpr = runtime.bytes_per_rung()
+        self.policy = PrecisionPolicy(bpr, self.costs, min_precision)
+        self.floor_bytes = len(keys) * bpr[min_precision]
+        self.watermarks = Watermarks.from_fractions(low, high, self.num_blocks)
+        layer_top = runtime.num_experts * bpr["bf16"]
+        self.max_bytes_per_step = max_bytes_per_step or max(layer_top, block_bytes)
+        self.stats = ControllerStats()
+        self.min_usable_blocks = min_usable_blocks
+        # Start as exact as the budget allows while leaving the watermarks' midpoint (and one
+        # full-length sequence) free: nothing is quantised while an exact plan fits.
+        keep_free = max(self.watermarks.mid, min_usable_blocks)
+        budget = self.floor_bytes + max(0, self.num_blocks - keep_free) * block_bytes
+        if initial is not None and set(initial) == set(keys) and self.policy.total_bytes(initial) <= budget:
+            start = dict(initial)
+        else:
+            start = self.policy.plan(budget, keys)
+        self.withheld = 0
+        self._withhold_for(start)
+        runtime.build_all(start)
+        self.controller = PressureController(self.policy, self.watermarks, block_bytes, self.max_bytes_per_step,
+                                             start)
+        self._pending: list[Move] = []
+
+    # -- KV lending -----------------------------------------------------------------------------
+    def surplus_bytes(self, assignment: Mapping[ExpertKey, str]) -> int:
+        return self.policy.total_bytes(assignment) - self.floor_bytes
+
+    def _blocks_for(self, assignment) -> int:
+        return -(-max(0, self.surplus_bytes(assignment)) // self.block_bytes)
+
+    def _withhold_for(self, assignment) -> bool:
+        need = self._blocks_for(assignment) - self.withheld
+        if need <= 0:
+            return True
+        if self.kv.num_free_blocks < need or self.num_blocks - self.withheld - need < self.min_usable_blocks:
+            return False
+        self.kv.withhold(need)
+        self.withheld += need
+        return True
+
+    def _release_to(self, assignment) -> None:
+        extra = self.withheld - self._blocks_for(assignment)
+        if extra > 0:
+            self.kv.release(extra)
+            self.withheld -= extra
+
+    # -- one tick per engine step ----------------------------------------------------------------
+    def tick(self) -> list[Move]:
+        """Publish a finished build; else read pressure and start new moves. Returns what was published."""
+        self.stats.ticks += 1
+        if self._pending:
+            if not self.runtime.ready():
+                self.stats.builds_waited += 1
+                return []
+            return self._publish()
+        last_access = self._refresh_activity()
+        free = self.kv.num_free_blocks
+        if free > self.watermarks.high and all(p == self.policy.top for p in self.controller.assignment.values()):
+            return []   # nothing to promote: skip ranking every expert
+        moves = self.controller.step(free, last_access)
+        return self._start(moves)
+
+    def demote_to(self, target_bytes: int, bytes_per_rung: Optional[Mapping[str, int]] = None) -> int:
+        """Demote through the controller's own ranking and per-step cap until the experts take at most
+        `target_bytes` (counted with `bytes_per_rung` if given, e.g. bf16 sizes for a float32 CPU run).
+        For studies at a fixed expert-memory budget. Returns the number of rounds."""
+        bpr = dict(bytes_per_rung or self.policy.bytes_per_rung)
+        rounds = 0
+        while True:
+            total = sum(bpr[p] for p in self.controller.assignment.values())
+            if total <= target_bytes:
+                return rounds
+            ratio = self.policy.bytes_per_rung["bf16"] / bpr["bf16"]
+            moves = self.controller.demote(int((total - target_bytes) * ratio), {})
+            if not moves:
+                raise ValueError(f"cannot demote below {total} B (target {target_bytes} B)")
+            self._start(moves)
+            while self._pending:
+                if self.runtime.ready():
+                    self._publish()
+            rounds += 1
+
+    def _start(self, moves: list[Move]) -> list[Move]:
+        if not moves:
+            return []
+        new = dict(self.controller.assignment)
+        for m in moves:
+            new[m.key] = m.dst
+        if any(m.bytes_delta > 0 for m in moves) and not self._withhold_for(new):
+            moves = [m for m in moves if m.bytes_delta <= 0]   # no room for the promotions now
+            if not moves:
+                return []
+        self.runtime.build({m.key: m.dst for m in moves})
+        self._pending = moves
+        return self._publish() if self.runtime.ready() else []
+
+    def _publish(self) -> list[Move]:
+        moves, self._pending = self._pending, []
+        measured = self.runtime.publish()
+        self.controller.applied(moves)
+        for k, errs in measured.items():
+            self.costs.rel_error[k].update(errs)
+        self._release_to(self.controller.assignment)
+        s = self.stats
+        s.publishes += 1
+        s.demotions += sum(m.bytes_delta < 0 for m in moves)
+        s.promotions += sum(m.bytes_delta > 0 for m in moves)
+        s.bytes_changed += sum(abs(m.bytes_delta) for m in moves)
+        return moves
+
+    def _refresh_activity(self) -> dict:
+        """Costs follow the activity EMA (each expert's share of its layer's routed tokens, add-a-little
+        smoothed); last access steps break ties. One small device->host read between steps."""
+        if self.activity is None:
+            return {}
+        ema, last = self.activity.host_view()
+        act = {}
+        for layer, row in enumerate(ema):
+            total = sum(row) + 1e-3 * len(row)
+            for e, v in enumerate(row):
+                act[(layer, e)] = (v + 1e-3) / total
+        self.costs.update_activity(act)
+        return {(l, e): v for l, row in enumerate(last) for e, v in enumerate(row)}
+
+    # -- reporting ---------------------------------------------------------------------------------
+    @property
+    def assignment(self) -> dict[ExpertKey, str]:
+        return self.controller.assignment
+
+    def precision_counts(self) -> dict[str, int]:
+        out = {p: 0 for p in self.policy.allowed}
+        for p in self.controller.assignment.values():
+            out[p] = out.get(p, 0) + 1
+        return out
+
+    def as_dict(self) -> dict:
+        return {"expert_precision_counts": self.precision_counts(),
+                "expert_dynamic_device_bytes": self.runtime.device_bytes,
+                "expert_precision_bytes": self.policy.total_bytes(self.controller.assignment),
+                "expert_precision_floor_bytes": self.floor_bytes,
+                "kv_blocks_withheld": self.withheld, "kv_low_watermark_blocks": self.watermarks.low,
+                "kv_high_watermark_blocks": self.watermarks.high,
+                **{f"precision_{k}": v for k, v in self.stats.as_dict().items()}}
+
+    def precision_map(self) -> list[list[str]]:
+        L, E = self.runtime.num_layers, self.runtime.num_experts
+        return [[self.controller.assignment[(l, e)] for e in range(E)] for l in range(L)]
+
+    def state_json(self) -> dict:
+        return {"precision_map": self.precision_map(),
+                "rel_error": [[l, e, v] for (l, e), v in sorted(self.costs.rel_error.items())]}
+
+
+def parse_state(data: dict, num_layers: int, num_experts: int) -> tuple[Optional[dict], Optional[dict]]:
+    """(initial assignment, rel_error) from an --expert-stats file, each None when absent."""
+    initial = rel = None
+    pm = data.get("precision_map")
+    if pm is not None:
+        if len(pm) != num_layers or any(len(r) != num_experts for r in pm):
+            raise ValueError(f"expert stats: precision map does not fit {num_layers} x {num_experts} experts")
+        initial = {(l, e): p for l, r in enumerate(pm) for e, p in enumerate(r)}
+    if data.get("rel_error") is not None:
+        rel = {(int(l), int(e)): dict(v) for l, e, v in data["rel_error"]}
+    return initial, rel
+
