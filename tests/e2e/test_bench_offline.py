@@ -62,8 +62,9 @@ def test_steady_state_fills_the_kv_cache(ckpt, placement):
     r = run_steady_state(engine, input_len=20, output_len=12, decode_steps=4)
     assert r["num_requests"] == 40 * 8 // 32  # KV tokens // (input + output)
     # fill phase: ceil(10 * 32 / 64) + 1 = 6 steps of slack, 4 in the window
-    assert r["prompt_len"] == 20 + 12 - 4 - 6 - 1
+    assert r["prompt_len"] == 20 + 12 - 4 - 8 - 6 - 1  # window, eager timing steps, fill slack
     assert r["window_decode_steps"] == 4 and r["mean_decode_batch"] == 10 and r["num_preemptions"] == 0
+    assert r["eager_timing"]["steps"] == 8 and r["eager_timing"]["mean_step_ms"] > 0
     assert 0.7 < r["kv_cache_usage_at_end"] <= 1.0
     assert r["output_tokens_per_second"] > 0 and r["decode_tokens_per_second"] > r["output_tokens_per_second"]
     if placement == "paged":

@@ -8,9 +8,11 @@ import threading
 import time
 
 import httpx
-import openai
+import pytest
 
 from server_utils import MODEL_NAME, ServerThread, make_engine, slow_down
+
+openai = pytest.importorskip("openai")  # the serve extra; the GPU machine has none
 
 NUM_CLIENTS, NUM_REQUESTS = 64, 500
 

@@ -139,10 +139,13 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
 
     if steady_steps:
         r = run_steady_state(engine, input_len, output_len, steady_steps, seed, max_seqs=num_prompts)
-        w = r["window_expert_stats"]
+        w, e = r["window_expert_stats"], r["eager_timing"] or {}
+        # Copy and wait time per step come from the eager steps (CUDA graph replays are not timed per layer),
+        # scaled to the window's steps; bytes are the window's own.
+        scale = steady_steps / e["steps"] if e else 0.0
         return {**r, "breakdown": {"prefill_s": r["fill_time_s"], "decode_s": r["window_time_s"],
-                                   "expert_copy_s": w.get("expert_copy_s", 0.0),
-                                   "expert_wait_s": w.get("expert_wait_s", 0.0),
+                                   "expert_copy_s": e.get("expert_copy_s", 0.0) * scale,
+                                   "expert_wait_s": e.get("expert_wait_s", 0.0) * scale,
                                    "pcie_h2d_bytes": w.get("expert_bytes_h2d", 0),
                                    "d2d_bytes": w.get("expert_bytes_d2d", 0),
                                    "decoded_bytes": w.get("expert_bytes_decoded", 0),
@@ -227,7 +230,10 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
                                       args.output_len, hw)}
         m = point["modelled"]
         b = r["breakdown"]
-        if b["expert_copy_s"] > 0:
+        eager = r.get("eager_timing")
+        if eager and eager.get("h2d_gb_per_s"):
+            point["pcie_h2d_gb_per_s"] = eager["h2d_gb_per_s"]
+        elif b["expert_copy_s"] > 0:
             point["pcie_h2d_gb_per_s"] = b["pcie_h2d_bytes"] / b["expert_copy_s"] / 1e9
         if m.get("fits"):
             point["fraction_of_modelled_throughput"] = r["output_tokens_per_second"] / m["output_throughput"]

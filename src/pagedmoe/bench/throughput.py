@@ -70,14 +70,16 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
 
 
 def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int, seed: int = 0,
-                     max_seqs: int | None = None) -> dict:
+                     max_seqs: int | None = None, timing_steps: int = 8) -> dict:
     """Steady-state throughput of the (input_len, output_len) workload, for runs too long to finish.
 
     The full run keeps n = KV tokens // (input_len + output_len) sequences in flight (capped by
     max_num_seqs and `max_seqs`). This admits n prompts long enough that after the fill phase (prefill
     chunks, each also decoding the sequences already prefilled) and `decode_steps` more decode steps each
     sequence holds about input_len + output_len tokens: the window is the end of a full run, KV cache full.
-    Times those decode steps (each one decode token for all n sequences), then aborts the requests.
+    Times those decode steps (each one decode token for all n sequences), then `timing_steps` more with
+    the decode CUDA graphs off: a graph replay cannot time the pager's copies per layer, an eager step
+    records CUDA events (copy stream busy, compute stream waiting). Then aborts the requests.
     Projected full-run output tokens/s = n * output_len / (prefill of n prompts of input_len, scaled from the
     fill phase + output_len * the window's mean step): the window has the run's longest contexts, so the
     projection errs low."""
@@ -92,7 +94,7 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
         raise ValueError(f"the KV cache ({engine.plan.kv_capacity_tokens} tokens) cannot hold one sequence of "
                          f"{input_len} + {output_len} tokens")
     fill_steps = -(-n * (input_len + output_len) // c.max_num_batched_tokens) + 1
-    prompt_len = input_len + output_len - decode_steps - fill_steps - 1
+    prompt_len = input_len + output_len - decode_steps - timing_steps - fill_steps - 1
     if prompt_len < 1:
         raise ValueError(f"--steady-decode-steps {decode_steps} leaves no prompt: input + output must exceed "
                          f"the window plus {fill_steps} fill steps")
@@ -113,6 +115,7 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
         engine.step()
     window_s = time.perf_counter() - window_start
     after = engine.get_stats()
+    eager = _timed_eager_steps(engine, timing_steps) if timing_steps else None
     for rid in ids:
         engine.abort_request(rid)
     steps = after["step_decode_steps"] - filled["step_decode_steps"]
@@ -135,9 +138,33 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
         "requests_per_second": projected / output_len,
         "kv_capacity_tokens": engine.plan.kv_capacity_tokens,
         # the pager's counters over the window alone (bytes moved, copy and wait time)
-        "window_expert_stats": {k: after[k] - filled[k] for k in after
-                                if k.startswith("expert_") and isinstance(after[k], (int, float))},
+        "window_expert_stats": _expert_delta(filled, after),
+        "eager_timing": eager,
     }
+
+
+def _expert_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in b if k.startswith("expert_") and isinstance(b[k], (int, float))}
+
+
+def _timed_eager_steps(engine, steps: int) -> dict:
+    """`steps` decode steps with the CUDA graphs off, so the pager's CUDA events time every layer's copy."""
+    runner = engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        before = engine.get_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        d = _expert_delta(before, engine.get_stats())
+    finally:
+        runner.graphs = graphs
+    copy_s, wait_s, h2d = d.get("expert_copy_s", 0.0), d.get("expert_wait_s", 0.0), d.get("expert_bytes_h2d", 0)
+    return {"steps": steps, "mean_step_ms": 1e3 * elapsed / steps, "expert_copy_s": copy_s, "expert_wait_s": wait_s,
+            "pcie_h2d_bytes": h2d, "h2d_gb_per_s": h2d / copy_s / 1e9 if copy_s > 0 else None,
+            # the share of the copy stream's busy time the compute stream did not wait for
+            "overlap_fraction": 1.0 - wait_s / copy_s if copy_s > 0 else None}
 
 
 def _warm_up(engine, input_len: int) -> None:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 5's GPU table on one H200: Mixtral-8x7B and Qwen3-30B-A3B shapes (dummy bf16), 1024 in / 1024 out,
+# resident where it fits, paged where resident cannot load and at weights + 4 GiB (the headline ratio).
+# Every point is a steady-state measurement (`bench sweep --steady-decode-steps 64`: the KV cache filled
+# with as many sequences as the workload keeps in flight, 64 decode steps timed with the cache full, then 8
+# eager steps timing the pager's copies with CUDA events; the full run projected from them).
+# The points are split in parts that each fit one 10-minute device call:
+#   run(command="COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_issue5.sh a")   # then b, c
+# Results: $OUT/<point>.json (bench sweep's sweep.json), $OUT/issue5-<part>.log; merge them on the CPU with
+#   pagedmoe bench sweep --replot <the json files> --output-dir DIR
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
+OUT=${OUT:-out}
+WORK=${WORK:-/tmp/issue5}
+M=benchmarks/configs/mixtral-8x7b
+Q=benchmarks/configs/qwen3-30b-a3b
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/issue5-${1:-a}.log"
+
+point() {  # name model timeout_s budgets... -- placements...
+  local name=$1 model=$2 limit=$3; shift 3
+  local budgets=() placements=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do budgets+=("$1"); shift; done
+  shift
+  placements=("$@")
+  echo "=== $name: $model budgets ${budgets[*]} placements ${placements[*]} (limit ${limit} s)" | tee -a "$LOG"
+  timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench sweep "$model" --load-format dummy \
+    --budgets "${budgets[@]}" --placements "${placements[@]}" --num-prompts 256 --input-len 1024 --output-len 1024 \
+    --steady-decode-steps 64 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+    --no-plots --output-dir "$WORK/$name" > "$WORK/$name.log" 2>&1
+  echo "exit $?" | tee -a "$LOG"
+  grep -E "^\[sweep\]|Error|error" "$WORK/$name.log" | tail -8 | tee -a "$LOG"
+  sed -n '/^budget GiB/,/^wrote/p' "$WORK/$name.log" | tee -a "$LOG"
+  [ -f "$WORK/$name/sweep.json" ] && cp "$WORK/$name/sweep.json" "$OUT/$name.json"
+}
+
+{
+  echo "date: $(date -u +%FT%TZ) commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} | tee "$LOG"
+
+case ${1:-a} in
+  a)  # Mixtral at 24 and 64 GiB: resident cannot load, every expert streams over PCIe (~1.7 s a step)
+    point mixtral-24 $M 280 24 -- paged
+    point mixtral-64 $M 300 64 -- paged ;;
+  b)  # Mixtral at weights + 4 (resident vs paged) and 139 GiB (resident); Qwen3 at 139 GiB
+    point mixtral-w4 $M 200 weights+4 -- resident paged
+    point mixtral-139 $M 120 139 -- resident
+    point qwen3-139 $Q 120 139 -- resident ;;
+  c)  # Qwen3 at 24 GiB (paged), 64 GiB and weights + 4 (resident vs paged)
+    point qwen3-24 $Q 200 24 -- paged
+    point qwen3-64 $Q 170 64 -- resident paged
+    point qwen3-w4 $Q 170 weights+4 -- resident paged ;;
+  *) echo "usage: gpu_issue5.sh a|b|c"; exit 2 ;;
+esac
