@@ -5,7 +5,7 @@
 # with as many sequences as the workload keeps in flight, 64 decode steps timed with the cache full, then 8
 # eager steps timing the pager's copies with CUDA events; the full run projected from them).
 # The points are split in parts that each fit one 10-minute device call:
-#   run(command="COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_issue5.sh a")   # then b, c
+#   run(command="COMMIT=<local HEAD> bash benchmarks/gpu_issue5.sh a")   # then b, c
 # Results: $OUT/<point>.json (bench sweep's sweep.json), $OUT/issue5-<part>.log; merge them on the CPU with
 #   pagedmoe bench sweep --replot <the json files> --output-dir DIR
 set -uo pipefail
@@ -42,16 +42,16 @@ point() {  # name model timeout_s budgets... -- placements...
 } | tee "$LOG"
 
 case ${1:-a} in
-  a)  # Mixtral at 24 and 64 GiB: resident cannot load, every expert streams over PCIe (~1.7 s a step)
-    point mixtral-24 $M 280 24 -- paged
-    point mixtral-64 $M 300 64 -- paged ;;
-  b)  # Mixtral at weights + 4 (resident vs paged) and 139 GiB (resident); Qwen3 at 139 GiB
-    point mixtral-w4 $M 200 weights+4 -- resident paged
-    point mixtral-139 $M 120 139 -- resident
-    point qwen3-139 $Q 120 139 -- resident ;;
-  c)  # Qwen3 at 24 GiB (paged), 64 GiB and weights + 4 (resident vs paged)
-    point qwen3-24 $Q 200 24 -- paged
-    point qwen3-64 $Q 170 64 -- resident paged
-    point qwen3-w4 $Q 170 weights+4 -- resident paged ;;
+  a)  # Mixtral at 24 GiB: resident cannot load, every expert streams over PCIe (~1.7 s a step)
+    point mixtral-24 $M 290 24 -- paged ;;
+  b)  # Mixtral at 64 GiB (paged: resident cannot load), weights + 4 (resident vs paged) and 139 (resident)
+    point mixtral-64 $M 290 64 -- paged
+    point mixtral-w4 $M 170 weights+4 -- resident paged
+    point mixtral-139 $M 110 139 -- resident ;;
+  c)  # Qwen3: 24 GiB (paged), 64 GiB and weights + 4 (resident vs paged), 139 GiB (resident)
+    point qwen3-24 $Q 170 24 -- paged
+    point qwen3-64 $Q 150 64 -- resident paged
+    point qwen3-w4 $Q 150 weights+4 -- resident paged
+    point qwen3-139 $Q 100 139 -- resident ;;
   *) echo "usage: gpu_issue5.sh a|b|c"; exit 2 ;;
 esac
