@@ -2,10 +2,14 @@
 placement, from the model's config.json alone (no weights are read, no GPU is needed).
 
 Budgets are GiB, or `weights+X` / `weights-X` (the model's bf16 weights plus or minus X GiB).
+`--num-gpus N [N ...]` plans N GPUs of the same kind in expert parallelism: each holds the backbone
+and ceil(E / N) experts of every layer, within its own `--gpu-memory-gb`, and runs its own sequences;
+the memory columns are one GPU's, the throughput all N GPUs' (docs/planner.md).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--gpu-memory-gb", nargs="+", required=_env("gpu_memory_gb", None) is None,
                    default=_env("gpu_memory_gb", None, lambda v: v.split()),
                    help="device budget(s) in GiB, or weights+X / weights-X")
+    p.add_argument("--num-gpus", type=int, nargs="+", default=[1],
+                   help="GPUs of the same kind, experts split evenly across them (expert parallel, backbone "
+                        "replicated); several values print one plan each (e.g. 1 8)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (workload)")
     p.add_argument("--output-len", type=int, default=1024, help="output tokens per request (workload)")
     p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
@@ -89,7 +96,7 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
     from pagedmoe.experts.placement import Placement
     from pagedmoe.experts.planner import PlacementBudgetError, plan_memory, plan_placement
 
-    L, E = shape.num_moe_layers, shape.num_experts
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
     ns = sorted({0, E // 4, E // 2, (3 * E) // 4, E - 1} | ({num_gpu} if num_gpu is not None else set()))
     rows = []
 
@@ -120,9 +127,12 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
 def format_table(rows) -> str:
     from pagedmoe.engine.memory import GiB
 
+    # An all-to-all column only for expert-parallel plans (the one-GPU table is unchanged).
+    comm = any(not isinstance(p, Exception) and p.estimate.decode.comm_s > 0 for _, p, _, _ in rows)
+
     head = (f"  {'placement':<26}{'backbone':>9}{'resident':>9}{'compr':>7}{'host':>7}{'buffers':>8}{'act':>6}"
             f"{'KV':>7}{'KV tokens':>11}{'seqs':>6}{'step ms':>9}{'pcie':>8}{'decode':>7}{'hbm':>7}{'compute':>8}"
-            f"{'prefill/seq':>12}{'out tok/s':>11}")
+            + (f"{'a2a':>7}" if comm else "") + f"{'prefill/seq':>12}{'out tok/s':>11}")
     lines = [head, "  " + "-" * (len(head) - 2)]
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
     for label, plan, is_auto, selected in rows:
@@ -136,7 +146,8 @@ def format_table(rows) -> str:
             f"{g(plan.compressed_expert_bytes):>7}{g(plan.host_tier_bytes):>7}{g(plan.buffer_bytes):>8}"
             f"{g(plan.activation_bytes):>6}{g(plan.kv_bytes):>7}{plan.kv_capacity_tokens:>11}{plan.num_seqs:>6}"
             f"{d.total_s * 1e3:>9.1f}{d.pcie_s * 1e3:>8.1f}{d.decode_s * 1e3:>7.1f}{d.hbm_s * 1e3:>7.1f}{d.compute_s * 1e3:>8.1f}"
-            f"{e.prefill_s_per_seq * 1e3:>12.1f}{plan.output_throughput:>11.1f}")
+            + (f"{d.comm_s * 1e3:>7.1f}" if comm else "")
+            + f"{e.prefill_s_per_seq * 1e3:>12.1f}{plan.output_throughput:>11.1f}")
     return "\n".join(lines)
 
 
@@ -151,8 +162,13 @@ def run_plan(args) -> int:
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
     path = resolve_model(args.model)
     shape = ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype])
-    if num_gpu is not None and not 0 <= num_gpu <= shape.num_experts:
-        raise ValueError(f"--num-gpu-experts {num_gpu} is outside [0, {shape.num_experts}] for this model")
+    for n in args.num_gpus:
+        if not 1 <= n <= shape.num_experts:
+            raise ValueError(f"--num-gpus {n} is outside [1, {shape.num_experts}] (the experts per layer)")
+    per_gpu = min(dataclasses.replace(shape, num_gpus=n).experts_per_gpu for n in args.num_gpus)
+    if num_gpu is not None and not 0 <= num_gpu <= per_gpu:
+        raise ValueError(f"--num-gpu-experts {num_gpu} is outside [0, {per_gpu}] for this model"
+                         + (" (experts per layer per GPU)" if per_gpu != shape.num_experts else ""))
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
     max_model_len = args.max_model_len or args.input_len + args.output_len
@@ -177,17 +193,25 @@ def run_plan(args) -> int:
               "buffers": buffers, "compression_ratio": args.compression_ratio, "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
     first_error = None
-    for text in args.gpu_memory_gb:
+    for num_gpus, text in [(n, t) for n in args.num_gpus for t in args.gpu_memory_gb]:
+        gpu_shape = dataclasses.replace(shape, num_gpus=num_gpus)
         budget = parse_budget(text, shape.weight_bytes)
-        inputs = PlanInputs(shape, budget, act, max_model_len, args.block_size, (args.input_len, args.output_len),
-                            args.max_num_seqs, args.max_num_batched_tokens, hw, None, None, buffers)
-        rows = _rows(shape, inputs, mode, num_gpu, args.compression_ratio)
-        print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
+        inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
+                            (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
+                            None, None, buffers)
+        rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
+        if len(args.num_gpus) > 1 or num_gpus > 1:
+            print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "
+                  f"experts per layer and the whole backbone on each GPU; memory columns and seqs per GPU, "
+                  f"out tok/s of all {num_gpus} GPUs; budget {budget / GiB:.2f} GiB per GPU ({text}):")
+        else:
+            print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
         print(format_table(rows))
         selected = [r for r in rows if r[3]]
         if selected and isinstance(selected[0][1], Exception) and first_error is None:
             first_error = selected[0][1]
         report["budgets"].append({
+            "num_gpus": num_gpus, "experts_per_gpu": gpu_shape.experts_per_gpu,
             "budget_bytes": budget, "budget_gib": budget / GiB, "budget_arg": text,
             "rows": [{"label": label, "auto": is_auto, "selected": sel, "fits": not isinstance(plan, Exception),
                       **({"min_budget_bytes": plan.min_budget_bytes, "error": str(plan)}

@@ -23,6 +23,8 @@ sequences is prefilled once (in steps of up to max_num_batched_tokens prompt tok
 per-step expert streaming as decode) and then decodes output_len - 1 tokens in steps shared by all B:
   cycle = (output_len - 1) * decode_step(B, L) + B * prefill_per_seq,   L = input_len + output_len / 2
   output tokens/s = B * output_len / cycle.
+Expert parallelism over N GPUs (ModelShape.num_gpus): B sequences on each GPU, steps as in step_cost,
+N * B * output_len / cycle for all GPUs together.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class HardwareProfile:
     gemm_flops: float = 753e12                   # bf16 GEMM 8192^3
     lossless_decode_bytes_per_s: float = 1.5e12  # bf16 output of the lossless decoder (issue 6's target)
     step_overhead_s: float = 1e-3                # host work per step (an estimate; pass a measured one)
+    # GPU-to-GPU bandwidth one GPU sends at in an all-to-all (expert parallelism): the H200 SXM
+    # datasheet's NVLink 900 GB/s bidirectional, halved; not measured here.
+    nvlink_bytes_per_s: float = 450e9
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,6 +121,8 @@ class StepCost:
     compute_s: float
     fill_s: float
     overhead_s: float
+    comm_s: float = 0.0   # expert-parallel all-to-all (dispatch + combine), not overlapped
+
 
     @property
     def floor_s(self) -> float:
@@ -123,7 +130,7 @@ class StepCost:
 
     @property
     def total_s(self) -> float:
-        return self.floor_s + self.fill_s + self.overhead_s
+        return self.floor_s + self.fill_s + self.overhead_s + self.comm_s
 
     @property
     def bound(self) -> str:
@@ -137,8 +144,20 @@ class StepCost:
 
 def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_tokens: int,
               kv_read_bytes: float, context_len: float) -> StepCost:
-    """Floors of one step of `num_tokens` tokens attending over `context_len` cached tokens on average."""
-    routed = shape.num_moe_layers * expected_distinct_experts(shape.num_experts, shape.top_k, num_tokens)
+    """Floors of one step of `num_tokens` tokens attending over `context_len` cached tokens on average.
+
+    With expert parallelism (shape.num_gpus = N > 1) this is one GPU's step: its num_tokens tokens run
+    the (replicated) backbone and attention over its own KV cache; the N * num_tokens tokens of all
+    GPUs route over every expert, and this GPU runs its ceil(E / N) experts for them (on average
+    num_tokens * top_k token-expert pairs, so the FLOPs per GPU are unchanged). Each MoE layer sends
+    the hidden state of each token-expert pair whose expert is on another GPU, (N - 1) / N of them,
+    there and back over NVLink (`comm_s`, added to the step: dispatch precedes the expert GEMMs).
+    """
+    N = shape.num_gpus
+    distinct = expected_distinct_experts(shape.num_experts, shape.top_k, num_tokens * N)
+    if N > 1:
+        distinct *= shape.experts_per_gpu / shape.num_experts
+    routed = shape.num_moe_layers * distinct
     hbm_bytes = (shape.backbone_read_bytes + routed * shape.expert_bytes + kv_read_bytes
                  + num_tokens * shape.kv_bytes_per_token + traffic.hbm_bytes)
     pcie_s = traffic.h2d_bytes / hw.pcie_h2d_bytes_per_s
@@ -147,7 +166,11 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     compute_s = num_tokens * shape.flops_per_token(context_len) / hw.gemm_flops
     copy_side, gpu_side = max(pcie_s, decode_s), max(hbm_s, compute_s)
     fill_s = min(copy_side, gpu_side) / shape.num_moe_layers if shape.num_moe_layers else 0.0
-    return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, fill_s, hw.step_overhead_s)
+    comm_s = 0.0
+    if N > 1:
+        comm_bytes = 2 * shape.num_moe_layers * num_tokens * shape.top_k * (N - 1) / N * shape.hidden_size
+        comm_s = comm_bytes * shape.dtype_bytes / hw.nvlink_bytes_per_s
+    return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, fill_s, hw.step_overhead_s, comm_s)
 
 
 def decode_step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_seqs: int,
@@ -174,21 +197,24 @@ class WorkloadEstimate:
     prefill_tokens: int
     prefill_s_per_seq: float
     cycle_s: float               # all num_seqs sequences from prompt to last token
+    num_gpus: int = 1            # expert parallel: num_seqs run on each GPU; throughputs are of all GPUs
 
     @property
     def output_throughput(self) -> float:
-        return self.num_seqs * self.output_len / self.cycle_s if self.num_seqs else 0.0
+        return self.num_gpus * self.num_seqs * self.output_len / self.cycle_s if self.num_seqs else 0.0
 
     @property
     def total_throughput(self) -> float:
-        return self.num_seqs * (self.input_len + self.output_len) / self.cycle_s if self.num_seqs else 0.0
+        return (self.num_gpus * self.num_seqs * (self.input_len + self.output_len) / self.cycle_s
+                if self.num_seqs else 0.0)
 
     @property
     def request_throughput(self) -> float:
-        return self.num_seqs / self.cycle_s if self.num_seqs else 0.0
+        return self.num_gpus * self.num_seqs / self.cycle_s if self.num_seqs else 0.0
 
     def to_dict(self) -> dict:
         return {"input_len": self.input_len, "output_len": self.output_len, "num_seqs": self.num_seqs,
+                "num_gpus": self.num_gpus,
                 "decode_step": self.decode.to_dict(), "prefill_step": self.prefill.to_dict(),
                 "prefill_tokens_per_step": self.prefill_tokens, "prefill_s_per_seq": self.prefill_s_per_seq,
                 "cycle_s": self.cycle_s, "output_throughput": self.output_throughput,
@@ -208,4 +234,4 @@ def estimate_workload(shape: ModelShape, hw: HardwareProfile, traffic: StepTraff
     prefill_s_per_seq = prefill.total_s * input_len / prefill_tokens
     cycle_s = (output_len - 1) * decode.total_s + max(seqs, 1) * prefill_s_per_seq
     return WorkloadEstimate(input_len, output_len, seqs, decode, prefill, prefill_tokens, prefill_s_per_seq,
-                            cycle_s)
+                            cycle_s, shape.num_gpus)

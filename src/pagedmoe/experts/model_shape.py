@@ -37,12 +37,17 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Expert parallelism the plan is for (`pagedmoe plan --num-gpus`): each MoE layer's experts split
+    # evenly over num_gpus GPUs (ceil(E / num_gpus) each), the backbone replicated on every GPU.
+    num_gpus: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
             raise ValueError(f"num_moe_layers {self.num_moe_layers} not in [0, {self.num_layers}]")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} not in [1, num_experts={self.num_experts}]")
+        if not 1 <= self.num_gpus <= self.num_experts:
+            raise ValueError(f"num_gpus {self.num_gpus} not in [1, num_experts={self.num_experts}]")
 
     # -- builders --------------------------------------------------------------------------------
     @classmethod
@@ -87,6 +92,11 @@ class ModelShape:
         return asdict(self)
 
     # -- weights ---------------------------------------------------------------------------------
+    @property
+    def experts_per_gpu(self) -> int:
+        """Experts of one MoE layer that one GPU holds (all E on one GPU)."""
+        return -(-self.num_experts // self.num_gpus)
+
     @property
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.moe_intermediate_size

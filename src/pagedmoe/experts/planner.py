@@ -14,6 +14,9 @@ layer) expert slots, and every expert slot is rounded up to the 2 MiB mapping gr
 plain double buffer ("plain") each buffer holds all E experts and resident rows are copied in too
 (device to device, every step). The all-resident placement has no buffers.
 
+Expert parallelism (`ModelShape.num_gpus` = N): the plan is one GPU's, which holds the backbone
+(replicated) and ceil(E / N) experts of every MoE layer; placements count those experts per layer.
+
 Later tiers slot in as further per-layer counts of `Placement` with their own bytes per expert: the
 lossless compressed tier (issue 6) is modelled already (`num_compressed_experts`, `compression_ratio`);
 lower precisions (issue 7) would add counts per precision the same way.
@@ -169,7 +172,7 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     elif inputs.buffers == "vmm":
         buffer_slots = 2 * placement.max_streamed
     else:
-        buffer_slots = 2 * shape.num_experts
+        buffer_slots = 2 * shape.experts_per_gpu
     buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
     compressed_one = int(shape.expert_bytes * placement.compression_ratio)
     backbone = shape.backbone_bytes if inputs.backbone_bytes is None else inputs.backbone_bytes
@@ -199,9 +202,10 @@ def minimum_budget_bytes(inputs: PlanInputs, placement: Placement) -> int:
 def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
     """Size one placement: KV blocks get everything left; raises PlacementBudgetError if it cannot fit."""
     shape = inputs.shape
-    if placement.num_experts != shape.num_experts or len(placement.num_gpu_experts) != shape.num_moe_layers:
+    if placement.num_experts != shape.experts_per_gpu or len(placement.num_gpu_experts) != shape.num_moe_layers:
         raise ValueError(f"placement for {len(placement.num_gpu_experts)} layers x {placement.num_experts} "
-                         f"experts does not match the model ({shape.num_moe_layers} x {shape.num_experts})")
+                         f"experts does not match the model ({shape.num_moe_layers} x {shape.experts_per_gpu}"
+                         f" per GPU)")
     s = _sizes(inputs, placement)
     free = inputs.budget_bytes - _fixed_bytes(inputs, s)
     per_block = inputs.kv_bytes_per_block
@@ -252,7 +256,7 @@ def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> MemoryPlan
 def auto_candidates(shape: ModelShape, compression_ratio: Optional[float] = None,
                     paged_only: bool = False) -> list[Placement]:
     """Uniform placements: N resident per layer in 0..E (and C compressed in 0..E-N with a ratio)."""
-    L, E = shape.num_moe_layers, shape.num_experts
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
     out = []
     for n in range(E if paged_only else E + 1):
         for c in range(E - n + 1) if compression_ratio else (0,):
@@ -266,7 +270,7 @@ def _refine(inputs: PlanInputs, plan: MemoryPlan, paged_only: bool) -> MemoryPla
     """Around the best uniform N, try every total resident count within one expert per layer (spread
     evenly): one more resident expert in a few layers frees less KV than a whole N step."""
     shape, p = inputs.shape, plan.placement
-    L, E = shape.num_moe_layers, shape.num_experts
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
     n, c = p.num_gpu_experts[0], p.num_compressed_experts[0]
     top = (E - c) * L - (1 if paged_only and c == 0 else 0)
     totals = range(max(0, (n - 1) * L), min(top, (n + 1) * L) + 1)
@@ -291,7 +295,7 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
         raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
     inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
                         max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers)
-    L, E = shape.num_moe_layers, shape.num_experts
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
     if num_gpu_experts is not None:
         counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)
         if placement_mode == "auto":

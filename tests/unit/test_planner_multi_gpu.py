@@ -1,0 +1,98 @@
+"""`pagedmoe plan --num-gpus N`: experts split evenly over N GPUs (expert parallel), backbone replicated;
+the full-size DeepSeek-V3 / GLM-4.5 configs; numbers checked by hand."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pagedmoe.engine.memory import GiB
+from pagedmoe.experts.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
+from pagedmoe.experts.model_shape import ModelShape
+from pagedmoe.experts.placement import Placement
+from pagedmoe.experts.planner import PlanInputs, minimum_budget_bytes, plan_memory, plan_placement
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+KW = dict(max_model_len=2048, workload=(1024, 1024), max_num_seqs=256)
+ACT = 3 * GiB
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return ModelShape.from_hf_config(CONFIGS / "deepseek-v3")
+
+
+def test_full_size_configs_by_hand(v3):
+    # DeepSeek-V3: 671B parameters without the MTP layer, ~37B active; the cache holds the MLA latent,
+    # 61 layers x (512 + 64) x 2 bytes.
+    expert = 3 * 7168 * 2048
+    assert (v3.num_moe_layers, v3.num_experts, v3.expert_params) == (58, 256, expert)
+    assert v3.kv_bytes_per_token == 61 * 576 * 2
+    assert v3.backbone_params + v3.num_expert_slots * expert == pytest.approx(671.03e9, rel=1e-4)
+    assert v3.active_params_per_token == pytest.approx(36.6e9, rel=1e-2)
+    glm = ModelShape.from_hf_config(CONFIGS / "glm-4.5")
+    assert (glm.num_moe_layers, glm.num_experts, glm.top_k) == (89, 160, 8)
+    assert glm.backbone_params + glm.num_expert_slots * glm.expert_params == pytest.approx(352.8e9, rel=1e-3)
+    assert glm.kv_bytes_per_token == 92 * 2 * 8 * 128 * 2
+
+
+def test_one_gpu_plans_unchanged(v3):
+    plans = [plan_memory(s, 130 * GiB, ACT, "auto", **KW) for s in (v3, replace(v3, num_gpus=1))]
+    assert plans[0] == plans[1]
+
+
+def test_split_and_step_by_hand(v3):
+    N = 8
+    s8 = replace(v3, num_gpus=N)
+    assert s8.experts_per_gpu == 32 and replace(v3, num_gpus=3).experts_per_gpu == 86
+    inputs = PlanInputs(s8, 130 * GiB, ACT, buffers="vmm", **KW)
+    # Resident on 8 GPUs: each holds the whole backbone and 58 x 32 experts, plus one sequence of KV.
+    need = v3.backbone_bytes + ACT + 58 * 32 * v3.expert_bytes + 128 * 16 * v3.kv_bytes_per_token
+    assert minimum_budget_bytes(inputs, Placement.resident(58, 32)) == need
+    plan = plan_placement(inputs, Placement.uniform(58, 32, 12))
+    assert plan.host_tier_bytes == 58 * 20 * plan.expert_slot_bytes
+    assert plan.traffic.h2d_bytes == 58 * 20 * v3.expert_bytes     # each GPU's own PCIe link
+    # One decode step of B sequences per GPU: 8B tokens route over all 256 experts; this GPU reads
+    # the distinct ones of its 32; the all-to-all sends (N-1)/N of the B x top_k pairs there and back.
+    B, ctx = 100, 1536.0
+    cost = decode_step_cost(s8, H200, StepTraffic(), B, ctx)
+    one = decode_step_cost(v3, H200, StepTraffic(), B, ctx)
+    routed = 58 * expected_distinct_experts(256, 8, N * B) * 32 / 256
+    routed_one = 58 * expected_distinct_experts(256, 8, B)
+    assert (cost.hbm_s - one.hbm_s) * H200.hbm_bytes_per_s == pytest.approx(
+        (routed - routed_one) * v3.expert_bytes)
+    assert cost.comm_s == pytest.approx(2 * 58 * B * 8 * (7 / 8) * 7168 * 2 / H200.nvlink_bytes_per_s)
+    assert cost.compute_s == one.compute_s and one.comm_s == 0
+    assert cost.total_s == pytest.approx(cost.floor_s + cost.fill_s + cost.overhead_s + cost.comm_s)
+    e = plan.estimate
+    assert e.output_throughput == pytest.approx(N * e.num_seqs * 1024 / e.cycle_s)
+
+
+def test_bad_num_gpus(v3):
+    with pytest.raises(ValueError, match="num_gpus"):
+        replace(v3, num_gpus=0)
+    with pytest.raises(ValueError, match="num_gpus"):
+        replace(v3, num_gpus=257)
+
+
+def test_plan_cli_num_gpus(tmp_path, capsys):
+    from pagedmoe.cli import main
+
+    out_json = tmp_path / "plan.json"
+    rc = main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "1", "8",
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "8 x H200, expert parallel: 32 of 256 experts per layer" in text and "a2a" in text
+    report = json.loads(out_json.read_text())
+    one, eight = report["budgets"]
+    assert (one["num_gpus"], eight["num_gpus"], eight["experts_per_gpu"]) == (1, 8, 32)
+    auto1 = next(r for r in one["rows"] if r["auto"])
+    auto8 = next(r for r in eight["rows"] if r["auto"])
+    assert auto1["backbone_bytes"] == auto8["backbone_bytes"]            # replicated
+    assert auto8["host_tier_bytes"] < auto1["host_tier_bytes"] / 7        # each GPU streams its share
+    assert auto8["workload"]["output_throughput"] > 8 * auto1["workload"]["output_throughput"]
+    assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "0"]) == 2
+    assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "8",
+                 "--num-gpu-experts", "33"]) == 2
+    capsys.readouterr()
