@@ -200,10 +200,12 @@ def run_plan(args) -> int:
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
                             None, None, buffers)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
-        if len(args.num_gpus) > 1 or num_gpus > 1:
+        if num_gpus > 1:
             print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "
                   f"experts per layer and the whole backbone on each GPU; memory columns and seqs per GPU, "
                   f"out tok/s of all {num_gpus} GPUs; budget {budget / GiB:.2f} GiB per GPU ({text}):")
+        elif len(args.num_gpus) > 1:
+            print(f"\n1 x {hw.name}: budget {budget / GiB:.2f} GiB ({text}):")
         else:
             print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
         print(format_table(rows))
