@@ -164,9 +164,13 @@ class DynamicPrecisionManager:
         self.min_usable_blocks = min_usable_blocks
         # Start as exact as the budget allows while leaving the watermarks' midpoint (and one
         # full-length sequence) free: nothing is quantised while an exact plan fits.
+        # A precision map given at start (--expert-stats) is kept as long as one full-length sequence
+        # still fits beside it (so a map can be held: watermarks 0 and 1 never move it).
         keep_free = max(self.watermarks.mid, min_usable_blocks)
         budget = self.floor_bytes + max(0, self.num_blocks - keep_free) * block_bytes
-        if initial is not None and set(initial) == set(keys) and self.policy.total_bytes(initial) <= budget:
+        room = self.floor_bytes + max(0, self.num_blocks - min_usable_blocks) * block_bytes
+        if initial is not None and set(initial) == set(keys) and self.policy.total_bytes(initial) <= room \
+                and all(p in self.policy.allowed for p in initial.values()):
             start = dict(initial)
         else:
             start = self.policy.plan(budget, keys)
