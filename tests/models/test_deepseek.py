@@ -120,3 +120,41 @@ def attn_apply(k, cos, sin):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
     return apply_rotary_pos_emb_interleave(k, k, cos, sin)
+
+
+def test_mla_attention_forms_agree():
+    """Expanded, absorbed (per sequence) and the batched absorbed decode give the same attention."""
+    from pagedmoe.kernels.attention_ref import mla_attention_ref, mla_decode_ref, write_latent_ref
+
+    gen = torch.Generator().manual_seed(0)
+    H, R, Dn, Dr, Dv, bs, nblocks = 3, 20, 8, 6, 5, 4, 24
+    L = R + Dr
+    D = L // 2
+    k_cache, v_cache = torch.zeros(nblocks, bs, 1, D), torch.zeros(nblocks, bs, 1, D)
+    seq_lens = [7, 1, 13, 4]
+    perm = torch.randperm(nblocks, generator=gen)
+    tables = torch.zeros(4, 4, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):  # scattered blocks, as a long-running pool hands them out
+        nb = -(-n // bs)
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+        slots = torch.stack([tables[b, i // bs].long() * bs + i % bs for i in range(n)])
+        write_latent_ref(torch.randn(n, L, generator=gen), k_cache, v_cache, slots)
+    w = torch.randn(H * (Dn + Dv), R, generator=gen) * 0.3
+    # Decode: one query per sequence.
+    qn, qp = torch.randn(4, H, Dn, generator=gen), torch.randn(4, H, Dr, generator=gen)
+    qsl = torch.arange(5, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expanded = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=False)
+    absorbed = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=True)
+    batched = mla_decode_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, lens, max(seq_lens), 0.3)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched, expanded, rtol=1e-5, atol=1e-5)
+    # Prefill-like: several queries per sequence, causal.
+    q_lens = [3, 1, 13, 2]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qn, qp = torch.randn(19, H, Dn, generator=gen), torch.randn(19, H, Dr, generator=gen)
+    expanded = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=False)
+    absorbed = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=True)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)

@@ -101,19 +101,31 @@ def gather_latent_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table:
     return torch.cat((lo, hi), dim=-1)[:, :latent_dim]
 
 
+def _absorbed_cheaper(q_len: int, seq_len: int, heads: int, R: int, Dn: int, Dr: int, Dv: int) -> bool:
+    """Whether attending in the latent space beats expanding the cached latents (FLOPs / 2)."""
+    expand = seq_len * R * heads * (Dn + Dv) + q_len * seq_len * heads * (Dn + Dr + Dv)
+    absorb = q_len * heads * R * (Dn + Dv) + q_len * seq_len * heads * (2 * R + Dr)
+    return absorb < expand
+
+
 def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, absorb: "bool | None" = None) -> torch.Tensor:
     """Causal MLA over each sequence's paged latents. Returns [T, Hq, v_head_dim] in q's dtype.
 
-    q_nope [T, Hq, Dn], q_pe [T, Hq, Dr] (roped); kv_b_weight [Hq * (Dn + Dv), kv_lora_rank].
-    Expands the latent of each cached token to per-head k_nope and v with kv_b_proj, as transformers
-    does (the order of operations the golden tests compare against), in float32.
+    q_nope [T, Hq, Dn], q_pe [T, Hq, Dr] (roped); kv_b_weight [Hq * (Dn + Dv), kv_lora_rank] =
+    per head W_k [Dn, R] over W_v [Dv, R]. In float32, one sequence at a time, in one of two equal
+    forms (absorb=None picks the one with fewer FLOPs for each sequence):
+    - expanded (prefill): each cached latent c [R] becomes k_nope = W_k c and v = W_v c per head, as
+      transformers does; scores q_nope . k_nope + q_pe . k_pe;
+    - absorbed (decode): the query moves into the latent space, q_lat = W_k^T q_nope [R], scores
+      q_lat . c + q_pe . k_pe, the output is W_v (sum_s p_s c_s): no per-token expansion.
     """
     T, Hq, Dn = q_nope.shape
     Dr = q_pe.shape[-1]
-    w = kv_b_weight.float().view(Hq, Dn + v_head_dim, kv_lora_rank)
+    R = kv_lora_rank
+    w = kv_b_weight.float().view(Hq, Dn + v_head_dim, R)
     w_k, w_v = w[:, :Dn], w[:, Dn:]
     out = torch.empty(T, Hq, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -122,15 +134,50 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.T
         q_len = e - s
         if q_len == 0:
             continue
-        lat = gather_latent_ref(k_cache, v_cache, block_tables[b], seq_len, kv_lora_rank + Dr).float()
-        c, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]                      # [S, R], [S, Dr]
-        k_nope = torch.einsum("sr,hdr->shd", c, w_k)                               # [S, Hq, Dn]
-        v = torch.einsum("sr,hdr->shd", c, w_v)                                    # [S, Hq, Dv]
-        scores = (torch.einsum("qhd,shd->hqs", q_nope[s:e].float(), k_nope)
-                  + torch.einsum("qhd,sd->hqs", q_pe[s:e].float(), k_pe)) * scale
+        lat = gather_latent_ref(k_cache, v_cache, block_tables[b], seq_len, R + Dr).float()
+        c, k_pe = lat[:, :R], lat[:, R:]                                           # [S, R], [S, Dr]
+        qn, qp = q_nope[s:e].float(), q_pe[s:e].float()
+        use_absorb = absorb if absorb is not None else _absorbed_cheaper(q_len, seq_len, Hq, R, Dn, Dr,
+                                                                        v_head_dim)
+        if use_absorb:
+            q_lat = torch.einsum("qhd,hdr->qhr", qn, w_k)                          # [Q, Hq, R]
+            scores = torch.einsum("qhr,sr->hqs", q_lat, c) + torch.einsum("qhd,sd->hqs", qp, k_pe)
+        else:
+            k_nope = torch.einsum("sr,hdr->shd", c, w_k)                           # [S, Hq, Dn]
+            scores = torch.einsum("qhd,shd->hqs", qn, k_nope) + torch.einsum("qhd,sd->hqs", qp, k_pe)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q_nope.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q_nope.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
+        probs = torch.softmax((scores * scale).masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+        if use_absorb:
+            o_lat = torch.einsum("hqs,sr->qhr", probs, c)                          # [Q, Hq, R]
+            out[s:e] = torch.einsum("qhr,hdr->qhd", o_lat, w_v).to(out.dtype)
+        else:
+            v = torch.einsum("sr,hdr->shd", c, w_v)                                # [S, Hq, Dv]
+            out[s:e] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def mla_decode_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+    """A decode-only step (one query token per sequence, T = B) in the absorbed form, all sequences
+    at once: their latents gathered into [B, max_seq_len, L] and masked past each seq_len. No
+    per-sequence loop and no host sync (max_seq_len is the host's). Same result as mla_attention_ref."""
+    B, Hq, Dn = q_nope.shape
+    Dr = q_pe.shape[-1]
+    R = kv_lora_rank
+    block_size, D = k_cache.shape[1], k_cache.shape[-1]
+    num_blocks = -(-max_seq_len // block_size)
+    table = block_tables[:, :num_blocks].long()
+    lat = torch.cat((k_cache[table, :, 0], v_cache[table, :, 0]), dim=-1)        # [B, nb, bs, 2D]
+    lat = lat.reshape(B, num_blocks * block_size, 2 * D)[:, :max_seq_len, :R + Dr].float()
+    c, k_pe = lat[..., :R], lat[..., R:]                                           # [B, S, R], [B, S, Dr]
+    w = kv_b_weight.float().view(Hq, Dn + v_head_dim, R)
+    w_k, w_v = w[:, :Dn], w[:, Dn:]
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope.float(), w_k)
+    scores = torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhd,bsd->bhs", q_pe.float(), k_pe)
+    k_pos = torch.arange(max_seq_len, device=q_nope.device)
+    mask = k_pos[None, :] >= seq_lens[:, None].long()                              # [B, S]
+    probs = torch.softmax((scores * scale).masked_fill(mask[:, None, :], float("-inf")), dim=-1)
+    o_lat = torch.einsum("bhs,bsr->bhr", probs, c)
+    return torch.einsum("bhr,hdr->bhd", o_lat, w_v).to(q_nope.dtype)

@@ -6,8 +6,10 @@ Dv = v_head_dim, R = kv_lora_rank, L = R + Dr (the latent one token keeps per la
 Per token: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x) when q_lora_rank is None) splits
 per head into q_nope [Dn] and q_pe [Dr]; kv_a_proj_with_mqa(x) splits into c [R] (normalised by
 kv_a_layernorm) and one k_pe [Dr] shared by all heads. q_pe and k_pe are roped; the cache stores
-c ++ k_pe only (L values instead of Hq * (Dn + Dr + Dv)), and attention expands each cached latent
-to per-head k_nope / v with kv_b_proj (kernels/attention_ref.py::mla_attention_ref).
+c ++ k_pe only (L values instead of Hq * (Dn + Dr + Dv)). Attention (kernels/attention_ref.py):
+decode-only steps run all sequences at once in the absorbed form (queries projected into the latent
+space, mla_decode_ref); other steps go one sequence at a time, expanding the cached latents to
+per-head k_nope / v with kv_b_proj or absorbing, whichever costs fewer FLOPs (mla_attention_ref).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedmoe.kernels.attention_ref import mla_attention_ref, write_latent_ref
+from pagedmoe.kernels.attention_ref import mla_attention_ref, mla_decode_ref, write_latent_ref
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding
 
@@ -80,7 +82,11 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
         write_latent_ref(torch.cat((c, k_pe[:, 0]), dim=-1), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = mla_attention_ref(q_nope, q_pe, self.k_cache, self.v_cache, self.kv_b_proj.weight, m.kv_lora_rank,
-                                m.v_head_dim, meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                self.scale)
+        if meta.is_decode_only:  # one token per sequence: every sequence at once, absorbed
+            out = mla_decode_ref(q_nope, q_pe, self.k_cache, self.v_cache, self.kv_b_proj.weight, m.kv_lora_rank,
+                                 m.v_head_dim, meta.block_tables, meta.seq_lens, meta.max_seq_len, self.scale)
+        else:
+            out = mla_attention_ref(q_nope, q_pe, self.k_cache, self.v_cache, self.kv_b_proj.weight,
+                                    m.kv_lora_rank, m.v_head_dim, meta.block_tables, meta.query_start_loc_cpu,
+                                    meta.seq_lens_cpu, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * m.v_head_dim))
