@@ -158,3 +158,42 @@ def test_mla_attention_forms_agree():
     expanded = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=False)
     absorbed = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=True)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+
+
+def test_lossless_tier_and_auto_placement(tmp_path):
+    """DeepSeek's routed experts take the lossless compressed tier bit-exactly like any family's, and
+    under a tight budget the planner (which counts the latent KV) and the engine agree."""
+    from pagedmoe import LLM, SamplingParams
+
+    # 5 MoE layers: the CPU's plain double buffer (2 x E slots) must cost less than the resident experts
+    make_tiny_checkpoint("deepseek_v3", tmp_path, seed=6, dtype=torch.bfloat16, num_hidden_layers=6)
+    prompts = [list(range(3, 20)), [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def trace(**kw):
+        llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", max_model_len=64, **kw)
+        captured = []
+        orig = llm.engine.sampler.sample
+        llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return captured, llm.engine
+
+    ref, resident = trace()
+    got, engine = trace(num_gpu_experts=2, num_compressed_experts=4)
+    assert engine.get_stats()["experts"] == {"resident/bf16": 10, "compressed/bf16": 20, "host/bf16": 10}
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    from pagedmoe.engine.memory import estimate_activation_bytes
+    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.experts.placement import Placement
+    from pagedmoe.experts.planner import PlanInputs, minimum_budget_bytes
+
+    c, dims = resident.config, resident.model.dims
+    shape = ModelShape.from_model_dims(dims, resident.model.spec, 2)
+    act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+                                    dims.moe_intermediate_size, dims.top_k, dims.vocab_size, 2)
+    need = minimum_budget_bytes(PlanInputs(shape, 0, act, 64, c.block_size, buffers="plain"),
+                                Placement.resident(5, 8))
+    _, small = trace(gpu_memory_gb=(need - 3 * shape.expert_bytes) / 1024 ** 3)  # resident cannot fit
+    plan = small.placement_plan
+    assert plan is not None and plan.mode == "paged" and small.expert_store.paged
+    assert plan.kv_bytes_per_block == small.plan.kv_bytes_per_block
