@@ -53,6 +53,10 @@ def _num_mtp_layers(c) -> int:
 
 
 def _common_spec(c) -> dict:
+    freq = getattr(c, "moe_layer_freq", 1) or 1
+    if freq != 1:  # transformers ignores it too; every released DeepSeek config has 1
+        raise NotImplementedError(f"moe_layer_freq {freq} is not supported (only 1: every layer after "
+                                  f"first_k_dense_replace is MoE)")
     return dict(
         moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
         renormalize=bool(getattr(c, "norm_topk_prob", False)),

@@ -30,6 +30,8 @@ def rope_parameters_of(hf_config) -> dict:
     params["rope_theta"] = float(theta)
     if params["rope_type"] == "yarn":
         params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+        if params.get("factor") is None:  # transformers: the config's length over the original one
+            params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     elif params["rope_type"] != "default":
         raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported (only 'default', 'yarn')")
     return params
