@@ -1,6 +1,7 @@
 """`pagedmoe plan --num-gpus N`: experts split evenly over N GPUs (expert parallel), backbone replicated;
 the full-size DeepSeek-V3 / GLM-4.5 configs; numbers checked by hand."""
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,3 +97,29 @@ def test_plan_cli_num_gpus(tmp_path, capsys):
     assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "8",
                  "--num-gpu-experts", "33"]) == 2
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5"])
+def test_full_size_module_tree_matches_the_shape(name):
+    """The real configs build (on the meta device) into the module tree the shape counts."""
+    import torch
+
+    from pagedmoe.models.loader import load_hf_config
+    from pagedmoe.models.moe_decoder import MoEForCausalLM
+    from pagedmoe.models.registry import spec_builder
+
+    cfg = load_hf_config(str(CONFIGS / name))
+    dims, spec = spec_builder(cfg)(cfg)
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg, dims, spec, 4096)
+    shape = ModelShape.from_model_dims(dims, spec)
+    assert shape == replace(ModelShape.from_hf_config(CONFIGS / name), name="")
+    assert shape.backbone_params == sum(p.numel() for p in model.parameters())
+    if name == "deepseek-v3":
+        m = dims.mla
+        assert (m.q_lora_rank, m.kv_lora_rank, m.latent_dim) == (1536, 512, 576)
+        assert (dims.num_kv_heads, dims.head_dim) == (1, 288)   # the cache pair: the latent split in two
+        # YaRN factor 40, mscale_all_dim 1: softmax scale 192^-0.5 x (0.1 ln 40 + 1)^2
+        assert m.scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+        assert (spec.router, spec.n_group, spec.topk_group, spec.num_mtp_layers) == ("sigmoid_grouped", 8, 4, 1)
+        assert dims.rope_interleaved and dims.rope_parameters["rope_type"] == "yarn"
