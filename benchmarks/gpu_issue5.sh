@@ -4,6 +4,8 @@
 # Every point is a steady-state measurement (`bench sweep --steady-decode-steps 64`: the KV cache filled
 # with as many sequences as the workload keeps in flight, 64 decode steps timed with the cache full, then 8
 # eager steps timing the pager's copies with CUDA events; the full run projected from them).
+# 8192 batched tokens (MAX_BATCHED): at 16384 the prefill activations (4.25 GiB) leave resident Mixtral no
+# room at weights + 4 GiB.
 # The points are split in parts that each fit one 10-minute device call:
 #   run(command="COMMIT=<local HEAD> bash benchmarks/gpu_issue5.sh a")   # then b, c
 # Results: $OUT/<point>.json (bench sweep's sweep.json), $OUT/issue5-<part>.log; merge them on the CPU with
@@ -27,7 +29,7 @@ point() {  # name model timeout_s budgets... -- placements...
   echo "=== $name: $model budgets ${budgets[*]} placements ${placements[*]} (limit ${limit} s)" | tee -a "$LOG"
   timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench sweep "$model" --load-format dummy \
     --budgets "${budgets[@]}" --placements "${placements[@]}" --num-prompts 256 --input-len 1024 --output-len 1024 \
-    --steady-decode-steps 64 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+    --steady-decode-steps 64 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens "${MAX_BATCHED:-8192}" \
     --no-plots --output-dir "$WORK/$name" > "$WORK/$name.log" 2>&1
   echo "exit $?" | tee -a "$LOG"
   grep -E "^\[sweep\]|Error|error" "$WORK/$name.log" | tail -8 | tee -a "$LOG"
@@ -53,5 +55,11 @@ case ${1:-a} in
     point qwen3-64 $Q 150 64 -- resident paged
     point qwen3-w4 $Q 150 weights+4 -- resident paged
     point qwen3-139 $Q 100 139 -- resident ;;
-  *) echo "usage: gpu_issue5.sh a|b|c"; exit 2 ;;
+  d)  # one call for the points that matter most (the order puts the longest last)
+    point mixtral-w4 $M 150 weights+4 -- resident paged
+    point mixtral-139 $M 90 139 -- resident
+    point qwen3-w4 $Q 120 weights+4 -- resident paged
+    point qwen3-139 $Q 80 139 -- resident
+    point qwen3-24 $Q 150 24 -- paged ;;
+  *) echo "usage: gpu_issue5.sh a|b|c|d"; exit 2 ;;
 esac

@@ -22,6 +22,8 @@ from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
+# Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
+DEVICE_RESERVE = GiB
 
 
 def _pick_device(name: str) -> torch.device:
@@ -207,6 +209,8 @@ class LLMEngine:
                                c.num_kv_blocks)
         if c.gpu_memory_gb is not None:
             budget = int(c.gpu_memory_gb * GiB)
+            if self.device.type == "cuda":
+                budget = self._clamp_to_device(budget, weight_bytes)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = weight_bytes + int(free * 0.9)
@@ -215,6 +219,19 @@ class LLMEngine:
             useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
             budget = weight_bytes + act + useful * per_block
         return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful)
+
+    def _clamp_to_device(self, budget: int, weight_bytes: int) -> int:
+        """A budget above what the device can still give (its total less the CUDA context, cuBLAS workspaces
+        and graph pools: DEVICE_RESERVE) would run out of memory mid-run: use what there is, and say so."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        available = weight_bytes + free + cached - DEVICE_RESERVE
+        if budget > available:
+            logger.warning("--gpu-memory-gb %.2f is more than this device can give after loading (%.2f GiB with "
+                           "%.2f GiB kept for the CUDA context and workspaces): planning the KV cache for %.2f GiB",
+                           budget / GiB, available / GiB, DEVICE_RESERVE / GiB, available / GiB)
+            return available
+        return budget
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
