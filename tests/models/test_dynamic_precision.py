@@ -44,7 +44,7 @@ def test_exact_dynamic_is_bit_identical_to_resident(ckpt):
     ref = _llm(ckpt, expert_placement="resident").engine.score(ids)
     dyn = _llm(ckpt, expert_precision="dynamic")
     e = dyn.engine
-    assert e.get_stats()["expert_precision_counts"]["bf16"] == 4 * 8      # no pressure: all exact
+    assert e.get_stats()["precision_counts"]["bf16"] == 4 * 8      # no pressure: all exact
     assert torch.equal(e.score(ids), ref)
 
 

@@ -294,10 +294,11 @@ class DynamicPrecisionManager:
         return out
 
     def as_dict(self) -> dict:
-        return {"expert_precision_counts": self.precision_counts(),
-                "expert_dynamic_device_bytes": self.runtime.device_bytes,
-                "expert_precision_bytes": self.policy.total_bytes(self.controller.assignment),
-                "expert_precision_floor_bytes": self.floor_bytes,
+        return {"precision_counts": self.precision_counts(),
+                "expert_dynamic_bytes": self.runtime.device_bytes,
+                "expert_precision_changes_total": {"up": self.stats.promotions, "down": self.stats.demotions},
+                "precision_total_bytes": self.policy.total_bytes(self.controller.assignment),
+                "precision_floor_bytes": self.floor_bytes,
                 "kv_blocks_withheld": self.withheld, "kv_low_watermark_blocks": self.watermarks.low,
                 "kv_high_watermark_blocks": self.watermarks.high,
                 **{f"precision_{k}": v for k, v in self.stats.as_dict().items()}}

@@ -16,6 +16,7 @@ resident, nothing moved"):
   expert_wait_seconds_total       float (else expert_wait_s)       -> counter
   expert_precision_changes_total  {direction: count}               -> counter{direction}
   expert_<tier>_bytes             bytes held by a tier             -> gauge expert_tier_bytes{tier}
+  kv_blocks_withheld              KV blocks lent to experts        -> gauge expert_kv_blocks_lent
 """
 from __future__ import annotations
 
@@ -146,6 +147,10 @@ class EngineStatsCollector:
         for direction, n in (s.get("expert_precision_changes_total") or {d: 0 for d in DEFAULT_DIRECTIONS}).items():
             changes.add_metric(m + [str(direction)], float(n))
         yield changes
+
+        # dynamic precision: KV blocks whose memory is lent to experts above --min-expert-precision
+        yield gauge("expert_kv_blocks_lent", "KV cache blocks lent to expert weights (dynamic precision).",
+                    s.get("kv_blocks_withheld", 0))
 
 
 class ServerMetrics:
