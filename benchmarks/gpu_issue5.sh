@@ -61,5 +61,8 @@ case ${1:-a} in
     point qwen3-w4 $Q 120 weights+4 -- resident paged
     point qwen3-139 $Q 80 139 -- resident
     point qwen3-24 $Q 150 24 -- paged ;;
-  *) echo "usage: gpu_issue5.sh a|b|c|d"; exit 2 ;;
+  e)  # what part d could not finish
+    point mixtral-139 $M 90 139 -- resident
+    point qwen3-w4p $Q 180 weights+4 -- paged ;;
+  *) echo "usage: gpu_issue5.sh a|b|c|d|e"; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
 # Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
-DEVICE_RESERVE = GiB
+DEVICE_RESERVE = 2 * GiB
 
 
 def _pick_device(name: str) -> torch.device:
