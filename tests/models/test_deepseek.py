@@ -151,6 +151,10 @@ def test_mla_attention_forms_agree():
     batched = mla_decode_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, lens, max(seq_lens), 0.3)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batched, expanded, rtol=1e-5, atol=1e-5)
+    # A scratch bound of one sequence's latents: the batch runs a sequence at a time, same result.
+    one_at_a_time = mla_decode_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, lens, max(seq_lens), 0.3,
+                                   max_elems=16 * 2 * D)
+    torch.testing.assert_close(one_at_a_time, batched, rtol=1e-6, atol=1e-6)
     # Prefill-like: several queries per sequence, causal.
     q_lens = [3, 1, 13, 2]
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -158,6 +162,11 @@ def test_mla_attention_forms_agree():
     expanded = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=False)
     absorbed = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=True)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    # Queries in chunks of 2 (scores bound H x 2 x 13), and the bound forcing the absorbed form.
+    for form in (False, None):
+        chunked = mla_attention_ref(qn, qp, k_cache, v_cache, w, R, Dv, tables, qsl, lens, 0.3, absorb=form,
+                                    max_elems=H * 2 * 13)
+        torch.testing.assert_close(chunked, expanded, rtol=1e-5, atol=1e-5)
 
 
 def test_lossless_tier_and_auto_placement(tmp_path):

@@ -101,8 +101,18 @@ def gather_latent_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table:
     return torch.cat((lo, hi), dim=-1)[:, :latent_dim]
 
 
-def _absorbed_cheaper(q_len: int, seq_len: int, heads: int, R: int, Dn: int, Dr: int, Dv: int) -> bool:
-    """Whether attending in the latent space beats expanding the cached latents (FLOPs / 2)."""
+# NOTE: the MLA paths below bound their float32 transients (scores [Hq, q, S], expanded k/v, gathered
+# latents) to about this many elements per tensor by chunking queries or sequences, so a long prompt
+# or a large decode batch costs a few hundred MiB of scratch, not gigabytes the memory plan never saw.
+MLA_CHUNK_ELEMS = 1 << 26
+
+
+def _absorbed_cheaper(q_len: int, seq_len: int, heads: int, R: int, Dn: int, Dr: int, Dv: int,
+                      max_elems: int = MLA_CHUNK_ELEMS) -> bool:
+    """Whether attending in the latent space beats expanding the cached latents (FLOPs / 2); always
+    when the expanded k_nope / v [S, Hq, Dn + Dv] would exceed the scratch bound."""
+    if seq_len * heads * (Dn + Dv) > max_elems:
+        return True
     expand = seq_len * R * heads * (Dn + Dv) + q_len * seq_len * heads * (Dn + Dr + Dv)
     absorb = q_len * heads * R * (Dn + Dv) + q_len * seq_len * heads * (2 * R + Dr)
     return absorb < expand
@@ -111,12 +121,14 @@ def _absorbed_cheaper(q_len: int, seq_len: int, heads: int, R: int, Dn: int, Dr:
 def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, absorb: "bool | None" = None) -> torch.Tensor:
+                      scale: float, absorb: "bool | None" = None,
+                      max_elems: int = MLA_CHUNK_ELEMS) -> torch.Tensor:
     """Causal MLA over each sequence's paged latents. Returns [T, Hq, v_head_dim] in q's dtype.
 
     q_nope [T, Hq, Dn], q_pe [T, Hq, Dr] (roped); kv_b_weight [Hq * (Dn + Dv), kv_lora_rank] =
-    per head W_k [Dn, R] over W_v [Dv, R]. In float32, one sequence at a time, in one of two equal
-    forms (absorb=None picks the one with fewer FLOPs for each sequence):
+    per head W_k [Dn, R] over W_v [Dv, R]. In float32, one sequence at a time (its queries in chunks
+    whose scores stay within max_elems), in one of two equal forms (absorb=None picks the one with
+    fewer FLOPs for each sequence):
     - expanded (prefill): each cached latent c [R] becomes k_nope = W_k c and v = W_v c per head, as
       transformers does; scores q_nope . k_nope + q_pe . k_pe;
     - absorbed (decode): the query moves into the latent space, q_lat = W_k^T q_nope [R], scores
@@ -136,48 +148,62 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.T
             continue
         lat = gather_latent_ref(k_cache, v_cache, block_tables[b], seq_len, R + Dr).float()
         c, k_pe = lat[:, :R], lat[:, R:]                                           # [S, R], [S, Dr]
-        qn, qp = q_nope[s:e].float(), q_pe[s:e].float()
         use_absorb = absorb if absorb is not None else _absorbed_cheaper(q_len, seq_len, Hq, R, Dn, Dr,
-                                                                        v_head_dim)
-        if use_absorb:
-            q_lat = torch.einsum("qhd,hdr->qhr", qn, w_k)                          # [Q, Hq, R]
-            scores = torch.einsum("qhr,sr->hqs", q_lat, c) + torch.einsum("qhd,sd->hqs", qp, k_pe)
-        else:
+                                                                        v_head_dim, max_elems)
+        if not use_absorb:
             k_nope = torch.einsum("sr,hdr->shd", c, w_k)                           # [S, Hq, Dn]
-            scores = torch.einsum("qhd,shd->hqs", qn, k_nope) + torch.einsum("qhd,sd->hqs", qp, k_pe)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q_nope.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q_nope.device).unsqueeze(0)
-        probs = torch.softmax((scores * scale).masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
-        if use_absorb:
-            o_lat = torch.einsum("hqs,sr->qhr", probs, c)                          # [Q, Hq, R]
-            out[s:e] = torch.einsum("qhr,hdr->qhd", o_lat, w_v).to(out.dtype)
-        else:
             v = torch.einsum("sr,hdr->shd", c, w_v)                                # [S, Hq, Dv]
-            out[s:e] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
+        k_pos = torch.arange(seq_len, device=q_nope.device).unsqueeze(0)
+        step = max(1, max_elems // (Hq * seq_len))
+        for qs in range(s, e, step):
+            qe = min(qs + step, e)
+            qn, qp = q_nope[qs:qe].float(), q_pe[qs:qe].float()
+            if use_absorb:
+                q_lat = torch.einsum("qhd,hdr->qhr", qn, w_k)                      # [q, Hq, R]
+                scores = torch.einsum("qhr,sr->hqs", q_lat, c) + torch.einsum("qhd,sd->hqs", qp, k_pe)
+            else:
+                scores = torch.einsum("qhd,shd->hqs", qn, k_nope) + torch.einsum("qhd,sd->hqs", qp, k_pe)
+            q_pos = torch.arange(seq_len - q_len + qs - s, seq_len - q_len + qe - s,
+                                 device=q_nope.device).unsqueeze(1)
+            probs = torch.softmax((scores * scale).masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+            if use_absorb:
+                o_lat = torch.einsum("hqs,sr->qhr", probs, c)                      # [q, Hq, R]
+                out[qs:qe] = torch.einsum("qhr,hdr->qhd", o_lat, w_v).to(out.dtype)
+            else:
+                out[qs:qe] = torch.einsum("hqs,shd->qhd", probs, v).to(out.dtype)
     return out
 
 
 def mla_decode_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int, block_tables: torch.Tensor,
-                   seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
-    """A decode-only step (one query token per sequence, T = B) in the absorbed form, all sequences
-    at once: their latents gathered into [B, max_seq_len, L] and masked past each seq_len. No
-    per-sequence loop and no host sync (max_seq_len is the host's). Same result as mla_attention_ref."""
+                   seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                   max_elems: int = MLA_CHUNK_ELEMS) -> torch.Tensor:
+    """A decode-only step (one query token per sequence, T = B) in the absorbed form, sequences
+    batched: their latents gathered into [b, max_seq_len, L] (b sequences at a time, within
+    max_elems) and masked past each seq_len. No host sync (max_seq_len is the host's). Same result
+    as mla_attention_ref."""
     B, Hq, Dn = q_nope.shape
     Dr = q_pe.shape[-1]
     R = kv_lora_rank
     block_size, D = k_cache.shape[1], k_cache.shape[-1]
     num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:, :num_blocks].long()
-    lat = torch.cat((k_cache[table, :, 0], v_cache[table, :, 0]), dim=-1)        # [B, nb, bs, 2D]
-    lat = lat.reshape(B, num_blocks * block_size, 2 * D)[:, :max_seq_len, :R + Dr].float()
-    c, k_pe = lat[..., :R], lat[..., R:]                                           # [B, S, R], [B, S, Dr]
+    S = num_blocks * block_size
     w = kv_b_weight.float().view(Hq, Dn + v_head_dim, R)
     w_k, w_v = w[:, :Dn], w[:, Dn:]
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope.float(), w_k)
-    scores = torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhd,bsd->bhs", q_pe.float(), k_pe)
     k_pos = torch.arange(max_seq_len, device=q_nope.device)
-    mask = k_pos[None, :] >= seq_lens[:, None].long()                              # [B, S]
-    probs = torch.softmax((scores * scale).masked_fill(mask[:, None, :], float("-inf")), dim=-1)
-    o_lat = torch.einsum("bhs,bsr->bhr", probs, c)
-    return torch.einsum("bhr,hdr->bhd", o_lat, w_v).to(q_nope.dtype)
+    out = torch.empty(B, Hq, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+    step = max(1, max_elems // (S * max(2 * D, Hq)))
+    for bs in range(0, B, step):
+        be = min(bs + step, B)
+        table = block_tables[bs:be, :num_blocks].long()
+        lat = torch.cat((k_cache[table, :, 0], v_cache[table, :, 0]), dim=-1)   # [b, nb, bs, 2D]
+        lat = lat.reshape(be - bs, S, 2 * D)[:, :max_seq_len, :R + Dr].float()
+        c, k_pe = lat[..., :R], lat[..., R:]                                       # [b, S, R], [b, S, Dr]
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope[bs:be].float(), w_k)
+        scores = (torch.einsum("bhr,bsr->bhs", q_lat, c)
+                  + torch.einsum("bhd,bsd->bhs", q_pe[bs:be].float(), k_pe))
+        mask = k_pos[None, :] >= seq_lens[bs:be, None].long()                      # [b, S]
+        probs = torch.softmax((scores * scale).masked_fill(mask[:, None, :], float("-inf")), dim=-1)
+        o_lat = torch.einsum("bhs,bsr->bhr", probs, c)
+        out[bs:be] = torch.einsum("bhr,hdr->bhd", o_lat, w_v).to(out.dtype)
+    return out
