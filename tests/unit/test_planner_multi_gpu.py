@@ -35,6 +35,11 @@ def test_full_size_configs_by_hand(v3):
     assert (glm.num_moe_layers, glm.num_experts, glm.top_k) == (89, 160, 8)
     assert glm.backbone_params + glm.num_expert_slots * glm.expert_params == pytest.approx(352.8e9, rel=1e-3)
     assert glm.kv_bytes_per_token == 92 * 2 * 8 * 128 * 2
+    # DeepSeek-V2-Lite: 15.7B (2.4B active), no q low rank, 27 layers x (512 + 64) x 2 bytes of KV.
+    lite = ModelShape.from_hf_config(CONFIGS / "deepseek-v2-lite")
+    assert lite.backbone_params + lite.num_expert_slots * lite.expert_params == pytest.approx(15.706e9, rel=1e-4)
+    assert lite.active_params_per_token == pytest.approx(2.45e9, rel=1e-2)
+    assert (lite.q_lora_rank, lite.kv_bytes_per_token) == (0, 27 * 576 * 2)
 
 
 def test_one_gpu_plans_unchanged(v3):
@@ -99,7 +104,7 @@ def test_plan_cli_num_gpus(tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5", "deepseek-v2-lite"])
 def test_full_size_module_tree_matches_the_shape(name):
     """The real configs build (on the meta device) into the module tree the shape counts."""
     import torch
