@@ -8,7 +8,7 @@ Differences from the Qwen families, all generic ArchSpec switches (moe_decoder.p
 - partial rotary (rope_parameters.partial_rotary_factor, half-split layout), q/k/v bias when
   attention_bias, per-head q/k RMSNorm when use_qk_norm;
 - the checkpoint's trailing MTP layer(s) (num_nextn_predict_layers) are skipped.
-DeepSeek-V3 shares the router, shared experts and dense layers; its MLA attention is not here.
+DeepSeek-V2/V3 (deepseek.py) reuse the router, shared experts and dense layers, with MLA attention.
 """
 from __future__ import annotations
 
