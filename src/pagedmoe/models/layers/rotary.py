@@ -102,6 +102,8 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_dim  # 0: the whole head rotates
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={head_dim}]")
+        if interleaved and self.rotary_dim != head_dim:
+            raise ValueError("interleaved rope rotates the whole head (no partial rotary)")
         self.max_position = max_position
         self.theta = theta
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
