@@ -4,11 +4,14 @@
    (layer, expert, precision) measure ||f_q(x) - f(x)|| / ||f(x)|| over the expert's routed tokens;
    activity = the expert's share of the layer's routed tokens (add-one smoothed).
 2. For expert-memory budgets (fractions of bf16 expert bytes): static fp8/int8/int4 where they fit,
-   and the PrecisionPolicy's mixed assignment at that budget (lossless bytes measured with the codec).
-3. Apply each precision map by overwriting the expert rows with quantise->dequantise values and run
-   `pagedmoe eval`'s evaluate() on the other held-out files (disjoint from calibration).
+   and dynamic at that budget (ladder bf16 -> fp8 -> int8 -> int4; lossless is not a dynamic tier yet).
+3. Run each scheme through the real `--expert-precision dynamic` runtime: static maps are built and
+   published by DynamicExperts (experts dequantised into the paged compute buffers), dynamic maps are
+   reached by the DynamicPrecisionManager's controller demoting under a byte target; then `pagedmoe
+   eval`'s evaluate() on the other held-out files (disjoint from calibration).
 
     PYTHONPATH=src python scripts/quality_study.py --out docs/quality.json --plot docs/quality.png
+    PYTHONPATH=src python scripts/quality_study.py --prompt-shift docs/precision_shift.png
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedmoe.codecs.quant import fake_quantize
-from pagedmoe.entrypoints.eval import default_dataset, evaluate, load_documents
 from pagedmoe.experts.layout import row_part
+from pagedmoe.entrypoints.eval import default_dataset, evaluate, load_documents
 from pagedmoe.experts.precision import PrecisionPolicy, QualityCosts, rung_bytes
 
 LOSSY = ("fp8", "int8", "int4")
@@ -82,59 +85,66 @@ def calibrate(store, captured, num_experts, max_rows):
     return rel, counts, energy
 
 
-def lossless_ratio(store, num_layers, num_experts):
-    from pagedmoe.codecs.lossless import encode
+class Runtime:
+    """Precision maps applied through the real `--expert-precision dynamic` runtime: static maps are
+    built and published by DynamicExperts; dynamic maps come from the DynamicPrecisionManager's own
+    controller (`demote_to`: its ranking, one rung per expert per round, its per-round byte cap)."""
 
-    n = 3 * store.inter * store.hidden
-    raw = comp = 0
-    for layer in range(num_layers):
-        rows = torch.stack([store.row(layer, e)[:n] for e in range(num_experts)]).to(torch.bfloat16)
-        ct = encode(rows.contiguous(), num_parts=num_experts, checksum=False)
-        raw, comp = raw + rows.numel() * 2, comp + ct.nbytes
-    return comp / raw
+    def __init__(self, engine, bf16_bytes):
+        self.mgr, self.rt = engine.precision, engine.expert_store.dynamic
+        # NOTE: the model computes in float32 on CPU, but bytes are counted as a bf16 deployment would
+        # hold them, so the controller ranks moves as it would on the GPU.
+        self.mgr.policy.bytes_per_rung["bf16"] = bf16_bytes
 
+    def reset(self, costs):
+        keys = self.rt.keys
+        self.rt.build_all({k: "bf16" for k in keys})
+        self.mgr.controller.assignment = {k: "bf16" for k in keys}
+        c = self.mgr.costs          # the policy holds this object: update it in place
+        c.rel_error = {k: dict(v) for k, v in costs.rel_error.items()}
+        c.activity = dict(costs.activity)
 
-class Applier:
-    """Writes precision maps into the expert rows; keeps the original rows to restore between runs."""
+    def static(self, precision):
+        self.rt.build_all({k: precision for k in self.rt.keys})
+        return {k: precision for k in self.rt.keys}
 
-    def __init__(self, store, keys):
-        self.store, self.n = store, 3 * store.inter * store.hidden
-        self.orig = {k: store.row(*k)[:self.n].clone() for k in keys}
-
-    def apply(self, assignment):
-        H, I = self.store.hidden, self.store.inter
-        for k, p in assignment.items():
-            row = self.store.row(*k)
-            row[:self.n].copy_(self.orig[k])
-            if p in LOSSY:
-                for part in ("w13", "w2"):
-                    dst = row_part(row, H, I, part)
-                    dst.copy_(fake_quantize(dst.clone(), p))
+    def dynamic(self, target_bytes):
+        rounds = self.mgr.demote_to(target_bytes)
+        assert self.mgr.assignment == {k: self.rt.precision(*k) for k in self.rt.keys}
+        return dict(self.mgr.assignment), rounds
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calib-files", type=int, default=6, help="the first N held-out files calibrate")
     ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--eval-tokens", type=int, default=30000, help="scored tokens from the remaining files")
+    ap.add_argument("--eval-tokens", type=int, default=20000, help="scored tokens from the remaining files")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--max-rows", type=int, default=2048, help="calibration tokens per expert (cap)")
     ap.add_argument("--budgets", default="0.60,0.45,0.35", help="the table's budgets (fractions of bf16)")
-    ap.add_argument("--extra-budgets", default="0.55,0.50,0.40,0.30,0.28",
+    ap.add_argument("--extra-budgets", default="0.55,0.50,0.40,0.30",
                     help="more dynamic points for the plot")
     ap.add_argument("--out", type=Path, default=Path("docs/quality.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/quality.png"))
+    ap.add_argument("--prompt-shift", type=Path, default=None,
+                    help="instead: run the prompt-shift experiment (code, then prose) and plot the precision "
+                         "map over time to this PNG (its JSON next to it)")
     args = ap.parse_args()
+    if args.prompt_shift is not None:
+        return prompt_shift(args.prompt_shift)
 
     import pagedmoe
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    llm = pagedmoe.LLM(device="cpu", dtype="float32")
+    # dynamic precision, with a KV cache large enough that every expert starts exact
+    llm = pagedmoe.LLM(device="cpu", dtype="float32", expert_precision="dynamic", num_kv_blocks=2048,
+                       max_model_len=args.context)
     engine = llm.engine
     store = engine.expert_store
     L, E = len(engine.model.moe_layers()), engine.model.dims.num_experts
     keys = [(l, e) for l in range(L) for e in range(E)]
+    assert set(engine.precision.assignment.values()) == {"bf16"}
     docs = load_documents(default_dataset())
     calib_docs, eval_docs = docs[:args.calib_files], docs[args.calib_files:]
 
@@ -144,50 +154,49 @@ def main() -> int:
     costs = QualityCosts.from_counts(rel, counts)
     # Variant: costs already carry the expert's weight in its layer (activity 1 each).
     energy_costs = QualityCosts(energy, {k: 1.0 for k in energy})
-    ratio = lossless_ratio(store, L, E)
-    bpr = rung_bytes(store.hidden, store.inter, lossless_ratio=ratio)
+    # The runtime's ladder: bf16 -> fp8 -> int8 -> int4 (the lossless rung is not a dynamic tier yet).
+    bpr = rung_bytes(store.hidden, store.inter, precisions=("bf16",) + LOSSY)
     bf16_total = bpr["bf16"] * len(keys)
     policy = PrecisionPolicy(bpr, costs)
-    energy_policy = PrecisionPolicy(bpr, energy_costs)
     # Control: the same ladder and byte budget, experts ranked at random (no quality information), to
     # separate what the extra bytes buy from what the quality-aware ranking buys.
     gen = torch.Generator().manual_seed(0)
     random_costs = QualityCosts(rel, {k: torch.rand(1, generator=gen).item() for k in keys})
-    random_policy = PrecisionPolicy(bpr, random_costs)
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s; lossless ratio {ratio:.4f}; bytes per expert {bpr}")
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s; bytes per expert {bpr}")
 
-    applier = Applier(store, keys)
+    runtime = Runtime(engine, bpr["bf16"])
     results = []
 
-    def run(name, assignment, budget=None):
-        applier.apply(assignment)
+    def run(name, assignment, budget=None, rounds=None):
         t = time.perf_counter()
         r = evaluate(engine, eval_docs, args.context, args.eval_tokens, show_progress=False)
         mix = {p: sum(v == p for v in assignment.values()) for p in bpr}
         row = {"scheme": name, "budget": budget, "bytes_frac": policy.total_bytes(assignment) / bf16_total,
                "perplexity": r["perplexity"], "top1": r["top1_accuracy"], "tokens": r["tokens"],
-               "model_cost": policy.total_cost(assignment), "mix": mix}
+               "model_cost": policy.total_cost(assignment), "mix": mix, "controller_rounds": rounds}
         results.append(row)
         print(f"{name:<14} budget {budget if budget is not None else '-':>5} bytes {row['bytes_frac']:.3f} "
               f"ppl {row['perplexity']:.4f} top1 {row['top1']:.4f} ({time.perf_counter() - t:.0f} s) {mix}",
               flush=True)
         return row
 
+    runtime.reset(costs)
     run("bf16", {k: "bf16" for k in keys})
     for p in LOSSY:
-        run(f"static-{p}", {k: p for k in keys})
+        run(f"static-{p}", runtime.static(p))
     budgets = [float(b) for b in args.budgets.split(",")]
     extra = [float(b) for b in args.extra_budgets.split(",") if b]
-    plans, energy_plans = {}, {}
-    for b in budgets + extra:
-        plans[b] = policy.plan(int(b * bf16_total), keys)
-        run("dynamic", plans[b], b)
-    for b in budgets + extra[-2:]:
-        energy_plans[b] = energy_policy.plan(int(b * bf16_total), keys)
-        run("dynamic-energy", energy_plans[b], b)
-    for b in budgets:
-        run("mixed-random", random_policy.plan(int(b * bf16_total), keys), b)
-    applier.apply({k: "bf16" for k in keys})
+    plans = {}
+    for name, c, points in (("dynamic", costs, budgets + extra), ("dynamic-energy", energy_costs, budgets),
+                            ("mixed-random", random_costs, budgets)):
+        runtime.reset(c)
+        # largest budget first: the controller only demotes here, like rising pressure
+        for b in sorted(points, reverse=True):
+            assignment, rounds = runtime.dynamic(int(b * bf16_total))
+            if name == "dynamic":
+                plans[b] = assignment
+            run(name, assignment, b, rounds)
+    runtime.reset(costs)
 
     by = {r["scheme"]: r for r in results if r["budget"] is None}
     dyn = {r["budget"]: r for r in results if r["scheme"] == "dynamic"}
@@ -207,16 +216,15 @@ def main() -> int:
             (by["static-int4"]["perplexity"] - by["bf16"]["perplexity"])
     gap, egap = closed(dyn[b_lo]), closed(edyn[b_lo])
     rgap = [closed(r) for r in results if r["scheme"] == "mixed-random" and r["budget"] == b_lo][0]
-    out = {"calibration": {"files": list(range(args.calib_files)), "tokens": args.calib_tokens,
+    out = {"runtime": "pagedmoe --expert-precision dynamic (DynamicExperts + DynamicPrecisionManager.demote_to)",
+           "calibration": {"files": list(range(args.calib_files)), "tokens": args.calib_tokens,
                            "max_rows_per_expert": args.max_rows},
            "eval": {"first_file": args.calib_files, "tokens": by["bf16"]["tokens"], "context": args.context},
-           "lossless_ratio": ratio, "bytes_per_expert": bpr, "results": results, "table": table,
+           "bytes_per_expert": bpr, "results": results, "table": table,
            "gap_closed_at": {"budget": b_lo, "dynamic": gap, "dynamic-energy": egap, "mixed-random": rgap},
            "calibration_counts": [[l, e, c] for (l, e), c in sorted(counts.items())],
            "quality_costs": costs.to_json(), "energy_costs": energy_costs.to_json(),
            "plans": {str(b): {f"{l},{e}": p for (l, e), p in plan.items()} for b, plan in plans.items()},
-           "energy_plans": {str(b): {f"{l},{e}": p for (l, e), p in plan.items()}
-                            for b, plan in energy_plans.items()},
            "seconds": time.perf_counter() - t0, "torch": torch.__version__}
     args.out.write_text(json.dumps(out, indent=1))
     print(f"gap closed at {b_lo:.0%}: dynamic {gap:.1%}, dynamic-energy {egap:.1%}, mixed-random {rgap:.1%}; "
@@ -234,7 +242,7 @@ def plot(results, by, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     dyn = sorted((r for r in results if r["scheme"] == "dynamic"), key=lambda r: r["bytes_frac"])
-    ax.plot([100 * r["bytes_frac"] for r in dyn], [r["perplexity"] for r in dyn], "o-", label="dynamic (policy)")
+    ax.plot([100 * r["bytes_frac"] for r in dyn], [r["perplexity"] for r in dyn], "o-", label="dynamic (runtime)")
     edyn = sorted((r for r in results if r["scheme"] == "dynamic-energy"), key=lambda r: r["bytes_frac"])
     ax.plot([100 * r["bytes_frac"] for r in edyn], [r["perplexity"] for r in edyn], "x--",
             label="dynamic, output-energy cost (variant)")
@@ -254,6 +262,118 @@ def plot(results, by, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+
+# -- prompt shift: code, then prose ------------------------------------------------------------------
+PROSE = [
+    "The old harbour town woke slowly. Fishermen carried their nets down to the water while the bakers "
+    "opened their shutters, and the smell of fresh bread drifted along the narrow streets towards the sea.",
+    "In the spring the river rose over its banks and flooded the meadows. The farmers waited for the water "
+    "to recede, then ploughed the dark and heavy soil and planted barley, beans and a little wheat.",
+    "She had never liked long train journeys, but this one was different. Through the window the hills "
+    "turned from green to gold, and by evening the mountains stood against a sky the colour of copper.",
+    "History remembers the treaty as a turning point, yet the people who signed it hardly noticed. They "
+    "argued about the wording of a single clause for three days and went home tired and unsure.",
+    "A good teacher listens more than she speaks. She asks a question, waits, and lets the silence do its "
+    "work until a student finds the courage to answer in his own words.",
+    "The museum was quiet on Monday mornings. Visitors wandered between the paintings, stopping now and "
+    "then before a portrait whose eyes seemed to follow them across the room.",
+    "Winter came early that year. Snow covered the roads before the harvest was in, and the village "
+    "gathered in the church hall to share what food and firewood they had left.",
+    "He wrote letters every week to his brother overseas, describing the weather, the neighbours and the "
+    "small events of the town, though he rarely received an answer.",
+]
+
+
+def prompt_shift(path: Path, waves_per_phase: int = 3, per_wave: int = 8, prompt_len: int = 320,
+                 max_tokens: int = 96) -> int:
+    """Waves of long requests under a tight KV budget with --expert-precision dynamic: code prompts, then
+    prose. Each wave fills the KV cache (the controller demotes), then drains (it promotes). Records the
+    precision map and the activity EMA every step; plots one layer's map over time and, for all layers,
+    the share of the current traffic (activity EMA) that exact experts serve."""
+    import pagedmoe
+    from pagedmoe import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = pagedmoe.LLM(device="cpu", dtype="float32", expert_precision="dynamic", num_kv_blocks=480,
+                       max_model_len=512, max_num_seqs=per_wave, max_num_batched_tokens=512,
+                       kv_low_watermark=0.1, kv_high_watermark=0.4)
+    e, tok = llm.engine, llm.engine.tokenizer
+    code = [tok.encode(d)[:prompt_len] for d in load_documents(default_dataset())]
+    prose_ids = tok.encode(" ".join(PROSE * 3))
+    prose = [prose_ids[(97 * i) % (len(prose_ids) - prompt_len):][:prompt_len] for i in range(per_wave * 4)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    trace, phase_of_step, shift_step = [], [], None
+    for phase, pool in (("code", code), ("prose", prose)):
+        if phase == "prose":
+            shift_step = len(trace)
+        for w in range(waves_per_phase):
+            for i in range(per_wave):
+                e.add_request(f"{phase}-{w}-{i}", pool[(w * per_wave + i) % len(pool)], params)
+            while e.has_unfinished_requests():
+                e.step()
+                ema, _ = e.activity.host_view()
+                trace.append({"map": e.precision.precision_map(), "ema": ema,
+                              "free": e.kv.num_free_blocks, "withheld": e.precision.withheld})
+                phase_of_step.append(phase)
+    stats = e.get_stats()
+    rungs = ["bf16", "fp8", "int8", "int4"]
+    L, E = len(trace[0]["map"]), len(trace[0]["map"][0])
+
+    def exact_share(t):
+        num = den = 0.0
+        for l in range(L):
+            for x in range(E):
+                num += t["ema"][l][x] * (t["map"][l][x] == "bf16")
+                den += t["ema"][l][x]
+        return num / den if den else 0.0
+    share = [exact_share(t) for t in trace]
+    n_exact = [sum(p == "bf16" for row in t["map"] for p in row) for t in trace]
+    # the layer whose activity moves most between the phases
+    code_ema, prose_ema = trace[shift_step - 1]["ema"], trace[-1]["ema"]
+
+    def moved(l):
+        a, b = code_ema[l], prose_ema[l]
+        sa, sb = sum(a) or 1.0, sum(b) or 1.0
+        return sum(abs(x / sa - y / sb) for x, y in zip(a, b))
+    layer = max(range(L), key=moved)
+    order = sorted(range(E), key=lambda x: code_ema[layer][x] / (sum(code_ema[layer]) or 1)
+                   - prose_ema[layer][x] / (sum(prose_ema[layer]) or 1))
+    out = {"layer": layer, "shift_step": shift_step, "steps": len(trace), "expert_order": order,
+           "exact_traffic_share": share, "num_exact": n_exact, "free_blocks": [t["free"] for t in trace],
+           "maps_layer": [[t["map"][layer][x] for x in order] for t in trace],
+           "num_preemptions": stats["num_preemptions_total"],
+           "precision": {k: v for k, v in stats.items() if k.startswith("precision_")},
+           "seconds": time.perf_counter() - t0}
+    path.with_suffix(".json").write_text(json.dumps(out))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]},
+                                   layout="constrained")
+    grid = [[rungs.index(t["map"][layer][x]) for t in trace] for x in order]
+    im = ax0.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis_r", vmin=0, vmax=3)
+    cb = fig.colorbar(im, ax=[ax0, ax1], ticks=range(4), shrink=0.6, location="right")
+    cb.ax.set_yticklabels(rungs)
+    ax0.axvline(shift_step, color="red", lw=1.5)
+    ax0.set_ylabel(f"MoE layer {layer}: experts\n(top: prose-heavy, bottom: code-heavy)")
+    ax0.set_yticks([])
+    ax0.set_title("dynamic expert precision while the prompt mix shifts from code to prose (red line)")
+    ax1.plot(share, label="traffic (activity EMA) served by exact experts, all layers")
+    ax1.plot([n / (L * E) for n in n_exact], label="share of experts exact")
+    ax1.axvline(shift_step, color="red", lw=1.5)
+    ax1.set_xlabel("engine step")
+    ax1.set_ylim(0, 1.02)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"prompt shift: {len(trace)} steps, shift at {shift_step}, layer {layer}, preemptions "
+          f"{out['num_preemptions']}, {out['precision']}, {out['seconds']:.0f} s")
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())
