@@ -180,6 +180,7 @@ class DynamicPrecisionManager:
         self.controller = PressureController(self.policy, self.watermarks, block_bytes, self.max_bytes_per_step,
                                              start)
         self._pending: list[Move] = []
+        self._num_below_top = sum(p != self.policy.top for p in start.values())
 
     # -- KV lending -----------------------------------------------------------------------------
     def surplus_bytes(self, assignment: Mapping[ExpertKey, str]) -> int:
@@ -213,11 +214,14 @@ class DynamicPrecisionManager:
                 self.stats.builds_waited += 1
                 return []
             return self._publish()
-        last_access = self._refresh_activity()
-        free = self.kv.num_free_blocks
-        if free > self.watermarks.high and all(p == self.policy.top for p in self.controller.assignment.values()):
-            return []   # nothing to promote: skip ranking every expert
-        moves = self.controller.step(free, last_access)
+        free, wm, ctl = self.kv.num_free_blocks, self.watermarks, self.controller
+        # Rank experts only when the controller would act (the hysteresis band costs nothing).
+        demote = free < wm.low or (ctl.demoting and free < wm.mid)
+        promote = free > wm.high and self._num_below_top > 0
+        if not (demote or promote):
+            ctl.demoting = ctl.demoting and free < wm.mid
+            return []
+        moves = ctl.step(free, self._refresh_activity())
         return self._start(moves)
 
     def demote_to(self, target_bytes: int, bytes_per_rung: Optional[Mapping[str, int]] = None) -> int:
@@ -261,6 +265,7 @@ class DynamicPrecisionManager:
         for k, errs in measured.items():
             self.costs.rel_error[k].update(errs)
         self._release_to(self.controller.assignment)
+        self._num_below_top = sum(p != self.policy.top for p in self.controller.assignment.values())
         s = self.stats
         s.publishes += 1
         s.demotions += sum(m.bytes_delta < 0 for m in moves)

@@ -119,6 +119,20 @@ class PrecisionPolicy:
 
     # -- per-expert frontier ----------------------------------------------------------------------
     def frontier(self, key: ExpertKey) -> list[str]:
+        # Memoised on what it depends on: the expert's relative errors, whether its activity is zero
+        # (activity scales every lossy cost of an expert alike, so it cannot reorder them) and the bytes.
+        rel = self.costs.rel_error.get(key, {})
+        memo = (tuple(rel.get(p) for p in self.allowed), self.costs.activity.get(key, 1.0) == 0,
+                tuple(self.bytes_per_rung[p] for p in self.allowed))
+        cache = self.__dict__.setdefault("_frontiers", {})
+        hit = cache.get(key)
+        if hit is not None and hit[0] == memo:
+            return hit[1]
+        out = self._frontier(key)
+        cache[key] = (memo, out)
+        return out
+
+    def _frontier(self, key: ExpertKey) -> list[str]:
         b, c = self.bytes_per_rung, self.costs.cost
         lossy = [p for p in self.allowed if p not in EXACT]
 
