@@ -25,6 +25,7 @@ from pathlib import Path
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 SKIP_DIRS = {".git", ".cache"}
 INDEX_NAME = "model.safetensors.index.json"
+LOSSY_CHOICES = ("fp8", "int8", "int4")
 
 
 def register(sub) -> None:
@@ -45,6 +46,9 @@ def register(sub) -> None:
                    help="skip decoding each tensor back and comparing it with the original")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty OUT (its *.safetensors files and index are removed first)")
+    p.add_argument("--precisions", nargs="+", choices=LOSSY_CHOICES, default=None, metavar="P",
+                   help="also write every expert's lossy forms (fp8 int8 int4) and their relative weight "
+                        "errors into OUT/expert-lossy/, for --expert-precision dynamic")
     p.set_defaults(func=run_compress)
 
     d = sub.add_parser("decompress", help="write the original safetensors of a compressed checkpoint back",
@@ -257,7 +261,25 @@ def run_compress(args) -> int:
     out_bytes = sum((out / f.relative_to(src)).stat().st_size for f in files)
     print(f"{len(files)} weight file(s) compressed into {out}; {len(copied)} other file(s) copied")
     print_ratios(stats, in_bytes, out_bytes)
+    if args.precisions:
+        write_lossy_forms(src, out, args.precisions, device)
     return 0
+
+
+def write_lossy_forms(model: Path, out: Path, precisions, device) -> Path:
+    """Every expert quantised offline (layout: experts/quantized.py OfflineForms): OUT/expert-lossy/<p>.safetensors
+    and OUT/expert-lossy/quality.json (relative weight error per expert and precision). A subfolder, so
+    the checkpoint loader (top-level *.safetensors) never reads them."""
+    import torch
+
+    from pagedmoe.experts.quantized import offline_forms_of_store
+    from pagedmoe.models.loader import get_model, load_hf_config
+
+    hf = load_hf_config(str(model))
+    m = get_model(str(model), hf, "auto", 16, torch.device("cpu"), torch.bfloat16, 0, "paged", 0, "plain")
+    folder = offline_forms_of_store(m.expert_store, precisions, out, device)
+    print(f"lossy expert forms ({', '.join(precisions)}) written to {folder}")
+    return folder
 
 
 # ---------------------------------------------------------------------------------------------

@@ -301,6 +301,7 @@ class DynamicPrecisionManager:
     def as_dict(self) -> dict:
         return {"precision_counts": self.precision_counts(),
                 "expert_dynamic_bytes": self.runtime.device_bytes,
+                "precision_offline_forms_used": getattr(self.runtime, "offline_hits", 0),
                 "expert_precision_changes_total": {"up": self.stats.promotions, "down": self.stats.demotions},
                 "precision_total_bytes": self.policy.total_bytes(self.controller.assignment),
                 "precision_floor_bytes": self.floor_bytes,

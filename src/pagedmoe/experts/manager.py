@@ -125,9 +125,17 @@ def start_dynamic_precision(config, store, kv, block_bytes: int, min_usable_bloc
     when it fits the budget."""
     from pagedmoe.experts.controller import DynamicPrecisionManager, parse_state
 
+    from pagedmoe.config import resolve_model
+    from pagedmoe.experts.quantized import OfflineForms
+
     initial = rel = None
     if stats is not None:
         initial, rel = parse_state(stats, store.table.num_layers, store.table.num_experts)
+    offline = OfflineForms.open(resolve_model(config.model), store.hidden, store.inter)
+    if offline is not None:   # `pagedmoe compress --precisions`: forms and compress-time costs
+        store.dynamic.offline = offline
+        rel = rel if rel is not None else offline.rel_error()
+        logger.info("dynamic expert precision: offline lossy forms %s", sorted(offline.files))
     low, high = config.watermarks()
     mgr = DynamicPrecisionManager(store.dynamic, kv, block_bytes, low, high, store.dynamic.min_precision,
                                   activity=activity, min_usable_blocks=min_usable_blocks, initial=initial,
