@@ -77,6 +77,35 @@ def test_sweep_pngs_and_replot(sweep, tmp_path):
         assert (merged / name).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_remodel_recomputes_the_modelled_figures(sweep, tmp_path):
+    """--remodel rebuilds each ok point's `modelled` from the placement and activations the engine planned:
+    unchanged model, unchanged figures; a different hardware profile changes them."""
+    from pagedmoe.cli import main
+
+    out, _, result = sweep
+    ok = {(p["budget_arg"], p["placement"]): p for p in result["points"] if p["status"] == "ok"}
+    assert ok
+    tampered = json.loads((out / "sweep.json").read_text())
+    for p in tampered["points"]:
+        if p["status"] == "ok":
+            p["modelled"]["output_throughput"] = -1.0
+    src = tmp_path / "tampered.json"
+    src.write_text(json.dumps(tampered))
+    assert main(["bench", "sweep", "--replot", str(src), "--remodel", "--no-plots", "--output-dir",
+                 str(tmp_path / "a")]) == 0
+    again = {(p["budget_arg"], p["placement"]): p for p in json.loads((tmp_path / "a" / "sweep.json").read_text())["points"]}
+    for key, p in ok.items():
+        assert again[key]["modelled"]["output_throughput"] == pytest.approx(p["modelled"]["output_throughput"])
+        assert again[key]["fraction_of_modelled_throughput"] == pytest.approx(p["fraction_of_modelled_throughput"])
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"name": "slow", "hbm_bytes_per_s": 1e9, "gemm_flops": 1e9}))
+    assert main(["bench", "sweep", "--replot", str(src), "--remodel", "--hardware-json", str(slow), "--no-plots",
+                 "--output-dir", str(tmp_path / "b")]) == 0
+    for p in json.loads((tmp_path / "b" / "sweep.json").read_text())["points"]:
+        if p["status"] == "ok":
+            assert 0 < p["modelled"]["output_throughput"] < ok[(p["budget_arg"], p["placement"])]["modelled"]["output_throughput"]
+
+
 def test_placement_flags_apply_to_paged_only():
     import argparse
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pagedmoe.engine.memory import GiB, BudgetError
-from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, expected_distinct_experts,
+from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, expected_distinct_experts, pipeline_s,
                                          step_cost)
 from pagedmoe.experts.model_shape import ModelShape
 from pagedmoe.experts.placement import Placement
@@ -89,11 +89,41 @@ def test_step_floors_by_hand():
     assert c.hbm_s == pytest.approx(hbm / 4.19e12)
     assert c.compute_s == pytest.approx(2 * (backbone_read // 2 + 64 * EXPERT // 2) / 753e12)
     assert c.bound == "pcie" and c.floor_s == c.pcie_s
-    # Fill: one layer of the shorter side; overhead: the profile's constant.
-    assert c.fill_s == pytest.approx(c.hbm_s / 32) and c.overhead_s == H200.step_overhead_s
-    assert c.total_s == pytest.approx(c.pcie_s + c.hbm_s / 32 + 1e-3)
+    # Fill, copies spread evenly: one layer of the shorter side. Overhead: constant + 32 layers + 1 sequence.
+    assert c.fill_s == pytest.approx(c.hbm_s / 32, rel=1e-9)
+    assert c.overhead_s == pytest.approx(1e-3 + 32 * 0.19e-3 + 48e-6)
+    assert c.total_s == pytest.approx(c.pcie_s + c.hbm_s / 32 + c.overhead_s)
     resident = step_cost(MIXTRAL, H200, StepTraffic(), 1, 0, 0)
     assert resident.pcie_s == 0 and resident.fill_s == 0 and resident.bound == "hbm"
+
+
+def test_pipeline_by_hand():
+    # Even copies: the longer side plus one layer of the shorter one.
+    assert pipeline_s([2.0] * 4, 1.0) == pytest.approx(8 + 1)
+    assert pipeline_s([1.0] * 4, 2.0) == pytest.approx(1 + 8)
+    # Layer 2's copy (5) waits for buffer 0, free once layer 0 computed (t=1): done at 6, layer 2 computes
+    # 6..7, layer 3 7..8.
+    assert pipeline_s([0.0, 0.0, 5.0, 0.0], 1.0) == pytest.approx(8)
+    # One host expert in each of the last 3 of 32 layers (Mixtral at weights + 4 GiB): the copies start when
+    # layer 27 is done and run back to back; the last layer computes after them.
+    g, c = 20.7e-3 / 32, 6.2e-3
+    assert pipeline_s([0.0] * 29 + [c] * 3, g) == pytest.approx(28 * g + 3 * c + g)
+
+
+def test_uneven_copies_cost_more_than_even_ones():
+    """The planner splits the copy side by each layer's host experts: a few host experts in a few layers
+    hide less behind compute than the same bytes spread evenly."""
+    from pagedmoe.experts.placement import Placement
+
+    gpu = (8,) * 29 + (7,) * 3
+    uneven = Placement(8, gpu)
+    inputs = PlanInputs(MIXTRAL, int(91 * GiB), int(2 * GiB), 2048, workload=(1024, 1024))
+    plan = plan_placement(inputs, uneven)
+    shares = plan.traffic.layer_copy_shares
+    assert len(shares) == 32 and shares[:29] == (0.0,) * 29 and shares[29:] == pytest.approx((1 / 3,) * 3)
+    d = plan.estimate.decode
+    even_fill = min(d.pcie_s, max(d.hbm_s, d.compute_s)) / 32
+    assert d.fill_s > 2 * (d.pcie_s / 3) - 0.01 and d.fill_s > 10 * even_fill
 
 
 def test_splits_add_up_and_kv_gets_the_rest():

@@ -59,6 +59,9 @@ def register(sub) -> None:
                    help="rates for the modelled figures (HardwareProfile keys); default: the H200 profile")
     p.add_argument("--replot", nargs="+", type=Path, default=None, metavar="JSON",
                    help="merge the points of these sweep.json files into --output-dir and redraw; runs nothing")
+    p.add_argument("--remodel", action="store_true",
+                   help="with --replot: recompute each point's modelled figures with the current cost model "
+                        "(and --hardware-json), from the placement and activations the engine planned")
     p.add_argument("--no-plots", action="store_true", help="write sweep.json only")
     add_steady_arg(p)
     # --gpu-memory-gb and --expert-placement are what the sweep varies.
@@ -167,7 +170,6 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
 def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int, output_len: int, hw) -> dict:
     """The planner's figures for the placement this engine holds, on this workload (pure Python model)."""
     from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.planner import PlacementBudgetError, PlanInputs, plan_placement
     from pagedmoe.experts.table import COMPRESSED, RESIDENT
 
     store, c = engine.expert_store, engine.config
@@ -181,11 +183,23 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
         ratio = store.compressed_bytes / (sum(comp) * shape.expert_bytes) if sum(comp) else 0.0
         placement = Placement(E, gpu, comp, ratio)
         buffers = "vmm" if getattr(store.buffers, "maps_resident", False) else "plain"
+    return model_placement(shape, placement, buffers, budget_bytes, engine.plan.activation_bytes,
+                           engine.max_model_len, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                           num_prompts, input_len, output_len, hw)
+
+
+def model_placement(shape, placement, buffers: str, budget_bytes: int, activation_bytes: int, max_model_len: int,
+                    block_size: int, max_num_seqs: int, max_num_batched_tokens: int, num_prompts: int,
+                    input_len: int, output_len: int, hw) -> dict:
+    """The planner's figures for one placement on one workload: what `modelled` reports for an engine, and
+    `--remodel` recomputes from a stored point."""
+    from pagedmoe.experts.planner import PlacementBudgetError, PlanInputs, plan_placement
+
     # The engine gives the KV cache at most what max_num_seqs full-length sequences can use: so does the model.
-    useful_blocks = c.max_num_seqs * -(-engine.max_model_len // c.block_size)
+    useful_blocks = max_num_seqs * -(-max_model_len // block_size)
     try:
-        inputs = PlanInputs(shape, budget_bytes, engine.plan.activation_bytes, engine.max_model_len, c.block_size,
-                            (input_len, output_len), min(c.max_num_seqs, num_prompts), c.max_num_batched_tokens,
+        inputs = PlanInputs(shape, budget_bytes, activation_bytes, max_model_len, block_size,
+                            (input_len, output_len), min(max_num_seqs, num_prompts), max_num_batched_tokens,
                             hw, max_kv_blocks=useful_blocks, buffers=buffers)
         plan = plan_placement(inputs, placement)
     except PlacementBudgetError as e:
@@ -201,6 +215,37 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
                                "compute": d.compute_s * 1e3, "floor": d.floor_s * 1e3, "total": d.total_s * 1e3,
                                "bound": d.bound},
             "prefill_s_per_seq": plan.estimate.prefill_s_per_seq, "plan": plan.to_dict()}
+
+
+def remodel(point: dict, config: dict, hw) -> dict:
+    """A stored point with its `modelled` figures recomputed by the current cost model (and `hw`)."""
+    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.experts.placement import Placement
+
+    if point.get("status") != "ok":
+        return point
+    from pagedmoe.engine.memory import GiB
+
+    shape = ModelShape(**config["shape"])
+    ep, eng = point.get("engine_plan"), config["engine"]
+    if point["expert_placement"] == "resident":
+        placement, buffers = Placement.resident(shape.num_moe_layers, shape.experts_per_gpu), "vmm"
+    elif ep:
+        pl = ep["placement"]
+        placement = Placement(pl["num_experts"], tuple(pl["num_gpu_experts"]), tuple(pl["num_compressed_experts"]),
+                              pl["compression_ratio"])
+        buffers = ep["buffers"] if ep["buffers"] in ("vmm", "plain") else "vmm"
+    else:  # paged by flags: no planner split was stored
+        return point
+    activation_bytes = int(round(point["memory_gib"]["activations"] * GiB))
+    m = model_placement(shape, placement, buffers, point["budget_bytes"], activation_bytes,
+                        eng["max_model_len"], eng["block_size"], eng["max_num_seqs"], eng["max_num_batched_tokens"],
+                        point["num_requests"], config["input_len"], config["output_len"], hw)
+    out = {**point, "modelled": m}
+    if m.get("fits"):
+        out["fraction_of_modelled_throughput"] = point["output_tokens_per_second"] / m["output_throughput"]
+        out["decode_step_over_floor"] = point["mean_decode_step_ms"] / m["decode_step_ms"]["floor"]
+    return out
 
 
 def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict:
@@ -296,6 +341,9 @@ def _write_outputs(result: dict, out_dir: Path, plots: bool) -> None:
 
 def replot(args) -> int:
     """Merge earlier sweeps' points (later files win for the same model, budget and placement) and redraw."""
+    from pagedmoe.experts.cost_model import H200, HardwareProfile
+
+    hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
     merged: dict = {}
     configs = []
     for path in args.replot:
@@ -303,6 +351,8 @@ def replot(args) -> int:
         configs.append({"file": str(path), **data.get("config", {}), "git_commit": data.get("git_commit"),
                         "gpu_name": data.get("gpu_name")})
         for p in data["points"]:
+            if args.remodel:
+                p = remodel(p, data["config"], hw)
             merged[(p.get("model"), round(p["budget_gib"], 6), p["placement"])] = p
     points = sorted(merged.values(), key=lambda p: (str(p.get("model")), p["budget_gib"], p["placement"]))
     _write_outputs({"config": {"merged_from": configs}, "points": points, **environment()}, args.output_dir,

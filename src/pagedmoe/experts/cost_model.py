@@ -12,10 +12,17 @@ A step of T tokens is bounded below by four floors, each one resource working al
                   double buffer, the decoder's reads and writes)
   compute floor = FLOPs / GEMM rate, FLOPs = T * (2 * active params + attention over the context).
 Copies run on their own stream behind compute, so the step takes the largest floor, plus:
-  fill          = min(copy side, compute side) / MoE layers: a pipeline of one copy stage and one compute
-                  stage per layer cannot hide the first copy (or the last compute) behind the other side;
-  overhead      = host work per step the GPU waits for (scheduling, inputs, sampling): a per-machine
-                  constant of the HardwareProfile, not a measured floor.
+  fill          = what the pager's pipeline cannot hide. Layer l's experts are copied into buffer l mod 2
+                  while layer l-1 computes (one layer ahead): `pipeline_s` plays the two streams layer by
+                  layer (copy side split over the layers by each layer's streamed experts, compute side
+                  evenly) and fill = its result - max(copy side, compute side). With the copies spread
+                  evenly this is min(copy side, compute side) / MoE layers (the first copy, or the last
+                  compute, has nothing beside it); a few host experts in a few layers cost each such layer
+                  its whole copy less one layer of compute (measured: Mixtral at weights + 4 GiB, 3 host
+                  experts, 42.5 ms steps against a 20.7 ms floor);
+  overhead      = what the GPU spends beyond the floors on a step, fitted on the H200 (docs/benchmarks.md,
+                  "Expert paging"): a constant, a part per decoder layer (launch gaps, kernels short of their
+                  floor at small batch) and a part per sequence (host work: inputs, sampling, outputs).
 
 Throughput of a workload (input_len in, output_len out) in steady state: B sequences run at once (as many
 as the KV cache holds at full length, capped by max_num_seqs). Over one "generation" each of the B
@@ -45,7 +52,9 @@ class HardwareProfile:
     pcie_h2d_bytes_per_s: float = 54.5e9         # pinned host -> device
     gemm_flops: float = 753e12                   # bf16 GEMM 8192^3
     lossless_decode_bytes_per_s: float = 1.5e12  # bf16 output of the lossless decoder (issue 6's target)
-    step_overhead_s: float = 1e-3                # host work per step (an estimate; pass a measured one)
+    step_overhead_s: float = 1e-3                # per step beyond the floors (fitted with the two below)
+    layer_overhead_s: float = 0.19e-3            # per decoder layer and step (fitted, resident decode steps)
+    seq_overhead_s: float = 48e-6                # per sequence and step (fitted, resident decode steps)
     # GPU-to-GPU bandwidth one GPU sends at in an all-to-all (expert parallelism): the H200 SXM
     # datasheet's NVLink 900 GB/s bidirectional, halved; not measured here.
     nvlink_bytes_per_s: float = 450e9
@@ -105,6 +114,8 @@ class StepTraffic:
     d2d_bytes: int = 0          # resident rows copied into a plain double buffer (read + written)
     decode_out_bytes: int = 0   # bf16 written by the lossless decoder
     decode_in_bytes: int = 0    # compressed bytes it reads
+    # each MoE layer's share of the copy stream's work (sums to 1); empty: spread evenly over the layers
+    layer_copy_shares: tuple[float, ...] = ()
 
     @property
     def hbm_bytes(self) -> int:
@@ -143,7 +154,7 @@ class StepCost:
 
 
 def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_tokens: int,
-              kv_read_bytes: float, context_len: float) -> StepCost:
+              kv_read_bytes: float, context_len: float, num_seqs: int = 1) -> StepCost:
     """Floors of one step of `num_tokens` tokens attending over `context_len` cached tokens on average.
 
     With expert parallelism (shape.num_gpus = N > 1) this is one GPU's step: its num_tokens tokens run
@@ -165,26 +176,40 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     hbm_s = hbm_bytes / hw.hbm_bytes_per_s
     compute_s = num_tokens * shape.flops_per_token(context_len) / hw.gemm_flops
     copy_side, gpu_side = max(pcie_s, decode_s), max(hbm_s, compute_s)
-    fill_s = min(copy_side, gpu_side) / shape.num_moe_layers if shape.num_moe_layers else 0.0
+    L = shape.num_moe_layers
+    shares = traffic.layer_copy_shares or ((1.0 / L,) * L if L else ())
+    fill_s = (pipeline_s([copy_side * x for x in shares], gpu_side / L) - max(copy_side, gpu_side)
+              if L and copy_side > 0 else 0.0)
     comm_s = 0.0
     if N > 1:
         comm_bytes = 2 * shape.num_moe_layers * num_tokens * shape.top_k * (N - 1) / N * shape.hidden_size
         comm_s = comm_bytes * shape.dtype_bytes / hw.nvlink_bytes_per_s
-    return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, fill_s, hw.step_overhead_s, comm_s)
+    overhead_s = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + num_seqs * hw.seq_overhead_s
+    return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, max(0.0, fill_s), overhead_s, comm_s)
+
+
+def pipeline_s(copy_s: list[float], compute_s: float) -> float:
+    """One forward through the pager's two-buffer pipeline: layer l's copy starts once layer l-1's copy is
+    done and buffer l mod 2 is free (layer l-2 computed); layer l computes after layer l-1 and its copy."""
+    copy_end, done = 0.0, [0.0, 0.0]  # done: compute end of layers l-2 and l-1
+    for c in copy_s:
+        copy_end = max(copy_end, done[0]) + c
+        done = [done[1], max(done[1], copy_end) + compute_s]
+    return done[1]
 
 
 def decode_step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_seqs: int,
                      context_len: float) -> StepCost:
     """One decode token for each of `num_seqs` sequences holding `context_len` tokens each."""
     kv_read = num_seqs * context_len * shape.kv_bytes_per_token
-    return step_cost(shape, hw, traffic, num_seqs, kv_read, context_len)
+    return step_cost(shape, hw, traffic, num_seqs, kv_read, context_len, num_seqs)
 
 
 def prefill_step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_tokens: int,
                       prompt_len: int) -> StepCost:
     """A step of `num_tokens` prompt tokens from prompts of `prompt_len` (causal: mean context len/2).
     The KV re-read of earlier chunks is left out (small next to the weights)."""
-    return step_cost(shape, hw, traffic, num_tokens, 0.0, prompt_len / 2)
+    return step_cost(shape, hw, traffic, num_tokens, 0.0, prompt_len / 2, max(1, -(-num_tokens // prompt_len)))
 
 
 @dataclass(frozen=True)

@@ -185,8 +185,18 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
             h2d_bytes=placement.total_host * shape.expert_bytes,
             d2d_bytes=2 * placement.total_gpu * shape.expert_bytes if streamed and inputs.buffers == "plain" else 0,
             decode_out_bytes=placement.total_compressed * shape.expert_bytes,
-            decode_in_bytes=placement.total_compressed * compressed_one),
+            decode_in_bytes=placement.total_compressed * compressed_one,
+            layer_copy_shares=_copy_shares(shape, inputs.hw, placement)),
     }
+
+
+def _copy_shares(shape, hw, placement: Placement) -> tuple[float, ...]:
+    """Each MoE layer's share of the copy stream's time: its host experts over PCIe, then its compressed
+    ones through the decoder (one stream, one after the other)."""
+    per_layer = [(placement.num_experts - g - c) / hw.pcie_h2d_bytes_per_s + c / hw.lossless_decode_bytes_per_s
+                 for g, c in zip(placement.num_gpu_experts, placement.num_compressed_experts)]
+    total = sum(per_layer)
+    return tuple(x / total for x in per_layer) if total > 0 else ()
 
 
 def _fixed_bytes(inputs: PlanInputs, s: dict) -> int:
