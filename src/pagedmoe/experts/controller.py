@@ -175,7 +175,9 @@ class DynamicPrecisionManager:
         else:
             start = self.policy.plan(budget, keys)
         self.withheld = 0
-        self._withhold_for(start)
+        if not self._withhold_for(start):
+            raise RuntimeError(f"dynamic precision: the starting map needs {self._blocks_for(start)} of "
+                               f"{self.num_blocks} KV blocks")
         runtime.build_all(start)
         self.controller = PressureController(self.policy, self.watermarks, block_bytes, self.max_bytes_per_step,
                                              start)
