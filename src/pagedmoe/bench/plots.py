@@ -47,9 +47,13 @@ def _line_figure(plt, points: list[dict], ylabel: str, measured, model=None, tit
                 if mod:
                     ax.plot([p["budget_gib"] for p in mod], [model(p) for p in mod], "x--", color=color, alpha=0.6,
                             label=f"{placement} (modelled)")
-            for p in pts:  # placements that could not run at this budget: a mark on the axis
+            for p in pts:  # placements that could not run at this budget: a mark on the x axis
                 if p["status"] != "ok":
-                    ax.plot([p["budget_gib"]], [0], "v", color=color, alpha=0.6)
+                    ax.plot([p["budget_gib"]], [0], "v", color=color, alpha=0.6,
+                            transform=ax.get_xaxis_transform(), clip_on=False)
+        values = [measured(p) for p in mine if p["status"] == "ok"]
+        if values and min(values) > 0 and max(values) / min(values) > 20:
+            ax.set_yscale("log")  # paged points streaming every expert sit 100x below resident ones
         ax.set_xlabel("GPU memory budget (GiB)")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{name}: {title}" if title else name)
