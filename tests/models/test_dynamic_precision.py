@@ -140,3 +140,22 @@ def test_dynamic_flags_fail_loudly():
     c = EngineConfig(expert_precision="dynamic", min_expert_precision="int8", kv_low_watermark=0.1,
                      kv_high_watermark=1.0)
     assert c.watermarks() == (0.1, 1.0) and c.placement() == ("paged", 0)
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_exact_and_side_stream_publish(ckpt):
+    """On CUDA: exact dynamic equals resident (bf16, eager), and a build on the side stream is invisible
+    to forwards until it is published after its event."""
+    flags = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
+    ids = list(range(3, 90))
+    ref = _llm(ckpt, expert_placement="resident", **flags).engine.score(ids)
+    e = _llm(ckpt, expert_precision="dynamic", num_kv_blocks=4096, **flags).engine
+    assert set(e.precision.assignment.values()) == {"bf16"}
+    assert torch.equal(e.score(ids), ref)
+    rt = e.expert_store.dynamic
+    rt.build({(l, x): "int4" for l in range(4) for x in range(8)})
+    assert torch.equal(e.score(ids), ref)        # not published yet, whatever the side stream did
+    while not rt.ready():
+        pass
+    rt.publish()
+    assert not torch.equal(e.score(ids), ref)

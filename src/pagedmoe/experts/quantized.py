@@ -186,11 +186,12 @@ class DynamicExperts:
         if self._staged:
             raise RuntimeError("a build is still waiting to be published")
         layers = sorted({l for l, _ in changes})
+        if self.cuda:
+            # the side stream must not start before what the compute stream queued (e.g. the loader);
+            # taken before entering the side stream's context, where it would be the side stream itself
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(self.stream) if self.cuda else _nullcontext()
         with ctx, torch.inference_mode():
-            if self.cuda:
-                # the side stream must not start before what the compute stream queued (e.g. the loader)
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for layer in layers:
                 old = self.versions[layer]
                 want = [old.precision[e] if old is not None and not full else None for e in range(self.num_experts)]
