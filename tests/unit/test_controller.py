@@ -26,6 +26,10 @@ class FakeRuntime:
     def bytes_per_rung(self):
         return dict(BYTES)
 
+    @property
+    def device_bytes(self):
+        return sum(BYTES[p] for p in self.published.values())
+
     def build_all(self, assignment):
         self.published = dict(assignment)
 
@@ -120,3 +124,22 @@ def test_demote_to_a_byte_target():
     check_invariant(kv, mgr)
     with pytest.raises(ValueError, match="cannot demote"):
         mgr.demote_to(100)
+
+
+def test_precision_metrics_exported():
+    """The manager's stats feed Prometheus: changes by direction and KV blocks lent to experts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedmoe.server.metrics import EngineStatsCollector
+
+    kv, rt, mgr = make(blocks=200)
+    mgr.demote_to(400)
+    stats = {**mgr.as_dict(), "experts": {"resident/bf16": 1, "quantized/int4": 7}}
+    reg = CollectorRegistry()
+    reg.register(EngineStatsCollector(lambda: stats, "m", {}))
+    text = generate_latest(reg).decode()
+    down = stats["expert_precision_changes_total"]["down"]
+    assert down > 0
+    assert f'pagedmoe:expert_precision_changes_total{{direction="down",model_name="m"}} {float(down)}' in text
+    assert f'pagedmoe:expert_kv_blocks_lent{{model_name="m"}} {float(mgr.withheld)}' in text
+    assert 'pagedmoe:experts{model_name="m",precision="int4",tier="quantized"} 7.0' in text
