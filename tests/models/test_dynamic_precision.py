@@ -122,6 +122,9 @@ def test_expert_stats_round_trip(ckpt, tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         path.write_text(json.dumps({"total": [[0.0]], "ema": [[0.0]], "decay": 0.9}))
         _llm(ckpt, expert_precision="dynamic", expert_stats=str(path))
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="not an expert stats file"):
+        _llm(ckpt, expert_precision="dynamic", expert_stats=str(path))
 
 
 def test_dynamic_flags_fail_loudly():

@@ -105,7 +105,12 @@ def load_expert_stats(path: Optional[str], activity) -> Optional[dict]:
 
     if not path or not Path(path).exists():
         return None
-    data = activity.load(path)
+    import json
+
+    try:
+        data = activity.load(path)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--expert-stats {path}: not an expert stats file written by pagedmoe ({e!r})") from e
     logger.info("expert stats loaded from %s", path)
     return data
 
