@@ -1,6 +1,8 @@
 """Offline API: LLM(model, **engine_flags).generate(...) / .chat(...)."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from typing import Optional, Sequence, Union
 
@@ -46,7 +48,9 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = f"gen-{next(self._ids)}"
                 text, token_ids = _split_prompt(prompt)
-                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                # Only the final output is returned: skip the per-step outputs streaming needs.
+                self.engine.add_request(rid, text, dataclasses.replace(p, output_kind="final_only"),
+                                        prompt_token_ids=token_ids)
                 ids.append(rid)
         except Exception:
             for rid in ids:

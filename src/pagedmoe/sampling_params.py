@@ -28,6 +28,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": LLMEngine.step returns this request's output after every token (streaming);
+    # "final_only": only once it finishes (LLM.generate and the offline benchmarks: no per-step copies).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,8 @@ class SamplingParams:
             raise ValueError("stop must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.output_kind not in ("cumulative", "final_only"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

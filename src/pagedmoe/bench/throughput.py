@@ -33,7 +33,8 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     prompts = random_prompts(num_prompts, input_len, engine.model.dims.vocab_size, seed)
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind="final_only")
     _warm_up(engine, input_len)
     stats_before = engine.get_stats()
     start = time.perf_counter()
@@ -99,15 +100,16 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
         raise ValueError(f"--steady-decode-steps {decode_steps} leaves no prompt: input + output must exceed "
                          f"the window plus {fill_steps} fill steps")
     _warm_up(engine, input_len)
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind="final_only")
     before = engine.get_stats()
     start = time.perf_counter()
     ids = [f"steady-{i}" for i in range(n)]
     for rid, p in zip(ids, random_prompts(n, prompt_len, engine.model.dims.vocab_size, seed)):
         engine.add_request(rid, None, params, prompt_token_ids=p)
-    started: set[str] = set()
-    while len(started) < n and engine.has_unfinished_requests():
-        started.update(o.request_id for o in engine.step())
+    requests = [engine.requests[rid] for rid in ids]
+    while not all(r.output_token_ids for r in requests) and engine.has_unfinished_requests():
+        engine.step()
     fill_s = time.perf_counter() - start
     filled = engine.get_stats()
     window_start = time.perf_counter()

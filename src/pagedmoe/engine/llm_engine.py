@@ -330,6 +330,8 @@ class LLMEngine:
                 self.scheduler.finish_request(request, status)
                 self.requests.pop(request.request_id, None)
                 self._generators.pop(request.request_id, None)
+            elif request.params.output_kind == "final_only":
+                continue
             results.append(self.outputs.make_output(request))
         return results
 

@@ -69,17 +69,42 @@ class OutputProcessor:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if self.tokenizer is not None:
-            request.output_text = self.tokenizer.decode(request.output_token_ids,
-                                                        skip_special_tokens=p.skip_special_tokens)
+        if self.tokenizer is not None and (p.stop or p.output_kind == "cumulative"):
+            self._detokenize(request)  # final_only without stop strings: decoded once, at the end
         if status is None and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(request)
         if status is None and n_out >= request.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            if self.tokenizer is not None and not isinstance(request.stop_reason, str):
+                self._flush_text(request)  # a stop string already cut the text where it matched
             request.status = status
             request.finish_time = now
         return status
+
+    def _detokenize(self, request: Request) -> None:
+        """Extend output_text by the newest token's text, decoding a few tokens instead of the whole output
+        (a full decode per token costs O(length) per step). Tokens [detok_prefix, detok_read) are decoded as
+        context: a token's text can depend on its neighbours (leading spaces, bytes of one UTF-8 character
+        split over tokens). While the decoded tail ends in U+FFFD (an incomplete character) nothing is added
+        and the next token is decoded with it. Equal to decoding the whole output (tests/unit/test_detokenize.py)."""
+        ids, skip = request.output_token_ids, request.params.skip_special_tokens
+        prefix, read = request.detok_prefix, request.detok_read
+        decode = self.tokenizer.decode
+        prefix_text = decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
+        new_text = decode(ids[prefix:], skip_special_tokens=skip)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            request.output_text += new_text[len(prefix_text):]
+            request.detok_prefix, request.detok_read = read, len(ids)
+
+    def _flush_text(self, request: Request) -> None:
+        """At the end, the text held back (an output ending inside a character) as the full decode has it."""
+        ids, skip = request.output_token_ids, request.params.skip_special_tokens
+        prefix, read = request.detok_prefix, request.detok_read
+        if read < len(ids):
+            prefix_text = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
+            request.output_text += self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)[len(prefix_text):]
+            request.detok_prefix, request.detok_read = read, len(ids)
 
     @staticmethod
     def _check_stop_strings(request: Request) -> Optional[RequestStatus]:

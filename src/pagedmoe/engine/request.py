@@ -41,6 +41,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: object = None
     output_text: str = ""  # detokenized output so far
+    # Incremental detokenization (engine/output.py): output tokens [detok_prefix, detok_read) are the
+    # context the next tokens are decoded after; text is final up to detok_read.
+    detok_prefix: int = 0
+    detok_read: int = 0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
 
@@ -55,6 +59,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (once per request per step)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:

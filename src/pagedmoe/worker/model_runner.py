@@ -72,17 +72,22 @@ class ModelRunner:
         for row, s in enumerate(out.scheduled):
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             table = kv.block_table(req.request_id)
-            input_ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # decode: one token, one slot
+                input_ids.append(req.token_ids(start, start + 1)[0])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids(start, start + n))
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(table)
             if s.samples:
                 logits_indices.append(qsl[-1] - 1)
                 sampling_rows.append(row)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        width = max(map(len, tables))
+        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
         dev = self.device
         qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
