@@ -124,6 +124,10 @@ def test_placement_flags_apply_to_paged_only():
         point_config(args, "cpu-moe", GiB)
     plain = parser.parse_args(["sweep", "--budgets", "1"])
     assert point_config(plain, "cpu-moe", GiB).placement() == ("paged", 0)
+    lossless = point_config(args, "paged+lossless", GiB)
+    assert (lossless.expert_compression, lossless.num_gpu_experts) == ("lossless", None)
+    dynamic = point_config(args, "dynamic", GiB)  # --num-gpu-experts would contradict it: reset
+    assert (dynamic.expert_precision, dynamic.num_gpu_experts, dynamic.placement()) == ("dynamic", None, ("paged", 0))
 
 
 def test_failed_points_are_recorded(tmp_path, monkeypatch):

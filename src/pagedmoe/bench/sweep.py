@@ -33,6 +33,10 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "paged": {"expert_placement": "paged"},
     "auto": {"expert_placement": "auto"},
     "cpu-moe": {"expert_placement": "paged", "cpu_moe": True},
+    # the planner's best split with a lossless compressed tier beside the host tier (issue 6)
+    "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless"},
+    # every expert at its own precision rung, moved by the KV pressure controller (issue 7)
+    "dynamic": {"expert_placement": "auto", "expert_precision": "dynamic"},
 }
 # Flags that fix a paged split: the sweep's --num-gpu-experts etc. apply to "paged" entries only (they would
 # contradict resident, and silently turn auto into paged).
@@ -78,7 +82,10 @@ def placement_flags(name: str) -> dict[str, Any]:
     entry = dict(PLACEMENTS[name])
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     mode = entry["expert_placement"]
-    reset = _NOT_RESIDENT_FLAGS if mode == "resident" else _PAGED_ONLY_FLAGS if mode != "paged" else ()
+    if mode == "resident" or entry.get("expert_precision") == "dynamic":  # dynamic places every expert itself
+        reset = _NOT_RESIDENT_FLAGS
+    else:
+        reset = _PAGED_ONLY_FLAGS if mode != "paged" else ()
     for flag in reset:
         entry.setdefault(flag, defaults[flag])
     return entry
@@ -93,7 +100,7 @@ def point_config(args, name: str, budget_bytes: int):
 
 
 def _placement_fields(config) -> dict[str, Any]:
-    return {k: getattr(config, k) for k in ("expert_placement", *_NOT_RESIDENT_FLAGS)}
+    return {k: getattr(config, k) for k in ("expert_placement", *_NOT_RESIDENT_FLAGS, "expert_precision")}
 
 
 def _needs_gib(err: Exception) -> Optional[float]:
