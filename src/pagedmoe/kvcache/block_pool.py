@@ -82,6 +82,8 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to hold `num_tokens` positions. False (and no change) if full."""
         n = self.blocks_needed(request_id, num_tokens)
+        if n == 0:  # most decode steps: the last block has room
+            return True
         if not self.pool.can_allocate(n):
             return False
         self._tables.setdefault(request_id, []).extend(self.pool.allocate(n))
@@ -95,6 +97,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def has(self, request_id: str) -> bool:
+        """Whether the request holds blocks (allocated and not freed)."""
+        return request_id in self._tables
 
     def slot(self, request_id: str, position: int) -> int:
         table = self._tables[request_id]

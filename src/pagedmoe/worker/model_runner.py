@@ -15,6 +15,7 @@ from pagedmoe.kvcache.kv_cache import allocate_kv_cache
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.worker.block_tables import BlockTables
 from pagedmoe.worker.cuda_graph import DecodeCudaGraphs
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class ModelRunner:
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True) -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
         self.kv_caches = allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
                                            dims.head_dim, dtype, device)
@@ -86,8 +88,8 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(qsl[-1] - 1)
                 sampling_rows.append(row)
-        width = max(map(len, tables))
-        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
+        block_tables = self.block_tables.gather([s.request.request_id for s in out.scheduled], tables,
+                                                max(map(len, tables)), kv.has)
         dev = self.device
         qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
@@ -95,7 +97,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=qsl_cpu.to(dev, non_blocking=True),
             seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_tables=torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
             max_query_len=max(s.num_new_tokens for s in out.scheduled),
             max_seq_len=max(seq_lens),
             is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled),
