@@ -84,22 +84,26 @@ def test_incremental_text_is_the_full_decode(tokenizer, skip):
         assert status is not None and req.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+class _Counting:
+    """The tokenizer, recording how many ids each decode call is handed."""
+
+    def __init__(self, tokenizer, calls: list):
+        self._tok, self._calls = tokenizer, calls
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode(self, ids, **kw):
+        self._calls.append(len(ids))
+        return self._tok.decode(ids, **kw)
+
+
 def test_decode_cost_does_not_grow_with_the_output(tokenizer):
     """Each step decodes a few tokens, not the whole output: count the tokens handed to decode."""
     tokenizer = tokenizer[1]
     proc = OutputProcessor(tokenizer, None, "/nonexistent")
     decoded = []
-    real = tokenizer.decode
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def decode(self, ids, **kw):
-            decoded.append(len(ids))
-            return real(ids, **kw)
-
-    proc.tokenizer = Counting()
+    proc.tokenizer = _Counting(tokenizer, decoded)
     ids = tokenizer.encode(TEXT * 8, add_special_tokens=False)
     req = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True), max_tokens=len(ids))
     for t in ids:
@@ -112,16 +116,7 @@ def test_final_only_decodes_once_at_the_end(tokenizer):
     proc = OutputProcessor(tokenizer, None, "/nonexistent")
     calls = []
     real = tokenizer.decode
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def decode(self, ids, **kw):
-            calls.append(len(ids))
-            return real(ids, **kw)
-
-    proc.tokenizer = Counting()
+    proc.tokenizer = _Counting(tokenizer, calls)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     req = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True, output_kind="final_only"),
                   max_tokens=len(ids))
