@@ -280,3 +280,33 @@ def test_compressed_tier_triton_decode_on_cuda(bf16_ckpt, eager, buffers):
     assert stats["expert_compressed_bytes"] == store.compressed_bytes > 0
     if eager:
         assert stats["expert_copy_s"] > 0
+
+
+def test_warm_ups_skip_host_copies_and_count_nothing():
+    """CUDA-graph warm-ups run under pager.no_host_copies(): with every expert on the host the compute
+    buffers keep what they held and the traffic counters stay; after it, a forward fills them again
+    (CPU: plain double buffer)."""
+    import torch
+
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(device="cpu", expert_placement="paged", num_gpu_experts=0, max_model_len=64))
+    pager, store = engine.model.pager, engine.expert_store
+    for layer in range(2):
+        store.buffers.packed(layer).zero_()
+    stats = pager.stats.as_dict()
+    with pager.no_host_copies():
+        pager.begin_forward()
+        for layer in range(store.table.num_layers):
+            pager.before_layer(layer)
+            pager.weights(layer)
+            pager.after_experts(layer)
+    assert pager.stats.as_dict() == stats
+    assert all(not store.buffers.packed(layer).any() for layer in range(2))
+    pager.begin_forward()
+    pager.weights(0)
+    n = store.expert_numel
+    expected = torch.stack([store.row(0, e)[:n] for e in range(store.table.num_experts)])
+    assert torch.equal(store.buffers.packed(0)[:, :n], expected)
+    assert pager.stats.as_dict()["bytes_h2d"] > stats["bytes_h2d"]

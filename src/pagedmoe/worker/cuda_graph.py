@@ -10,6 +10,8 @@ sequences copies its inputs into the first B rows of the smallest bucket >= B an
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 
 import torch
@@ -55,8 +57,10 @@ class DecodeCudaGraphs:
         # Largest first, so the smaller graphs reuse its memory pool.
         for B in reversed(self.buckets):
             meta = self._meta(B)
-            for _ in range(2):  # compile kernels and settle the allocator outside capture
-                self.model(self.input_ids[:B], self.positions[:B], meta)
+            pager = getattr(self.model, "pager", None)
+            with pager.no_host_copies() if pager is not None else contextlib.nullcontext():
+                for _ in range(2):  # compile kernels and settle the allocator outside capture
+                    self.model(self.input_ids[:B], self.positions[:B], meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
