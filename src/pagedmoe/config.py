@@ -17,7 +17,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _PLACEMENTS = ("resident", "paged", "auto")
-_EXPERT_BUFFERS = ("auto", "plain", "vmm")
+_EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_COMPRESSION = ("none", "lossless")
 # exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
 # format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
@@ -68,7 +68,10 @@ class EngineConfig:
                                             "choose a lossless compressed GPU tier (bf16 only)",
                                     _EXPERT_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
-                                        "mapped in place), plain (double buffer), auto", _EXPERT_BUFFERS)
+                                        "mapped in place, streamed ones copied one layer ahead), vmm-ring (the "
+                                        "same memory as one ring of rows: copies start as soon as a row is free, "
+                                        "many layers ahead), plain (double buffer), auto (vmm on CUDA)",
+                                _EXPERT_BUFFERS)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "
                                            "dequantised each step (paged); dynamic: each expert at its own "
@@ -155,7 +158,7 @@ class EngineConfig:
                             ("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
                             ("--num-compressed-experts", self.num_compressed_experts is not None),
                             ("--expert-compression", self.expert_compression != "none"),
-                            ("--expert-buffers vmm", self.expert_buffers == "vmm")):
+                            ("--expert-buffers vmm", self.expert_buffers in ("vmm", "vmm-ring"))):
             if given:
                 raise ValueError(f"--expert-precision dynamic places every expert itself (paged, plain compute "
                                  f"buffers); it contradicts {name}")

@@ -34,7 +34,9 @@ def _trace(path, **flags):
 @pytest.mark.parametrize("flags", [dict(cpu_moe=True, expert_buffers="plain"),
                                    dict(num_gpu_experts=3, expert_buffers="plain"),
                                    dict(cpu_moe=True, expert_buffers="vmm"),
-                                   dict(num_gpu_experts=5, expert_buffers="vmm")])
+                                   dict(num_gpu_experts=5, expert_buffers="vmm"),
+                                   dict(cpu_moe=True, expert_buffers="vmm-ring"),
+                                   dict(num_gpu_experts=5, expert_buffers="vmm-ring")])
 def test_paged_matches_resident_on_gpu(ckpt, flags, eager):
     ref_logits, ref_tokens, ref_engine = _trace(ckpt, enforce_eager=eager, expert_buffers="plain")
     logits, tokens, engine = _trace(ckpt, enforce_eager=eager, **flags)
@@ -47,5 +49,25 @@ def test_paged_matches_resident_on_gpu(ckpt, flags, eager):
         assert stats["expert_copy_s"] > 0
     host = [t for t in engine.expert_store.host if t is not None and t.numel()]
     assert host and all(t.is_pinned() for t in host)  # registered pages: asynchronous copies
-    if flags.get("expert_buffers") == "vmm":
+    if flags.get("expert_buffers") in ("vmm", "vmm-ring"):
         assert stats["expert_bytes_d2d"] == 0  # resident experts are mapped, never copied
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("counts", [[5, 3, 8, 2], [8, 8, 6, 3]])
+def test_ring_buffers_with_uneven_layers(ckpt, counts, eager, monkeypatch):
+    """vmm-ring with a different number of resident experts per layer (the planner's spread placements):
+    copies issued at the forward's start and after the MoE of the layer whose ring rows they reuse; logits
+    identical to resident placement, with and without CUDA graphs."""
+    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.experts.cost_model import ring_wait_layers
+
+    ref_logits, ref_tokens, _ = _trace(ckpt, enforce_eager=eager, expert_buffers="plain")
+    monkeypatch.setattr(LLMEngine, "_resolve_placement", lambda self: ("paged", list(counts), None))
+    logits, tokens, engine = _trace(ckpt, enforce_eager=eager, expert_buffers="vmm-ring")
+    buffers = engine.expert_store.buffers
+    assert buffers.ring and engine.pager.ring
+    assert engine.pager._wait_layer == ring_wait_layers(buffers.streamed_rows, buffers.ring_size)
+    assert tokens == ref_tokens
+    for a, b in zip(ref_logits, logits):
+        assert torch.equal(a, b)

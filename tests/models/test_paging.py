@@ -76,6 +76,8 @@ def test_placement_flags_that_cannot_take_effect(ckpt):
         LLM(str(ckpt), device="cpu", expert_placement="paged", cpu_moe=True, num_gpu_experts=2)
     with pytest.raises(ValueError, match="vmm"):
         LLM(str(ckpt), device="cpu", cpu_moe=True, expert_placement="paged", expert_buffers="vmm")
+    with pytest.raises(ValueError, match="'vmm-ring' need a CUDA device"):
+        LLM(str(ckpt), device="cpu", cpu_moe=True, expert_placement="paged", expert_buffers="vmm-ring")
 
 
 def test_paging_frees_device_memory_for_kv(tmp_path):

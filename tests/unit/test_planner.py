@@ -309,3 +309,35 @@ def test_plan_cli_selection_errors(capsys):
     assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--num-gpu-experts", "9"]) == 2
     assert main(["plan", mixtral, "--gpu-memory-gb", "lots"]) == 2
     capsys.readouterr()
+
+
+def test_ring_wait_layers_and_the_ring_pipeline():
+    from pagedmoe.experts.cost_model import ring_wait_layers
+
+    # Uniform: the ring waits like the two-slot rotation (layer l for layer l + 2).
+    assert ring_wait_layers([[0, 1], [2, 3], [4, 5], [6, 7]], 4) == [-1, -1, 0, 1]
+    # Three host experts at the end (Mixtral at weights + 4 GiB): two start with the forward, the third
+    # reuses layer 29's row.
+    rows = [[]] * 29 + [[0], [1], [2]]
+    assert ring_wait_layers(rows, 2) == [-1] * 31 + [29]
+    # Row k reuses ring row k mod S: the wait is the owner of row (last row - S), not of the first row.
+    assert ring_wait_layers([[0, 1, 2], [3, 4, 5], [], [6, 7, 8]], 6) == [-1, -1, -1, 0]
+    g, c = 20.7e-3 / 32, 6.2e-3
+    two_slot = pipeline_s([0.0] * 29 + [c] * 3, g)
+    ring = pipeline_s([0.0] * 29 + [c] * 3, g, ring_wait_layers(rows, 2))
+    # ring: copies of layers 29 and 30 run from t=0 behind 29 layers of compute; layer 31's copy starts
+    # when layer 29 has computed (t = 30g) and the last layer follows it
+    assert ring == pytest.approx(30 * g + c + g) and ring < two_slot - 10e-3
+
+
+def test_vmm_ring_plan_hides_more_than_two_slots():
+    from pagedmoe.experts.placement import Placement
+
+    gpu = (8,) * 29 + (7,) * 3
+    steps = {}
+    for buffers in ("vmm", "vmm-ring"):
+        inputs = PlanInputs(MIXTRAL, int(91 * GiB), int(2 * GiB), 2048, workload=(1024, 1024), buffers=buffers)
+        plan = plan_placement(inputs, Placement(8, gpu))
+        steps[buffers] = plan.estimate.decode
+    assert steps["vmm-ring"].fill_s < steps["vmm"].fill_s / 2
+    assert steps["vmm-ring"].floor_s == steps["vmm"].floor_s

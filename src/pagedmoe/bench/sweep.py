@@ -189,7 +189,8 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
         comp = tuple(table.count(layer, COMPRESSED) for layer in range(L))
         ratio = store.compressed_bytes / (sum(comp) * shape.expert_bytes) if sum(comp) else 0.0
         placement = Placement(E, gpu, comp, ratio)
-        buffers = "vmm" if getattr(store.buffers, "maps_resident", False) else "plain"
+        buffers = ("plain" if not getattr(store.buffers, "maps_resident", False)
+                   else "vmm-ring" if getattr(store.buffers, "ring", False) else "vmm")
     return model_placement(shape, placement, buffers, budget_bytes, engine.plan.activation_bytes,
                            engine.max_model_len, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                            num_prompts, input_len, output_len, hw)
@@ -241,7 +242,7 @@ def remodel(point: dict, config: dict, hw) -> dict:
         pl = ep["placement"]
         placement = Placement(pl["num_experts"], tuple(pl["num_gpu_experts"]), tuple(pl["num_compressed_experts"]),
                               pl["compression_ratio"])
-        buffers = ep["buffers"] if ep["buffers"] in ("vmm", "plain") else "vmm"
+        buffers = ep["buffers"] if ep["buffers"] in ("vmm", "vmm-ring", "plain") else "vmm"
     else:  # paged by flags: no planner split was stored
         return point
     activation_bytes = int(round(point["memory_gib"]["activations"] * GiB))

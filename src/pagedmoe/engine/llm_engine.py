@@ -170,7 +170,8 @@ class LLMEngine:
         shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
         act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
                                         dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
-        buffers = "vmm" if self.device.type == "cuda" and c.expert_buffers != "plain" else "plain"
+        buffers = ("plain" if self.device.type != "cuda" or c.expert_buffers == "plain"
+                   else "vmm-ring" if c.expert_buffers == "vmm-ring" else "vmm")
         ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
         plan = plan_placement_memory(shape, budget, act, placement, None, max_model_len=self.max_model_len,
                                      block_size=c.block_size, max_num_seqs=c.max_num_seqs,

@@ -52,8 +52,10 @@ def register(sub) -> None:
     p.add_argument("--cpu-moe", action="store_true", default=_env("cpu_moe", False, lambda v: v.lower() in
                                                                    ("1", "true", "yes", "on")),
                    help="select the placement that pages every expert (--num-gpu-experts 0)")
-    p.add_argument("--expert-buffers", default=_env("expert_buffers", "vmm"), choices=["vmm", "plain", "auto"],
-                   help="vmm: resident experts mapped into the buffers (2 MiB slots); plain: two full "
+    p.add_argument("--expert-buffers", default=_env("expert_buffers", "vmm"),
+                   choices=["vmm", "vmm-ring", "plain", "auto"],
+                   help="vmm: resident experts mapped into the buffers (2 MiB slots), copies one layer ahead; "
+                        "vmm-ring: the same rows as one ring, copies as early as a row is free; plain: two full "
                         "double buffers (auto = vmm)")
     p.add_argument("--compression-ratio", type=float, default=None,
                    help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Union
+from typing import Sequence, Union
 
 from pagedmoe.experts.model_shape import ModelShape
 
@@ -116,6 +116,8 @@ class StepTraffic:
     decode_in_bytes: int = 0    # compressed bytes it reads
     # each MoE layer's share of the copy stream's work (sums to 1); empty: spread evenly over the layers
     layer_copy_shares: tuple[float, ...] = ()
+    # the layer each MoE layer's copy waits for (ring buffers: ring_wait_layers); empty: l - 2
+    layer_copy_waits: tuple[int, ...] = ()
 
     @property
     def hbm_bytes(self) -> int:
@@ -178,7 +180,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     copy_side, gpu_side = max(pcie_s, decode_s), max(hbm_s, compute_s)
     L = shape.num_moe_layers
     shares = traffic.layer_copy_shares or ((1.0 / L,) * L if L else ())
-    fill_s = (pipeline_s([copy_side * x for x in shares], gpu_side / L) - max(copy_side, gpu_side)
+    fill_s = (pipeline_s([copy_side * x for x in shares], gpu_side / L, traffic.layer_copy_waits)
+              - max(copy_side, gpu_side)
               if L and copy_side > 0 else 0.0)
     comm_s = 0.0
     if N > 1:
@@ -188,14 +191,16 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, max(0.0, fill_s), overhead_s, comm_s)
 
 
-def pipeline_s(copy_s: list[float], compute_s: float) -> float:
-    """One forward through the pager's two-buffer pipeline: layer l's copy starts once layer l-1's copy is
-    done and buffer l mod 2 is free (layer l-2 computed); layer l computes after layer l-1 and its copy."""
-    copy_end, done = 0.0, [0.0, 0.0]  # done: compute end of layers l-2 and l-1
-    for c in copy_s:
-        copy_end = max(copy_end, done[0]) + c
-        done = [done[1], max(done[1], copy_end) + compute_s]
-    return done[1]
+def pipeline_s(copy_s: list[float], compute_s: float, wait_layers: Sequence[int] = ()) -> float:
+    """One forward through the pager's pipeline. Layer l's copy starts once the copy before it is done and
+    the layer whose buffer rows it reuses has computed: wait_layers[l] (-1: none), by default l - 2 (two
+    buffers, layer l in buffer l mod 2); layer l computes after layer l-1 and its own copy."""
+    copy_end, done = 0.0, []  # done[l]: compute end of layer l
+    for l, c in enumerate(copy_s):
+        w = wait_layers[l] if wait_layers else l - 2
+        copy_end = max(copy_end, done[w] if w >= 0 else 0.0) + c
+        done.append(max(done[-1] if done else 0.0, copy_end) + compute_s)
+    return done[-1] if done else 0.0
 
 
 def decode_step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_seqs: int,
@@ -260,3 +265,11 @@ def estimate_workload(shape: ModelShape, hw: HardwareProfile, traffic: StepTraff
     cycle_s = (output_len - 1) * decode.total_s + max(seqs, 1) * prefill_s_per_seq
     return WorkloadEstimate(input_len, output_len, seqs, decode, prefill, prefill_tokens, prefill_s_per_seq,
                             cycle_s, shape.num_gpus)
+
+
+def ring_wait_layers(streamed_rows: list[list[int]], ring_size: int) -> list[int]:
+    """For each layer, the layer whose MoE must finish before its streamed rows may be overwritten: the one
+    holding row k - S for the layer's last row k (earlier rows' previous users computed before it), or -1
+    when none of its ring rows was used earlier in the forward (it waits only for the forward's fork)."""
+    owner = {k: layer for layer, rows in enumerate(streamed_rows) for k in rows}
+    return [owner[max(rows) - ring_size] if rows and max(rows) >= ring_size else -1 for rows in streamed_rows]

@@ -1,6 +1,8 @@
 """Attach the expert subsystem to a model: table + store (+ pager for paged placement)."""
 from __future__ import annotations
 
+import functools
+
 import logging
 from typing import Optional, Sequence, Union
 
@@ -72,15 +74,17 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
         table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)], quant,
                     quantized_precision or "int8")
     factory, align = None, 16
-    if paged and buffers in ("auto", "vmm") and device.type == "cuda":
+    if paged and buffers in ("auto", "vmm", "vmm-ring") and device.type == "cuda":
         from pagedmoe.experts import vmm
 
         if vmm.available(device):
-            factory, align = vmm.VmmExpertBuffers, vmm.granularity(device)
-        elif buffers == "vmm":
-            raise ValueError("expert buffers 'vmm' asked for, but CUDA virtual memory management is unavailable")
-    elif buffers == "vmm":
-        raise ValueError("expert buffers 'vmm' need a CUDA device")
+            factory = functools.partial(vmm.VmmExpertBuffers, ring=buffers == "vmm-ring")
+            align = vmm.granularity(device)
+        elif buffers != "auto":
+            raise ValueError(f"expert buffers '{buffers}' asked for, but CUDA virtual memory management is "
+                             "unavailable")
+    elif buffers in ("vmm", "vmm-ring"):
+        raise ValueError(f"expert buffers '{buffers}' need a CUDA device")
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
                         stride_align_bytes=align, buffers_factory=factory)
     model.expert_store = store

@@ -15,6 +15,12 @@ experts whose buffer rows are contiguous (a whole layer with the first-N placeme
 rows), else one per expert. The decoder reads only device memory and never syncs, so it overlaps
 compute like the H2D copies do.
 
+With ring buffers (`--expert-buffers vmm-ring`, experts/vmm.py) streamed rows rotate through one ring
+of S rows instead of two per-layer slots: layer j's copy waits only for the layer that last used its ring
+rows (free[m(j)], m(j) = the layer of row k - S for j's last row k) and is issued right after that
+layer's MoE, so a layer with host experts late in the model starts copying many layers ahead; the layers
+whose rows were not used earlier in the forward are issued at its start, after the fork.
+
 On CPU the same calls copy (and decode, with the reference decoder) synchronously when the layer
 asks for its weights.
 """
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedmoe.experts.cost_model import ring_wait_layers
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT
 
@@ -63,13 +70,19 @@ class ExpertPager:
                                    for layer in range(self.num_layers)]
         self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
                                        for layer in range(self.num_layers)]
+        self.ring = self.cuda and getattr(store.buffers, "ring", False)
+        if self.ring:
+            self._wait_layer = ring_wait_layers(store.buffers.streamed_rows, store.buffers.ring_size)
+            self._issue_after = [[j for j, m in enumerate(self._wait_layer) if m == layer]
+                                 for layer in range(self.num_layers)]
+            self._issue_first = [j for j, m in enumerate(self._wait_layer) if m < 0]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(store.device)
             ev = (lambda: torch.cuda.Event(enable_timing=self.timing))
             self.loaded = [ev() for _ in range(self.num_layers)]
             self.copy_start = [ev() for _ in range(self.num_layers)]
             self.want = [ev() for _ in range(self.num_layers)]
-            self.free = [torch.cuda.Event(), torch.cuda.Event()]
+            self.free = [torch.cuda.Event() for _ in range(self.num_layers if self.ring else 2)]
             self.fork = torch.cuda.Event()
         self._issued: list[bool] = [False] * self.num_layers
         self._pending_timing: list[int] = []
@@ -102,6 +115,13 @@ class ExpertPager:
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self) -> None:
         self._issued = [False] * self.num_layers
+        if self.ring:
+            # NOTE: every copy of the forward follows the fork: the previous forward's reads are done.
+            self.fork.record()
+            self.copy_stream.wait_event(self.fork)
+            for j in self._issue_first:
+                self._issue(j)
+            return
         if self.cuda:
             # Everything before this point on the compute stream (earlier MoE reads of both buffers
             # included) precedes these events, so both buffers count as free from here; recording
@@ -114,7 +134,7 @@ class ExpertPager:
 
     def before_layer(self, layer: int) -> None:
         """Start of MoE layer `layer`'s decoder layer (before its attention): prefetch the next one."""
-        if layer + 1 < self.num_layers:
+        if not self.ring and layer + 1 < self.num_layers:
             self._issue(layer + 1)
 
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +150,11 @@ class ExpertPager:
 
     def after_experts(self, layer: int) -> None:
         """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""
-        if self.cuda:
+        if self.ring:
+            self.free[layer].record()
+            for j in self._issue_after[layer]:  # the layers whose ring rows this one was the last to read
+                self._issue(j)
+        elif self.cuda:
             self.free[layer % 2].record()
 
     @contextlib.contextmanager
@@ -154,7 +178,10 @@ class ExpertPager:
             self._fill(layer)
             return
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.free[layer % 2])
+            if not self.ring:
+                self.copy_stream.wait_event(self.free[layer % 2])
+            elif self._wait_layer[layer] >= 0:
+                self.copy_stream.wait_event(self.free[self._wait_layer[layer]])
             if self.timing and not torch.cuda.is_current_stream_capturing():
                 self.copy_start[layer].record()
             self._fill(layer)
@@ -250,3 +277,4 @@ class ExpertPager:
             waited = self.want[layer].elapsed_time(self.loaded[layer]) / 1e3
             self.stats.wait_s += max(0.0, waited)
         self._pending_timing.clear()
+

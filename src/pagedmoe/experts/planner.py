@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from pagedmoe.engine.memory import GiB, BudgetError
-from pagedmoe.experts.cost_model import H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload
+from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload,
+                                         ring_wait_layers)
 from pagedmoe.experts.model_shape import ModelShape
 from pagedmoe.experts.placement import Placement
 
 # NOTE: must match experts/layout.py::VMM_GRANULARITY_BYTES (kept here so the planner needs no torch).
 VMM_GRANULARITY_BYTES = 2 << 20
-BUFFER_KINDS = ("vmm", "plain")
+BUFFER_KINDS = ("vmm", "vmm-ring", "plain")
 PLACEMENT_MODES = ("resident", "paged", "auto")
 
 
@@ -165,11 +166,12 @@ class PlanInputs:
 def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     shape = inputs.shape
     streamed = not placement.is_resident
-    align = VMM_GRANULARITY_BYTES if streamed and inputs.buffers == "vmm" else 16
+    vmm = inputs.buffers in ("vmm", "vmm-ring")
+    align = VMM_GRANULARITY_BYTES if streamed and vmm else 16
     slot = _round_up(shape.expert_bytes, align)
     if not streamed:
         buffer_slots = 0
-    elif inputs.buffers == "vmm":
+    elif vmm:
         buffer_slots = 2 * placement.max_streamed
     else:
         buffer_slots = 2 * shape.experts_per_gpu
@@ -186,8 +188,19 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
             d2d_bytes=2 * placement.total_gpu * shape.expert_bytes if streamed and inputs.buffers == "plain" else 0,
             decode_out_bytes=placement.total_compressed * shape.expert_bytes,
             decode_in_bytes=placement.total_compressed * compressed_one,
-            layer_copy_shares=_copy_shares(shape, inputs.hw, placement)),
+            layer_copy_shares=_copy_shares(shape, inputs.hw, placement),
+            layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else ()),
     }
+
+
+def _ring_waits(placement: Placement) -> tuple[int, ...]:
+    """ring_wait_layers for the rows experts/vmm.py gives this placement (streamed rows layer by layer)."""
+    rows, k = [], 0
+    for layer in range(len(placement.num_gpu_experts)):
+        n = placement.num_streamed(layer)
+        rows.append(list(range(k, k + n)))
+        k += n
+    return tuple(ring_wait_layers(rows, 2 * placement.max_streamed))
 
 
 def _copy_shares(shape, hw, placement: Placement) -> tuple[float, ...]:

@@ -5,7 +5,11 @@ GEMMs always read that range, so its address never changes (CUDA graphs stay val
 memory behind it is mapped once, at start-up, expert row by expert row:
 - a resident expert's row maps its own physical allocation (no copies, ever);
 - a streamed expert's row (host or compressed tier) maps a row of one of two rotating slots (slot
-  l % 2), so layers l and l+2 share physical memory and only two layers' worth of streamed experts exist.
+  l % 2), so layers l and l+2 share physical memory and only two layers' worth of streamed experts exist;
+- or, with `ring=True` (`--expert-buffers vmm-ring`), the k-th streamed row of the model (layer by layer)
+  maps row k mod S of one ring of S = 2 x (most streamed experts in a layer) rows: the same physical
+  memory, but a row is free again as soon as the layer that used it S rows earlier has computed, so the
+  pager can copy it many layers ahead (experts/pager.py).
 The pager copies host rows (and decodes compressed ones) into the layer's range just before it runs
 (experts/pager.py).
 
@@ -77,7 +81,7 @@ class _CudaArray:
 class VmmExpertBuffers:
     maps_resident = True  # resident rows live in the layer's range; the pager copies host rows only
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, ring: bool = False) -> None:
         cu = _driver()
         table, device = store.table, store.device
         self.device_idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -96,21 +100,35 @@ class VmmExpertBuffers:
         # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
         # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
         max_streamed = max((E - table.count(l, RESIDENT) for l in range(L)), default=0)
-        self.slots = [[self._create(self.row_bytes) for _ in range(max_streamed)] for _ in range(2)]
+        self.ring = ring
+        self.ring_size = 2 * max_streamed
+        if ring:
+            ring_rows = [self._create(self.row_bytes) for _ in range(self.ring_size)]
+        else:
+            self.slots = [[self._create(self.row_bytes) for _ in range(max_streamed)] for _ in range(2)]
         self.slot_bytes = 2 * max_streamed * self.row_bytes
+        # per layer, the model-wide indices k of its streamed rows (ring: row k maps ring row k mod S)
+        self.streamed_rows: list[list[int]] = []
         self._packed: list[torch.Tensor] = []
         self._resident_rows: list[list[torch.Tensor]] = []
+        k = 0
         for layer in range(L):
             va = int(_check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
             self._reservations.append((va, E * self.row_bytes))
             resident_ids = table.ids(layer, RESIDENT)
             streamed = 0  # host and compressed experts share the rotating slot's rows
+            rows = []
             for e in range(E):
                 if table._entries[layer][e].tier == RESIDENT:
                     handle = self._create(self.row_bytes)
+                elif ring:
+                    handle = ring_rows[k % self.ring_size]
+                    rows.append(k)
+                    k += 1
                 else:
                     handle, streamed = self.slots[layer % 2][streamed], streamed + 1
                 self._map(va + e * self.row_bytes, handle)
+            self.streamed_rows.append(rows)
             flat = torch.as_tensor(_CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
             packed = flat.view(E, store.stride)
             self._packed.append(packed)
