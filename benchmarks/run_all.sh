@@ -39,6 +39,7 @@ declare -A STAGES=(
   [gputests]="~2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
   [issue4]="~9 min | GPU tests; fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh)"
   [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
+  [hf-offload]="~5 min | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
   [codec]="~4 min | lossless codec table: bit-exactness, decoder variants, encoder (benchmarks/bench_codec.py)"
   [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
   [serve-resident]="~5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
@@ -48,7 +49,7 @@ declare -A STAGES=(
   [sweep-qwen3-24_64]="~4 min | sweep Qwen3-30B-A3B at 24 and 64 GiB"
   [sweep-qwen3-w4_139]="~3 min | sweep Qwen3-30B-A3B at weights + 4 and 139 GiB"
 )
-ORDER=(gputests issue4 hf codec attention serve-resident serve-paged sweep-mixtral-24_64 sweep-mixtral-w4_139
+ORDER=(gputests issue4 hf hf-offload codec attention serve-resident serve-paged sweep-mixtral-24_64 sweep-mixtral-w4_139
        sweep-qwen3-24_64 sweep-qwen3-w4_139)
 
 record_env() {  # $1 = folder
@@ -111,6 +112,12 @@ run_stage() {  # $1 = stage
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/hf_generate.py $M --batch 32 --input-len 512 \
         --output-len 32 --output-json "$d/hf_generate_mixtral.json" 2>&1 | tee "$d/hf_generate.log" | tail -3 \
         || rc=$? ;;
+    hf-offload)
+      for gib in 24 64; do
+        timeout --kill-after=15 $((STAGE_TIMEOUT / 2)) python benchmarks/hf_generate.py $M --batch 8 --input-len 512 \
+          --output-len 8 --gpu-memory-gb $gib --output-json "$d/hf_offload_mixtral_${gib}.json" 2>&1 \
+          | tee "$d/hf_offload_${gib}.log" | tail -2 || rc=$?
+      done ;;
     codec)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --out "$d" > "$d/bench_codec.log" 2>&1 \
         || rc=$?
