@@ -67,6 +67,9 @@ class EngineConfig:
     expert_compression: str = _flag("none", "lossless: let the planner (--expert-placement auto/paged) also "
                                             "choose a lossless compressed GPU tier (bf16 only)",
                                     _EXPERT_COMPRESSION)
+    host_compression: str = _flag("none", "lossless: hold the host tier's experts losslessly compressed in "
+                                          "pinned memory (~0.68x the bytes over PCIe), decoded on the GPU "
+                                          "after the copy (bf16, paged placement)", _EXPERT_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
                                         "mapped in place, streamed ones copied one layer ahead), vmm-ring (the "
                                         "same memory as one ring of rows: copies start as soon as a row is free, "
@@ -120,6 +123,13 @@ class EngineConfig:
                 raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
                                  "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
                                  "--num-compressed-experts instead")
+        if self.host_compression != "none":
+            if self.expert_placement == "resident":
+                raise ValueError(f"--host-compression {self.host_compression} compresses the host tier and cannot "
+                                 "take effect with --expert-placement resident")
+            if self.expert_precision != "exact":
+                raise ValueError(f"--host-compression {self.host_compression} keeps exact experts; it contradicts "
+                                 f"--expert-precision {self.expert_precision}")
         self._check_dynamic()
         if self.quantized_precision() is not None:
             flag = self.expert_precision
@@ -136,6 +146,7 @@ class EngineConfig:
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_compression", _EXPERT_COMPRESSION),
+                              ("host_compression", _EXPERT_COMPRESSION),
                               ("expert_precision", _EXPERT_PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")

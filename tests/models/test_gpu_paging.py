@@ -36,7 +36,9 @@ def _trace(path, **flags):
                                    dict(cpu_moe=True, expert_buffers="vmm"),
                                    dict(num_gpu_experts=5, expert_buffers="vmm"),
                                    dict(cpu_moe=True, expert_buffers="vmm-ring"),
-                                   dict(num_gpu_experts=5, expert_buffers="vmm-ring")])
+                                   dict(num_gpu_experts=5, expert_buffers="vmm-ring"),
+                                   dict(cpu_moe=True, expert_buffers="vmm", host_compression="lossless"),
+                                   dict(num_gpu_experts=3, expert_buffers="vmm-ring", host_compression="lossless")])
 def test_paged_matches_resident_on_gpu(ckpt, flags, eager):
     ref_logits, ref_tokens, ref_engine = _trace(ckpt, enforce_eager=eager, expert_buffers="plain")
     logits, tokens, engine = _trace(ckpt, enforce_eager=eager, **flags)
@@ -47,7 +49,9 @@ def test_paged_matches_resident_on_gpu(ckpt, flags, eager):
     assert stats["expert_bytes_h2d"] == engine.pager.bytes_per_forward * engine.num_steps
     if eager:
         assert stats["expert_copy_s"] > 0
-    host = [t for t in engine.expert_store.host if t is not None and t.numel()]
+    store = engine.expert_store
+    host = [t for t in store.host if t is not None and t.numel()]
+    host += [ct.raw for ct in store.host_compressed if ct is not None]  # --host-compression lossless
     assert host and all(t.is_pinned() for t in host)  # registered pages: asynchronous copies
     if flags.get("expert_buffers") in ("vmm", "vmm-ring"):
         assert stats["expert_bytes_d2d"] == 0  # resident experts are mapped, never copied

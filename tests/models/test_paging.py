@@ -312,3 +312,57 @@ def test_warm_ups_skip_host_copies_and_count_nothing():
     expected = torch.stack([store.row(0, e)[:n] for e in range(store.table.num_experts)])
     assert torch.equal(store.buffers.packed(0)[:, :n], expected)
     assert pager.stats.as_dict()["bytes_h2d"] > stats["bytes_h2d"]
+
+
+@pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=5)])
+def test_compressed_host_tier_logits_bit_identical_to_resident(bf16_ckpt, flags):
+    """--host-compression lossless: the host tier holds compressed bytes, copied into a staging copy and
+    decoded into the compute buffer each step; logits equal resident placement, the bytes that cross
+    'PCIe' are the compressed ones, and the raw host rows are gone."""
+    ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
+    got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", host_compression="lossless", **flags)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    store, stats = engine.expert_store, engine.get_stats()
+    comp = [ct for ct in store.host_compressed if ct is not None]
+    assert len(comp) == store.table.num_layers and all(h is None for h in store.host)
+    per_forward = sum(ct.stream.nbytes + ct.block_bit_offsets.nbytes + ct.lane_bits.nbytes + ct.raw.nbytes
+                      for ct in comp)
+    assert stats["expert_bytes_h2d"] == per_forward * engine.num_steps
+    n_host = sum(store.table.count(layer, "host") for layer in range(store.table.num_layers))
+    raw = n_host * store.expert_numel * 2
+    assert stats["expert_bytes_decoded"] == raw * engine.num_steps and per_forward < raw
+    assert store.host_bytes < raw and stats["expert_buffer_bytes"] > store.buffers.nbytes  # + staging
+    with pytest.raises(RuntimeError, match="compressed in host memory"):
+        store.row(0, store.table.ids(0, "host")[0])
+
+
+def test_host_compression_flags(bf16_ckpt):
+    from pagedmoe import LLM
+
+    with pytest.raises(ValueError, match="cannot take effect with --expert-placement resident"):
+        LLM(str(bf16_ckpt), device="cpu", host_compression="lossless", expert_placement="resident")
+    with pytest.raises(ValueError, match="contradicts --expert-precision static-int8"):
+        LLM(str(bf16_ckpt), device="cpu", host_compression="lossless", expert_precision="static-int8")
+    with pytest.raises(ValueError, match="bf16"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="float32", host_compression="lossless", cpu_moe=True)
+
+
+def test_planner_models_the_compressed_host_tier():
+    from pagedmoe.engine.memory import GiB
+    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.experts.placement import Placement
+    from pagedmoe.experts.planner import PlanInputs, plan_placement
+
+    shape = ModelShape.from_hf_config("benchmarks/configs/mixtral-8x7b", dtype_bytes=2)
+    plans = {}
+    for ratio in (0.0, 0.683):
+        inputs = PlanInputs(shape, 64 * GiB, 2 * GiB, 2048, workload=(1024, 1024), host_compression_ratio=ratio)
+        plans[ratio] = plan_placement(inputs, Placement.uniform(32, 8, 0))
+    raw, comp = plans[0.0], plans[0.683]
+    assert comp.traffic.h2d_bytes == 256 * int(shape.expert_bytes * 0.683)
+    assert comp.traffic.decode_out_bytes == 256 * shape.expert_bytes
+    assert comp.estimate.decode.pcie_s == pytest.approx(0.683 * raw.estimate.decode.pcie_s, rel=1e-3)
+    # the staging copies (two layers of compressed experts) come out of the KV cache
+    assert comp.buffer_bytes - raw.buffer_bytes == 2 * 8 * int(shape.expert_bytes * 0.683)
+    assert comp.host_tier_bytes < raw.host_tier_bytes and comp.num_kv_blocks < raw.num_kv_blocks
+    assert comp.estimate.output_throughput > 1.2 * raw.estimate.output_throughput

@@ -80,7 +80,8 @@ class LLMEngine:
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
                                "plain" if dynamic else config.expert_buffers, num_compressed,
-                               quantized_precision=config.quantized_precision())
+                               quantized_precision=config.quantized_precision(),
+                               host_compression=config.host_compression)
         self.expert_store = self.model.expert_store
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
             self.expert_store.enable_dynamic(config.min_expert_precision or "int4")
@@ -176,7 +177,9 @@ class LLMEngine:
         plan = plan_placement_memory(shape, budget, act, placement, None, max_model_len=self.max_model_len,
                                      block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                                      max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
-                                     compression_ratio=ratio)
+                                     compression_ratio=ratio,
+                                     host_compression_ratio=LOSSLESS_PLANNING_RATIO
+                                     if c.host_compression == "lossless" else 0.0)
         self.placement_plan = plan
         logger.info("placement plan: %s", plan.summary())
         per_layer = list(plan.placement.num_gpu_experts)

@@ -59,6 +59,9 @@ def register(sub) -> None:
                         "double buffers (auto = vmm)")
     p.add_argument("--compression-ratio", type=float, default=None,
                    help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")
+    p.add_argument("--host-compression", default=_env("host_compression", "none"), choices=["none", "lossless"],
+                   help="lossless: model the host tier held compressed (0.683 of the bytes over PCIe, decoded "
+                        "on the GPU)")
     p.add_argument("--hardware-json", type=Path, default=None,
                    help="measured rates (HardwareProfile keys); default: the H200 of shared/H200.md")
     p.add_argument("--json", "--output-json", dest="json", type=Path, default=None, help="write the tables here")
@@ -115,7 +118,8 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
                 mode == "paged" and n == num_gpu)
     kwargs = dict(max_model_len=inputs.max_model_len, block_size=inputs.block_size, workload=inputs.workload,
                   max_num_seqs=inputs.max_num_seqs, max_num_batched_tokens=inputs.max_num_batched_tokens,
-                  hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio)
+                  hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio,
+                  host_compression_ratio=inputs.host_compression_ratio)
     for auto_mode in (("auto", "paged") if mode == "paged" and num_gpu is None else ("auto",)):
         try:
             plan = plan_memory(shape, inputs.budget_bytes, inputs.activation_bytes, auto_mode, **kwargs)
@@ -177,6 +181,9 @@ def run_plan(args) -> int:
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
     buffers = "vmm" if args.expert_buffers == "auto" else args.expert_buffers
+    from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
+
+    host_ratio = LOSSLESS_PLANNING_RATIO if args.host_compression == "lossless" else 0.0
     name = shape.name or path
     print(f"pagedmoe plan {name}: {shape.num_layers} layers ({shape.num_moe_layers} MoE) x {shape.num_experts} "
           f"experts, top-{shape.top_k}; weights {shape.weight_bytes / GiB:.2f} GiB (backbone "
@@ -192,7 +199,8 @@ def run_plan(args) -> int:
               "workload": {"input_len": args.input_len, "output_len": args.output_len},
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
-              "buffers": buffers, "compression_ratio": args.compression_ratio, "selected_mode": mode,
+              "buffers": buffers, "compression_ratio": args.compression_ratio,
+              "host_compression": args.host_compression, "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
     first_error = None
     for num_gpus, text in [(n, t) for n in args.num_gpus for t in args.gpu_memory_gb]:
@@ -200,7 +208,7 @@ def run_plan(args) -> int:
         budget = parse_budget(text, shape.weight_bytes)
         inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
-                            None, None, buffers)
+                            None, None, buffers, host_ratio)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
         if num_gpus > 1:
             print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "

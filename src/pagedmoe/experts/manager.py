@@ -30,7 +30,7 @@ def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: s
 def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[int], None],
                    device: torch.device, dtype: torch.dtype, buffers: str = "auto",
                    num_compressed_experts: Union[int, Sequence[int], None] = None,
-                   quantized_precision: Optional[str] = None) -> ExpertStore:
+                   quantized_precision: Optional[str] = None, host_compression: str = "none") -> ExpertStore:
     """Create the expert table and store for `model` and route its MoE layers through them.
 
     placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
@@ -41,6 +41,8 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     `quantized_precision` ("fp8", "int8" or "int4"; paged only): the experts that would go to the host
     tier are held on the device in that lossy format instead and dequantised into the compute area (the
     static `--expert-precision static-*` modes: every expert, with no resident or compressed ones).
+    `host_compression` "lossless": the host tier is held losslessly compressed (ExpertStore.finalize
+    encodes it) and decoded on the device after each copy.
     """
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
@@ -85,8 +87,10 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
                              "unavailable")
     elif buffers in ("vmm", "vmm-ring"):
         raise ValueError(f"expert buffers '{buffers}' need a CUDA device")
+    if host_compression != "none" and not paged:
+        raise ValueError("--host-compression compresses the host tier; it needs placement 'paged'")
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
-                        stride_align_bytes=align, buffers_factory=factory)
+                        stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression)
     model.expert_store = store
     if paged:
         pager = ExpertPager(store)

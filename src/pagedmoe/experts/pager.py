@@ -58,18 +58,7 @@ class ExpertPager:
         self.cuda = store.device.type == "cuda"
         self.stats = PagerStats()
         self.timing = timing and self.cuda
-        # Host-side plan of the copies of each layer: (destination row, source row, is_host).
-        self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
-        self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h),
-                                  sum(s.numel() * s.element_size() for _, s, h in c if not h))
-                                 for c in self._copies]
-        # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
-        self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
-        elem = torch.empty(0, dtype=store.dtype).element_size()
-        self._decoded_per_layer = [store.table.count(layer, COMPRESSED) * store.expert_numel * elem
-                                   for layer in range(self.num_layers)]
-        self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
-                                       for layer in range(self.num_layers)]
+        self.refresh()
         self.ring = self.cuda and getattr(store.buffers, "ring", False)
         if self.ring:
             self._wait_layer = ring_wait_layers(store.buffers.streamed_rows, store.buffers.ring_size)
@@ -88,19 +77,51 @@ class ExpertPager:
         self._pending_timing: list[int] = []
         self._skip_host = False
 
+    def refresh(self) -> None:
+        """(Re)build the host-side plan of every layer's fill from the store: at start, and once loading
+        has finished (ExpertStore.finalize may have compressed the host tier)."""
+        store = self.store
+        # (destination row, source row, is_host) copies of each layer
+        self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
+        # a compressed host tier: (host array, device staging array) copies, then decodes of the staging
+        self._host_arrays = [self._layer_host_arrays(layer) for layer in range(self.num_layers)]
+        self._host_decodes = [self._layer_decodes(layer, HOST) if store.host_compressed[layer] is not None else []
+                              for layer in range(self.num_layers)]
+        self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h)
+                                  + sum(src.numel() * src.element_size() for src, _ in a),
+                                  sum(s.numel() * s.element_size() for _, s, h in c if not h))
+                                 for c, a in zip(self._copies, self._host_arrays)]
+        # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
+        self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
+        elem = torch.empty(0, dtype=store.dtype).element_size()
+        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED)
+                                    + (store.table.count(layer, HOST) if store.host_compressed[layer] is not None
+                                       else 0)) * store.expert_numel * elem for layer in range(self.num_layers)]
+        self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
+                                       for layer in range(self.num_layers)]
+
+    def _layer_host_arrays(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        host, view = self.store.host_compressed[layer], self.store.host_staging[layer]
+        if host is None:
+            return []
+        names = ("stream", "block_bit_offsets", "lane_bits", "raw")  # what the decoder reads
+        return [(getattr(host, n), getattr(view, n)) for n in names]
+
     def _layer_copies(self, layer: int):
         store, table = self.store, self.store.table
         dst = store.buffers.packed(layer)
         n = store.expert_numel  # rows may be padded (VMM granularity): copy the weights only
-        copies = [(dst[e, :n], store.row(layer, e)[:n], True) for e in table.ids(layer, HOST)]
+        copies = [] if store.host_compressed[layer] is not None else \
+            [(dst[e, :n], store.row(layer, e)[:n], True) for e in table.ids(layer, HOST)]
         if not store.buffers.maps_resident:
             copies += [(dst[e, :n], store.row(layer, e)[:n], False) for e in table.ids(layer, RESIDENT)]
         return copies
 
-    def _layer_decodes(self, layer: int) -> list[tuple[int, int, torch.Tensor]]:
-        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each."""
+    def _layer_decodes(self, layer: int, tier: str = COMPRESSED) -> list[tuple[int, int, torch.Tensor]]:
+        """Runs of compressed experts (of the compressed tier, or of a compressed host tier) whose parts and
+        buffer rows are both consecutive: one decode each."""
         store = self.store
-        ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
+        ids = store.table.ids(layer, tier)  # slot (= part) order is expert-id order
         if not ids:
             return []
         dst, n = store.buffers.packed(layer), store.expert_numel
@@ -199,23 +220,30 @@ class ExpertPager:
         for dst, src, from_host in self._copies[layer]:
             if not (from_host and self._skip_host):
                 dst.copy_(src, non_blocking=self.cuda)
+        if self._host_arrays[layer]:
+            if not self._skip_host:
+                for src, dst in self._host_arrays[layer]:
+                    dst.copy_(src, non_blocking=self.cuda)
+            self._decode(self.store.host_staging[layer], self._host_decodes[layer])
         if self._decodes[layer]:
-            ct = self._compressed(layer)
-            if self.cuda:
-                from pagedmoe.kernels.lossless_decode import lossless_decode
-
-                for p0, p1, dst in self._decodes[layer]:
-                    lossless_decode(ct, dst, parts=(p0, p1))
-            else:
-                from pagedmoe.codecs.lossless import decode_reference
-
-                rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
-                for p0, p1, dst in self._decodes[layer]:
-                    dst.copy_(rows[p0:p1].reshape(-1))
+            self._decode(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer]:
             # NOTE: the PyTorch reference dequantiser (sync-free torch ops); on CUDA its temporaries are
             # allocated and freed on the copy stream. Triton kernels come later.
             self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
+
+    def _decode(self, ct, runs: list[tuple[int, int, torch.Tensor]]) -> None:
+        if self.cuda:
+            from pagedmoe.kernels.lossless_decode import lossless_decode
+
+            for p0, p1, dst in runs:
+                lossless_decode(ct, dst, parts=(p0, p1))
+        else:
+            from pagedmoe.codecs.lossless import decode_reference
+
+            rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
+            for p0, p1, dst in runs:
+                dst.copy_(rows[p0:p1].reshape(-1))
 
     def _compressed(self, layer: int):
         ct = self.store.compressed[layer]

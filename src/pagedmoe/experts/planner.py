@@ -138,6 +138,7 @@ class PlanInputs:
     backbone_bytes: Optional[int] = None         # measured; None: from the shape
     max_kv_blocks: Optional[int] = None          # cap on useful KV blocks (the rest stays unused)
     buffers: str = "vmm"
+    host_compression_ratio: float = 0.0          # --host-compression lossless: the host tier's ratio (0: raw)
 
     def __post_init__(self) -> None:
         if self.buffers not in BUFFER_KINDS:
@@ -178,17 +179,26 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
     compressed_one = int(shape.expert_bytes * placement.compression_ratio)
     backbone = shape.backbone_bytes if inputs.backbone_bytes is None else inputs.backbone_bytes
+    # A compressed host tier: its bytes cross PCIe, then the decoder writes bf16 from a device staging copy
+    # (two of them, each sized for the layer with the most host experts).
+    hr = inputs.host_compression_ratio
+    host_one = int(shape.expert_bytes * hr) if hr else shape.expert_bytes
+    max_host = max((placement.num_experts - g - c for g, c in zip(placement.num_gpu_experts,
+                                                                   placement.num_compressed_experts)), default=0)
+    staging = 2 * max_host * host_one if hr and streamed else 0
+    decoded_host = placement.total_host if hr else 0
     return {
         "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,
         "compressed_expert_bytes": placement.total_compressed * compressed_one,
-        "buffer_bytes": buffer_slots * slot, "host_tier_bytes": placement.total_host * slot,
+        "buffer_bytes": buffer_slots * slot + staging,
+        "host_tier_bytes": placement.total_host * (host_one if hr else slot),
         "traffic": StepTraffic(
             # Copies move an expert's weights, not its slot padding.
-            h2d_bytes=placement.total_host * shape.expert_bytes,
+            h2d_bytes=placement.total_host * host_one,
             d2d_bytes=2 * placement.total_gpu * shape.expert_bytes if streamed and inputs.buffers == "plain" else 0,
-            decode_out_bytes=placement.total_compressed * shape.expert_bytes,
-            decode_in_bytes=placement.total_compressed * compressed_one,
-            layer_copy_shares=_copy_shares(shape, inputs.hw, placement),
+            decode_out_bytes=(placement.total_compressed + decoded_host) * shape.expert_bytes,
+            decode_in_bytes=placement.total_compressed * compressed_one + decoded_host * host_one,
+            layer_copy_shares=_copy_shares(shape, inputs.hw, placement, hr),
             layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else ()),
     }
 
@@ -203,10 +213,12 @@ def _ring_waits(placement: Placement) -> tuple[int, ...]:
     return tuple(ring_wait_layers(rows, 2 * placement.max_streamed))
 
 
-def _copy_shares(shape, hw, placement: Placement) -> tuple[float, ...]:
-    """Each MoE layer's share of the copy stream's time: its host experts over PCIe, then its compressed
-    ones through the decoder (one stream, one after the other)."""
-    per_layer = [(placement.num_experts - g - c) / hw.pcie_h2d_bytes_per_s + c / hw.lossless_decode_bytes_per_s
+def _copy_shares(shape, hw, placement: Placement, host_ratio: float = 0.0) -> tuple[float, ...]:
+    """Each MoE layer's share of the copy stream's time: its host experts over PCIe (compressed: then
+    through the decoder too), then its compressed ones through the decoder (one stream, in order)."""
+    host_s = (host_ratio / hw.pcie_h2d_bytes_per_s + 1 / hw.lossless_decode_bytes_per_s if host_ratio
+              else 1 / hw.pcie_h2d_bytes_per_s)
+    per_layer = [(placement.num_experts - g - c) * host_s + c / hw.lossless_decode_bytes_per_s
                  for g, c in zip(placement.num_gpu_experts, placement.num_compressed_experts)]
     total = sum(per_layer)
     return tuple(x / total for x in per_layer) if total > 0 else ()
@@ -306,18 +318,21 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
                 block_size: int = 16, workload: Optional[tuple[int, int]] = None, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 8192, hw: HardwareProfile = H200,
                 backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
-                buffers: str = "vmm", compression_ratio: Optional[float] = None) -> MemoryPlan:
+                buffers: str = "vmm", compression_ratio: Optional[float] = None,
+                host_compression_ratio: float = 0.0) -> MemoryPlan:
     """Split `budget_bytes` for `placement_mode`:
     - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
     - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest
       streamed from the host; None lets the planner pick the best N < E;
     - "auto": the best modelled throughput over N in 0..E (N = E is resident), refined per layer.
-    `compression_ratio` (issue 6) adds the lossless compressed tier to the search. Raises
+    `compression_ratio` (issue 6) adds the lossless compressed tier to the search; `host_compression_ratio`
+    holds the host tier compressed (its traffic and decode modelled). Raises
     PlacementBudgetError (a BudgetError, a ValueError) naming the minimum budget when nothing fits."""
     if placement_mode not in PLACEMENT_MODES:
         raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
     inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
-                        max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers)
+                        max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers,
+                        host_compression_ratio)
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     if num_gpu_experts is not None:
         counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)

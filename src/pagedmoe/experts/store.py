@@ -80,7 +80,8 @@ class PlainDoubleBuffer:
 
 class ExpertStore:
     def __init__(self, table: ExpertTable, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
-                 paged: bool, stride_align_bytes: int = 16, buffers_factory=None) -> None:
+                 paged: bool, stride_align_bytes: int = 16, buffers_factory=None,
+                 host_compression: str = "none") -> None:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -98,6 +99,16 @@ class ExpertStore:
         self._qstaging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
         self._qstaged_parts: list[set] = [set() for _ in range(L)]
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
+        # --host-compression lossless: each layer's host experts as one CompressedTensor in pinned host
+        # memory (encoded at finalize), copied into a device staging copy (layer l: staging l % 2) and
+        # decoded into the compute buffer by the pager.
+        self.host_compression = host_compression
+        self.host_compressed: list = [None] * L
+        self.host_staging: list = [None] * L        # per layer: a device CompressedTensor of staging views
+        self._host_staging_bytes = 0
+        if host_compression != "none" and (not paged or dtype != torch.bfloat16):
+            raise ValueError("--host-compression lossless needs paged placement and bf16 weights (--dtype "
+                             "bfloat16)")
         if not paged:
             self.resident = [torch.empty(E, self.stride, dtype=dtype, device=device) for _ in range(L)]
             return
@@ -143,6 +154,9 @@ class ExpertStore:
                 raise RuntimeError(f"expert {expert} of MoE layer {layer} is quantized; it has no raw row "
                                    "(dequantise it with the pager)")
             return self._qstaging[layer][entry.slot]
+        if entry.tier == HOST and self.host[layer] is None:
+            raise RuntimeError(f"expert {expert} of MoE layer {layer} is compressed in host memory; it has no "
+                               "raw row (decode it with the pager)")
         store = self.resident[layer] if entry.tier == RESIDENT else self.host[layer]
         return store[entry.slot]
 
@@ -200,10 +214,51 @@ class ExpertStore:
                 self._encode(layer)
             if self._qstaging[layer] is not None:
                 self._quantize(layer)
-        if self.device.type == "cuda" and any(x is not None for x in self.compressed + self.quantized):
+        if self.host_compression == "lossless" and all(v is None for v in self.host_staging):
+            self._compress_host()
+        if self.device.type == "cuda" and any(x is not None for x in self.compressed + self.quantized
+                                              + self.host_compressed):
             # the encoder's temporaries (~80 B per weight of a chunk) would otherwise stay cached and
             # shrink the free memory the KV cache is sized from
             torch.cuda.empty_cache()
+
+    def _compress_host(self) -> None:
+        """Encode every layer's host rows (on the device: fast), keep the result in pinned host memory and
+        free the raw rows; then build the two device staging copies and each layer's views into them."""
+        from pagedmoe.codecs.lossless import CompressedTensor, encode
+
+        n = self.expert_numel
+        pin = self.device.type == "cuda"
+        for layer in range(self.table.num_layers):
+            rows = self.host[layer]
+            if rows is None or not rows.shape[0]:
+                continue
+            ct = encode(rows[:, :n].to(self.device).contiguous(), num_parts=rows.shape[0], checksum=False)
+            self.host_compressed[layer] = _move_compressed(ct, torch.device("cpu"), pin)
+            self.host[layer] = None
+        layers = [ct for ct in self.host_compressed if ct is not None]
+        if not layers:
+            return
+        names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
+        # NOTE: layer l decodes from staging l % 2; its copies follow layer l-2's decode on the copy stream,
+        # so that staging copy is free by then (one stream, in order).
+        staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in layers),
+                                      dtype=getattr(layers[0], name).dtype, device=self.device) for name in names}
+                   for _ in range(2)]
+        self._host_staging_bytes = sum(t.numel() * t.element_size() for st in staging for t in st.values())
+        for layer, ct in enumerate(self.host_compressed):
+            if ct is None:
+                continue
+            views = {name: staging[layer % 2][name][:getattr(ct, name).numel()].view(getattr(ct, name).shape)
+                     for name in names}
+            view = CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent,
+                                    **views)
+            if self.device.type == "cuda":
+                from pagedmoe.kernels.lossless_decode import _launch_info
+
+                _launch_info(view)  # NOTE: host work before any CUDA-graph capture (see _encode)
+                view.decode_table(None, torch.int32)
+            self.host_staging[layer] = view
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """N(0, std) weights, generated on the device (fast) and copied to their tier."""
@@ -236,7 +291,7 @@ class ExpertStore:
 
     @property
     def host_bytes(self) -> int:
-        return self._bytes(self.host)
+        return self._bytes(self.host) + sum(ct.nbytes for ct in self.host_compressed if ct is not None)
 
     @property
     def compressed_bytes(self) -> int:
@@ -269,10 +324,26 @@ class ExpertStore:
 
     @property
     def buffer_bytes(self) -> int:
-        return self.buffers.nbytes if self.paged else 0
+        """Compute buffers, plus the staging copies of a compressed host tier."""
+        return self.buffers.nbytes + self._host_staging_bytes if self.paged else 0
 
     @property
     def device_bytes(self) -> int:
         if self.dynamic is not None:
             return self.dynamic_bytes + self.buffer_bytes
         return self.resident_bytes + self.compressed_bytes + self.quantized_bytes + self.buffer_bytes
+
+
+def _move_compressed(ct, device: torch.device, pin: bool):
+    """A CompressedTensor with its arrays on `device` (pinned when `pin`: asynchronous copies from it)."""
+    from pagedmoe.codecs.lossless import CompressedTensor
+
+    def mv(t: torch.Tensor) -> torch.Tensor:
+        if not pin:
+            return t.to(device)
+        out = pinned_empty(tuple(t.shape), t.dtype)
+        out.copy_(t)
+        return out
+
+    return CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent, mv(ct.stream),
+                            mv(ct.part_word_offsets), mv(ct.block_bit_offsets), mv(ct.lane_bits), mv(ct.raw))

@@ -143,17 +143,20 @@ def init_dummy_weights(model: MoEForCausalLM, seed: int) -> None:
 def get_model(path: str, hf_config, load_format: str, max_position: int, device: torch.device,
               dtype: torch.dtype, seed: int = 0, placement: str = "resident",
               num_gpu_experts: Optional[int] = None, expert_buffers: str = "auto",
-              num_compressed_experts=None, quantized_precision: Optional[str] = None) -> MoEForCausalLM:
+              num_compressed_experts=None, quantized_precision: Optional[str] = None,
+              host_compression: str = "none") -> MoEForCausalLM:
     """Backbone on `device`; experts where the placement puts them (experts/manager.py)."""
     from pagedmoe.experts.manager import attach_experts
 
     model = build_model(hf_config, max_position, device, dtype)
     attach_experts(model, placement, num_gpu_experts, device, dtype, expert_buffers, num_compressed_experts,
-                   quantized_precision)
+                   quantized_precision, host_compression)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         model.expert_store.init_random(seed)
     else:
         load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
     model.expert_store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
+    if model.pager is not None:
+        model.pager.refresh()  # finalize may have compressed the host tier
     return model
