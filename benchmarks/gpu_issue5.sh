@@ -64,5 +64,8 @@ case ${1:-a} in
   e)  # what part d could not finish
     point mixtral-139 $M 90 139 -- resident
     point qwen3-w4p $Q 180 weights+4 -- paged ;;
-  *) echo "usage: gpu_issue5.sh a|b|c|d|e"; exit 2 ;;
+  f)  # issue 6 end to end: Mixtral at 64 GiB and weights + 4 with the compressed host tier, and the ring buffers
+    point mixtral-64-host-lossless $M 290 64 -- paged+host-lossless
+    point mixtral-w4-ring $M 150 weights+4 -- paged ;;
+  *) echo "usage: gpu_issue5.sh a|b|c|d|e|f"; exit 2 ;;
 esac
