@@ -20,7 +20,7 @@ Q=benchmarks/configs/qwen3-30b-a3b
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/issue5-${1:-a}.log"
 
-point() {  # name model timeout_s budgets... -- placements...
+point() {  # name model timeout_s budgets... -- placements...   (env EXTRA: more engine flags)
   local name=$1 model=$2 limit=$3; shift 3
   local budgets=() placements=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do budgets+=("$1"); shift; done
@@ -30,7 +30,7 @@ point() {  # name model timeout_s budgets... -- placements...
   timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench sweep "$model" --load-format dummy \
     --budgets "${budgets[@]}" --placements "${placements[@]}" --num-prompts 256 --input-len 1024 --output-len 1024 \
     --steady-decode-steps 64 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens "${MAX_BATCHED:-8192}" \
-    --no-plots --output-dir "$WORK/$name" > "$WORK/$name.log" 2>&1
+    ${EXTRA:-} --no-plots --output-dir "$WORK/$name" > "$WORK/$name.log" 2>&1
   echo "exit $?" | tee -a "$LOG"
   grep -E "^\[sweep\]|Error|error" "$WORK/$name.log" | tail -8 | tee -a "$LOG"
   sed -n '/^budget GiB/,/^wrote/p' "$WORK/$name.log" | tee -a "$LOG"
@@ -66,6 +66,6 @@ case ${1:-a} in
     point qwen3-w4p $Q 180 weights+4 -- paged ;;
   f)  # issue 6 end to end: Mixtral at 64 GiB and weights + 4 with the compressed host tier, and the ring buffers
     point mixtral-64-host-lossless $M 290 64 -- paged+host-lossless
-    point mixtral-w4-ring $M 150 weights+4 -- paged ;;
+    EXTRA="--expert-buffers vmm-ring" point mixtral-w4-ring $M 150 weights+4 -- paged ;;
   *) echo "usage: gpu_issue5.sh a|b|c|d|e|f"; exit 2 ;;
 esac
