@@ -19,6 +19,7 @@ _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_COMPRESSION = ("none", "lossless")
+_HOST_COMPRESSION = ("none", "lossless", "auto")
 # exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
 # format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
 # the ladder by the pressure controller (experts/controller.py).
@@ -69,7 +70,8 @@ class EngineConfig:
                                     _EXPERT_COMPRESSION)
     host_compression: str = _flag("none", "lossless: hold the host tier's experts losslessly compressed in "
                                           "pinned memory (~0.68x the bytes over PCIe), decoded on the GPU "
-                                          "after the copy (bf16, paged placement)", _EXPERT_COMPRESSION)
+                                          "after the copy (bf16, paged placement); auto: when the planner "
+                                          "models it faster", _HOST_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
                                         "mapped in place, streamed ones copied one layer ahead), vmm-ring (the "
                                         "same memory as one ring of rows: copies start as soon as a row is free, "
@@ -146,7 +148,7 @@ class EngineConfig:
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_compression", _EXPERT_COMPRESSION),
-                              ("host_compression", _EXPERT_COMPRESSION),
+                              ("host_compression", _HOST_COMPRESSION),
                               ("expert_precision", _EXPERT_PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")

@@ -366,3 +366,38 @@ def test_planner_models_the_compressed_host_tier():
     assert comp.buffer_bytes - raw.buffer_bytes == 2 * 8 * int(shape.expert_bytes * 0.683)
     assert comp.host_tier_bytes < raw.host_tier_bytes and comp.num_kv_blocks < raw.num_kv_blocks
     assert comp.estimate.output_throughput > 1.2 * raw.estimate.output_throughput
+
+
+def test_host_compression_auto_follows_the_planner(bf16_ckpt, monkeypatch):
+    """--host-compression auto: the planner models the placement with and without the compressed host tier
+    and the engine builds the faster one; explicit lossless where the plan is resident fails loudly."""
+    from pagedmoe import LLM
+    from pagedmoe.experts import planner
+
+    picked = {}
+    real = planner.plan_memory
+
+    def spy(*a, host_compression_ratio=0.0, **kw):
+        plan = real(*a, host_compression_ratio=host_compression_ratio, **kw)
+        picked[host_compression_ratio] = plan.estimate.output_throughput
+        return plan
+
+    monkeypatch.setattr(planner, "plan_memory", spy)
+    llm = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", gpu_memory_gb=0.02, max_model_len=96,
+              host_compression="auto", expert_placement="paged")
+    assert set(picked) == {0.0, 0.683}
+    best = "lossless" if picked[0.683] > picked[0.0] else "none"
+    assert llm.engine.host_compression == best
+    assert any(ct is not None for ct in llm.engine.expert_store.host_compressed) == (best == "lossless")
+    # On a machine with a slow host link the compressed host tier wins and is what the engine builds.
+    from pagedmoe.experts.cost_model import HardwareProfile
+
+    slow = HardwareProfile(pcie_h2d_bytes_per_s=1e6)
+    monkeypatch.setattr(planner, "plan_memory", lambda *a, **kw: real(*a, hw=slow, **kw))
+    llm = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", gpu_memory_gb=0.02, max_model_len=96,
+              host_compression="auto", expert_placement="paged")
+    assert llm.engine.host_compression == "lossless"
+    assert any(ct is not None for ct in llm.engine.expert_store.host_compressed)
+    with pytest.raises(ValueError, match="cannot take effect: at this budget the planner keeps every expert"):
+        LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", gpu_memory_gb=4.0, max_model_len=96,
+            host_compression="lossless")

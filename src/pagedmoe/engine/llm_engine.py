@@ -76,12 +76,14 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         dynamic = config.expert_precision == "dynamic"
+        # --host-compression auto is settled by the planner in _resolve_placement
+        self.host_compression = "none" if config.host_compression == "auto" else config.host_compression
         placement, num_gpu_experts, num_compressed = self._resolve_placement()
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
                                "plain" if dynamic else config.expert_buffers, num_compressed,
                                quantized_precision=config.quantized_precision(),
-                               host_compression=config.host_compression)
+                               host_compression=self.host_compression)
         self.expert_store = self.model.expert_store
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
             self.expert_store.enable_dynamic(config.min_expert_precision or "int4")
@@ -174,17 +176,33 @@ class LLMEngine:
         buffers = ("plain" if self.device.type != "cuda" or c.expert_buffers == "plain"
                    else "vmm-ring" if c.expert_buffers == "vmm-ring" else "vmm")
         ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
-        plan = plan_placement_memory(shape, budget, act, placement, None, max_model_len=self.max_model_len,
-                                     block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                                     max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
-                                     compression_ratio=ratio,
-                                     host_compression_ratio=LOSSLESS_PLANNING_RATIO
-                                     if c.host_compression == "lossless" else 0.0)
+        host_modes = (["none", "lossless"] if c.host_compression == "auto" and self.dtype == torch.bfloat16
+                      else [self.host_compression])
+        plans, errors = {}, []
+        for mode in host_modes:
+            try:
+                plans[mode] = plan_placement_memory(
+                    shape, budget, act, placement, None, max_model_len=self.max_model_len, block_size=c.block_size,
+                    max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
+                    compression_ratio=ratio,
+                    host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0)
+            except ValueError as e:  # PlacementBudgetError: this mode does not fit
+                errors.append(e)
+        if not plans:
+            raise errors[0]
+        # auto: the compressed host tier only when it models faster (it only matters for paged plans)
+        self.host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
+        plan = plans[self.host_compression]
         self.placement_plan = plan
         logger.info("placement plan: %s", plan.summary())
         per_layer = list(plan.placement.num_gpu_experts)
         comp = list(plan.placement.num_compressed_experts)
         if all(k == dims.num_experts for k in per_layer):
+            if c.host_compression == "lossless":
+                raise ValueError("--host-compression lossless cannot take effect: at this budget the planner "
+                                 "keeps every expert resident, so nothing streams from the host (page anyway "
+                                 "with --expert-placement paged, or use --host-compression auto)")
+            self.host_compression = "none"
             return "resident", None, None
         return "paged", per_layer, comp if any(comp) else None
 
