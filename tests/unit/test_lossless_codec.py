@@ -255,3 +255,19 @@ def test_not_a_lossless_file(tmp_path):
     path.write_bytes(b"garbage")
     with pytest.raises(CorruptCheckpointError):
         load_compressed(str(path))
+
+
+def test_part_decodes_alone_to_the_same_bits():
+    """CompressedTensor.part(p): one part as its own tensor (rebased bit offsets, its words plus the pad)
+    decodes to exactly that part's bf16 bits, for every part, including a constant one."""
+    from pagedmoe.codecs.lossless import decode_reference, encode
+
+    x = (torch.randn(4, 5000) * 0.02).to(torch.bfloat16)
+    x[2] = 0.5  # a part of one exponent value
+    ct = encode(x, num_parts=4, checksum=False)
+    for p in range(4):
+        part = ct.part(p)
+        assert part.num_parts == 1 and part.shape == (5000,)
+        assert torch.equal(decode_reference(part).view(torch.int16), x[p].view(torch.int16))
+    with pytest.raises(IndexError):
+        ct.part(4)

@@ -83,45 +83,44 @@ class ExpertPager:
         store = self.store
         # (destination row, source row, is_host) copies of each layer
         self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
-        # a compressed host tier: (host array, device staging array) copies, then decodes of the staging
-        self._host_arrays = [self._layer_host_arrays(layer) for layer in range(self.num_layers)]
-        self._host_decodes = [self._layer_decodes(layer, HOST) if store.host_compressed[layer] is not None else []
-                              for layer in range(self.num_layers)]
+        # a compressed host tier: per expert, (host array, staging array) copies, its staging view, its row
+        self._host_experts = [self._layer_host_experts(layer) for layer in range(self.num_layers)]
         self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h)
-                                  + sum(src.numel() * src.element_size() for src, _ in a),
+                                  + sum(src.numel() * src.element_size() for arrays, _, _ in he for src, _ in arrays),
                                   sum(s.numel() * s.element_size() for _, s, h in c if not h))
-                                 for c, a in zip(self._copies, self._host_arrays)]
+                                 for c, he in zip(self._copies, self._host_experts)]
         # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
         self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
         elem = torch.empty(0, dtype=store.dtype).element_size()
-        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED)
-                                    + (store.table.count(layer, HOST) if store.host_compressed[layer] is not None
-                                       else 0)) * store.expert_numel * elem for layer in range(self.num_layers)]
+        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED) + len(self._host_experts[layer]))
+                                   * store.expert_numel * elem for layer in range(self.num_layers)]
         self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
                                        for layer in range(self.num_layers)]
 
-    def _layer_host_arrays(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        host, view = self.store.host_compressed[layer], self.store.host_staging[layer]
-        if host is None:
+    def _layer_host_experts(self, layer: int) -> list[tuple[list, object, torch.Tensor]]:
+        store = self.store
+        cts, views = store.host_compressed[layer], store.host_staging[layer]
+        if not cts:
             return []
         names = ("stream", "block_bit_offsets", "lane_bits", "raw")  # what the decoder reads
-        return [(getattr(host, n), getattr(view, n)) for n in names]
+        dst, n = store.buffers.packed(layer), store.expert_numel
+        return [([(getattr(ct, name), getattr(view, name)) for name in names], view, dst[e, :n])
+                for ct, view, e in zip(cts, views, store.table.ids(layer, HOST))]
 
     def _layer_copies(self, layer: int):
         store, table = self.store, self.store.table
         dst = store.buffers.packed(layer)
         n = store.expert_numel  # rows may be padded (VMM granularity): copy the weights only
-        copies = [] if store.host_compressed[layer] is not None else \
+        copies = [] if store.host_compressed[layer] else \
             [(dst[e, :n], store.row(layer, e)[:n], True) for e in table.ids(layer, HOST)]
         if not store.buffers.maps_resident:
             copies += [(dst[e, :n], store.row(layer, e)[:n], False) for e in table.ids(layer, RESIDENT)]
         return copies
 
-    def _layer_decodes(self, layer: int, tier: str = COMPRESSED) -> list[tuple[int, int, torch.Tensor]]:
-        """Runs of compressed experts (of the compressed tier, or of a compressed host tier) whose parts and
-        buffer rows are both consecutive: one decode each."""
+    def _layer_decodes(self, layer: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each."""
         store = self.store
-        ids = store.table.ids(layer, tier)  # slot (= part) order is expert-id order
+        ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
         if not ids:
             return []
         dst, n = store.buffers.packed(layer), store.expert_numel
@@ -220,11 +219,11 @@ class ExpertPager:
         for dst, src, from_host in self._copies[layer]:
             if not (from_host and self._skip_host):
                 dst.copy_(src, non_blocking=self.cuda)
-        if self._host_arrays[layer]:
+        for arrays, view, row in self._host_experts[layer]:
             if not self._skip_host:
-                for src, dst in self._host_arrays[layer]:
+                for src, dst in arrays:
                     dst.copy_(src, non_blocking=self.cuda)
-            self._decode(self.store.host_staging[layer], self._host_decodes[layer])
+            self._decode(view, [(0, 1, row)])
         if self._decodes[layer]:
             self._decode(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer]:

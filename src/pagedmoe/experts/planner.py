@@ -179,13 +179,11 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
     compressed_one = int(shape.expert_bytes * placement.compression_ratio)
     backbone = shape.backbone_bytes if inputs.backbone_bytes is None else inputs.backbone_bytes
-    # A compressed host tier: its bytes cross PCIe, then the decoder writes bf16 from a device staging copy
-    # (two of them, each sized for the layer with the most host experts).
+    # A compressed host tier: its bytes cross PCIe into one of two device staging slots of one expert
+    # (experts/store.py), then the decoder writes bf16 into the compute row.
     hr = inputs.host_compression_ratio
     host_one = int(shape.expert_bytes * hr) if hr else shape.expert_bytes
-    max_host = max((placement.num_experts - g - c for g, c in zip(placement.num_gpu_experts,
-                                                                   placement.num_compressed_experts)), default=0)
-    staging = 2 * max_host * host_one if hr and streamed else 0
+    staging = 2 * host_one if hr and placement.total_host else 0
     decoded_host = placement.total_host if hr else 0
     return {
         "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,

@@ -35,6 +35,12 @@ from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, Expert
 _PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "up"), "w2": ("down",)}
 
 
+# Device staging slots of a compressed host tier (one expert each): the k-th host expert of the model is
+# copied into slot k % 2 and decoded from it. Copies and decodes run in turn on the one copy stream; two
+# slots keep an expert's copy from depending on the decode just before it.
+HOST_STAGING_SLOTS = 2
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Page-locked host memory of exactly this size.
 
@@ -99,12 +105,12 @@ class ExpertStore:
         self._qstaging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
         self._qstaged_parts: list[set] = [set() for _ in range(L)]
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
-        # --host-compression lossless: each layer's host experts as one CompressedTensor in pinned host
-        # memory (encoded at finalize), copied into a device staging copy (layer l: staging l % 2) and
-        # decoded into the compute buffer by the pager.
+        # --host-compression lossless: per layer, each host expert as a one-part CompressedTensor in pinned
+        # host memory (encoded at finalize), copied into one of HOST_STAGING_SLOTS device staging slots and
+        # decoded into its compute row by the pager.
         self.host_compression = host_compression
         self.host_compressed: list = [None] * L
-        self.host_staging: list = [None] * L        # per layer: a device CompressedTensor of staging views
+        self.host_staging: list = [None] * L        # per layer: the experts' device views into the slots
         self._host_staging_bytes = 0
         if host_compression != "none" and (not paged or dtype != torch.bfloat16):
             raise ValueError("--host-compression lossless needs paged placement and bf16 weights (--dtype "
@@ -154,7 +160,7 @@ class ExpertStore:
                 raise RuntimeError(f"expert {expert} of MoE layer {layer} is quantized; it has no raw row "
                                    "(dequantise it with the pager)")
             return self._qstaging[layer][entry.slot]
-        if entry.tier == HOST and self.host[layer] is None:
+        if entry.tier == HOST and self.host[layer] is None and self.host_compressed[layer]:
             raise RuntimeError(f"expert {expert} of MoE layer {layer} is compressed in host memory; it has no "
                                "raw row (decode it with the pager)")
         store = self.resident[layer] if entry.tier == RESIDENT else self.host[layer]
@@ -223,8 +229,9 @@ class ExpertStore:
             torch.cuda.empty_cache()
 
     def _compress_host(self) -> None:
-        """Encode every layer's host rows (on the device: fast), keep the result in pinned host memory and
-        free the raw rows; then build the two device staging copies and each layer's views into them."""
+        """Encode every layer's host rows (on the device: fast; one codebook per layer), keep each expert's
+        part in pinned host memory and free the raw rows; then build the device staging slots and each
+        expert's views into its slot."""
         from pagedmoe.codecs.lossless import CompressedTensor, encode
 
         n = self.expert_numel
@@ -234,31 +241,35 @@ class ExpertStore:
             if rows is None or not rows.shape[0]:
                 continue
             ct = encode(rows[:, :n].to(self.device).contiguous(), num_parts=rows.shape[0], checksum=False)
-            self.host_compressed[layer] = _move_compressed(ct, torch.device("cpu"), pin)
+            self.host_compressed[layer] = [_move_compressed(ct.part(i), pin) for i in range(ct.num_parts)]
             self.host[layer] = None
-        layers = [ct for ct in self.host_compressed if ct is not None]
-        if not layers:
+        experts = [ct for cts in self.host_compressed if cts for ct in cts]
+        if not experts:
             return
         names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
-        # NOTE: layer l decodes from staging l % 2; its copies follow layer l-2's decode on the copy stream,
-        # so that staging copy is free by then (one stream, in order).
-        staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in layers),
-                                      dtype=getattr(layers[0], name).dtype, device=self.device) for name in names}
-                   for _ in range(2)]
+        # NOTE: the k-th host expert of the model decodes from slot k % HOST_STAGING_SLOTS; its copies follow
+        # the decode of the expert before it in that slot on the same copy stream, so the slot is free.
+        staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in experts),
+                                      dtype=getattr(experts[0], name).dtype, device=self.device) for name in names}
+                   for _ in range(HOST_STAGING_SLOTS)]
         self._host_staging_bytes = sum(t.numel() * t.element_size() for st in staging for t in st.values())
-        for layer, ct in enumerate(self.host_compressed):
-            if ct is None:
+        k = 0
+        for layer, cts in enumerate(self.host_compressed):
+            if not cts:
                 continue
-            views = {name: staging[layer % 2][name][:getattr(ct, name).numel()].view(getattr(ct, name).shape)
-                     for name in names}
-            view = CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent,
-                                    **views)
-            if self.device.type == "cuda":
-                from pagedmoe.kernels.lossless_decode import _launch_info
+            views = []
+            for ct in cts:
+                slot = staging[k % HOST_STAGING_SLOTS]
+                k += 1
+                view = CompressedTensor(ct.shape, 1, ct.layout, ct.code_lengths, ct.fill_exponent, **{
+                    name: slot[name][:getattr(ct, name).numel()].view(getattr(ct, name).shape) for name in names})
+                if self.device.type == "cuda":
+                    from pagedmoe.kernels.lossless_decode import _launch_info
 
-                _launch_info(view)  # NOTE: host work before any CUDA-graph capture (see _encode)
-                view.decode_table(None, torch.int32)
-            self.host_staging[layer] = view
+                    _launch_info(view)  # NOTE: host work before any CUDA-graph capture (see _encode)
+                    view.decode_table(None, torch.int32)
+                views.append(view)
+            self.host_staging[layer] = views
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """N(0, std) weights, generated on the device (fast) and copied to their tier."""
@@ -291,7 +302,7 @@ class ExpertStore:
 
     @property
     def host_bytes(self) -> int:
-        return self._bytes(self.host) + sum(ct.nbytes for ct in self.host_compressed if ct is not None)
+        return self._bytes(self.host) + sum(ct.nbytes for cts in self.host_compressed if cts for ct in cts)
 
     @property
     def compressed_bytes(self) -> int:
@@ -334,13 +345,13 @@ class ExpertStore:
         return self.resident_bytes + self.compressed_bytes + self.quantized_bytes + self.buffer_bytes
 
 
-def _move_compressed(ct, device: torch.device, pin: bool):
-    """A CompressedTensor with its arrays on `device` (pinned when `pin`: asynchronous copies from it)."""
+def _move_compressed(ct, pin: bool):
+    """A CompressedTensor with its arrays in host memory (pinned when `pin`: asynchronous copies from it)."""
     from pagedmoe.codecs.lossless import CompressedTensor
 
     def mv(t: torch.Tensor) -> torch.Tensor:
         if not pin:
-            return t.to(device)
+            return t.cpu()
         out = pinned_empty(tuple(t.shape), t.dtype)
         out.copy_(t)
         return out
