@@ -9,7 +9,7 @@ Shapes: one expert weight W [N, K] as F.linear reads it: N output channels, K in
         an odd K pads one zero nibble; the last group may be shorter than 128 (its scale covers only its
         own elements), so nothing is padded to a full group.
 "bf16" and "lossless" are the exact rungs: `fake_quantize` returns the weight unchanged for them.
-The GPU dequantisation kernels come later; `dequantize` is their reference.
+The GPU dequantisation kernel (kernels/dequant.py) is checked bit for bit against `dequantize`.
 """
 from __future__ import annotations
 

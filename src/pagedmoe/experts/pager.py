@@ -227,8 +227,8 @@ class ExpertPager:
         if self._decodes[layer]:
             self._decode(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer]:
-            # NOTE: the PyTorch reference dequantiser (sync-free torch ops); on CUDA its temporaries are
-            # allocated and freed on the copy stream. Triton kernels come later.
+            # NOTE: sync-free: on CUDA one Triton launch per weight kind (kernels/dequant.py), on CPU the
+            # PyTorch reference.
             self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
 
     def _decode(self, ct, runs: list[tuple[int, int, torch.Tensor]]) -> None:

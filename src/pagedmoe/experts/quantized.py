@@ -7,7 +7,7 @@ Shapes: n quantized experts of the layer (slot order = expert-id order), H hidde
 Every format's scales are per output channel (fp8/int8) or per output channel and group along K
 (int4), so stacking experts along N changes nothing: dequantising the stack gives, element for element,
 what dequantising each expert alone gives (codecs/quant.py::dequantize, the PyTorch reference; its
-Triton kernels come later). Bytes are exactly `quant.bytes_of` per weight (data + float32 scales).
+on CUDA kernels/dequant.py writes the rows directly, bit-identical to it). Bytes are exactly `quant.bytes_of` per weight (data + float32 scales).
 
 Dynamic precision (`--expert-precision dynamic`, end of file): each expert of a layer at its own rung;
 a LayerVersion holds the exact rows and one QuantizedLayer per lossy precision, DynamicExperts builds
@@ -34,6 +34,15 @@ class QuantizedLayer:
             self._run = (self.expert_ids[0], n)
         # NOTE: the index lives on the data's device so the pager's writes need no host sync.
         self._index = torch.tensor(self.expert_ids, dtype=torch.long, device=w13.data.device)
+        self._base_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _bases(self, stride: int, lo: int) -> torch.Tensor:
+        """Element offsets of each expert's weight in a packed buffer of row `stride`. Built on the first
+        forward (a CUDA-graph warm-up, before any capture), then reused."""
+        key = (stride, lo)
+        if key not in self._base_cache:
+            self._base_cache[key] = self._index * stride + lo
+        return self._base_cache[key]
 
     @classmethod
     def quantize_rows(cls, rows: torch.Tensor, precision: str, hidden: int, inter: int,
@@ -67,8 +76,15 @@ class QuantizedLayer:
 
     def dequantize_into(self, packed: torch.Tensor) -> None:
         """Write the dequantised experts into their rows of a compute buffer packed [E, stride] (its dtype).
-        Torch ops only, no host sync: runs on whatever stream is current (the pager's copy stream)."""
+        No host sync: runs on whatever stream is current (the pager's copy stream). On CUDA one Triton launch
+        per weight kind writes the rows directly (kernels/dequant.py); elsewhere the PyTorch reference."""
         I, H = self.inter, self.hidden
+        if packed.is_cuda and packed.is_contiguous():
+            from pagedmoe.kernels.dequant import dequantize_into
+
+            for qt, lo in ((self.w13, 0), (self.w2, 2 * I * H)):
+                dequantize_into(qt, packed, self._bases(packed.stride(0), lo))
+            return
         E, n = packed.shape[0], len(self.expert_ids)
         for qt, lo, (N, K) in ((self.w13, 0, (2 * I, H)), (self.w2, 2 * I * H, (H, I))):
             # [n*N, K] (int4: a strided slice of its padded groups): viewed per expert, copied once

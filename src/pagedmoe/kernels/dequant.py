@@ -1,0 +1,78 @@
+"""Dequantisation of a layer's quantized experts straight into their rows of the compute buffer (Triton).
+
+Shapes: the quantized tier stacks its n experts' weights along output channels (experts/quantized.py):
+R = n * N rows of K input features. Row r is channel r % N of the layer's (r // N)-th quantized expert;
+its K values land at out[base[r // N] + (r % N) * K : ... + K], base[i] being that expert's element offset
+in the packed [E, stride] buffer (expert id * stride + the weight's offset in the row).
+  fp8 / int8  data [R, K] (float8_e4m3fn / int8), scales float32 [R, 1]
+  int4        data uint8 [R, ceil(K/2)] (element 2j low nibble, 2j+1 high, stored v + 8),
+              scales float32 [R, ceil(K/128)]
+Products are taken in float32 and rounded to the buffer's dtype once, as the PyTorch reference
+(codecs/quant.py::dequantize) does: the results are bit-identical to it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
+
+
+@triton.jit
+def dequant_kernel(
+    data_ptr,  # [R, data_stride]: fp8 / int8 values, or uint8 int4 nibble pairs
+    scale_ptr,  # float32 [R, scale_stride]
+    base_ptr,  # int64 [n]: element offset of each expert's weight in out
+    out_ptr,  # the packed compute buffer, flat
+    R,
+    N,
+    K,
+    data_stride,
+    scale_stride,
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    mask = rmask[:, None] & (ks < K)[None, :]
+    row_off = rows.to(tl.int64)[:, None]
+    if INT4:
+        byte = tl.load(data_ptr + row_off * data_stride + (ks // 2)[None, :], mask=mask, other=0)
+        nibble = tl.where((ks % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+        q = nibble.to(tl.float32) - 8.0
+        s = tl.load(scale_ptr + row_off * scale_stride + (ks // GROUP)[None, :], mask=mask, other=0.0)
+    else:
+        q = tl.load(data_ptr + row_off * data_stride + ks[None, :], mask=mask, other=0).to(tl.float32)
+        s = tl.load(scale_ptr + rows.to(tl.int64) * scale_stride, mask=rmask, other=0.0)[:, None]
+    val = (q * s).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    base = tl.load(base_ptr + rows // N, mask=rmask, other=0)
+    dst = base[:, None] + (rows % N).to(tl.int64)[:, None] * K + ks[None, :]
+    tl.store(out_ptr + dst, val, mask=mask)
+
+
+def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor, block_r: int = 16,
+                    block_k: int = 256) -> None:
+    """Dequantise qt ([n*N, K] stacked) into `out` (a contiguous packed buffer, any float dtype) at the
+    element offsets `bases` (int64 [n], on out's device): one launch, no host sync."""
+    N_total, K = qt.shape
+    n = bases.numel()
+    if qt.precision not in ("fp8", "int8", "int4"):
+        raise ValueError(f"dequantize_into: unknown precision {qt.precision!r}")
+    if n == 0 or N_total % n:
+        raise ValueError(f"{N_total} rows do not split into {n} experts")
+    if not out.is_contiguous() or bases.dtype != torch.int64 or bases.device != out.device:
+        raise ValueError("out must be contiguous and bases an int64 tensor on its device")
+    if qt.data.device != out.device or not qt.data.is_contiguous() or not qt.scales.is_contiguous():
+        raise ValueError("the quantized data and scales must be contiguous, on out's device")
+    int4 = qt.precision == "int4"
+    if int4 and qt.data.shape != (N_total, (K + 1) // 2) or int4 and qt.scales.shape[1] != -(-K // INT4_GROUP):
+        raise ValueError(f"int4 data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
+    if not int4 and (qt.data.shape != (N_total, K) or qt.scales.shape != (N_total, 1)):
+        raise ValueError(f"data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
+    grid = (triton.cdiv(N_total, block_r), triton.cdiv(K, block_k))
+    dequant_kernel[grid](qt.data, qt.scales, bases, out, N_total, N_total // n, K, qt.data.shape[1],
+                         qt.scales.shape[1], INT4=int4, GROUP=INT4_GROUP, BLOCK_R=block_r, BLOCK_K=block_k)
