@@ -401,3 +401,23 @@ def test_host_compression_auto_follows_the_planner(bf16_ckpt, monkeypatch):
     with pytest.raises(ValueError, match="cannot take effect: at this budget the planner keeps every expert"):
         LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", gpu_memory_gb=4.0, max_model_len=96,
             host_compression="lossless")
+
+
+def test_warm_ups_decode_valid_staging_with_a_compressed_host_tier(bf16_ckpt):
+    """Warm-ups skip the host copies but still decode (their kernels compile before any capture): the
+    staging slots hold a real expert's arrays from the start, so such a decode reads valid offsets."""
+    from pagedmoe import LLM
+
+    engine = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", cpu_moe=True, host_compression="lossless",
+                 max_model_len=64).engine
+    pager = engine.model.pager
+    stats = pager.stats.as_dict()
+    with pager.no_host_copies():
+        pager.begin_forward()
+        for layer in range(engine.expert_store.table.num_layers):
+            pager.weights(layer)
+            pager.after_experts(layer)
+    assert pager.stats.as_dict() == stats
+    first = engine.expert_store.host_compressed[0][0]
+    view = engine.expert_store.host_staging[0][0]
+    assert torch.equal(view.raw, first.raw) and torch.equal(view.block_bit_offsets, first.block_bit_offsets)

@@ -241,7 +241,7 @@ class ExpertStore:
             if rows is None or not rows.shape[0]:
                 continue
             ct = encode(rows[:, :n].to(self.device).contiguous(), num_parts=rows.shape[0], checksum=False)
-            self.host_compressed[layer] = [_move_compressed(ct.part(i), pin) for i in range(ct.num_parts)]
+            self.host_compressed[layer] = _to_host([ct.part(i) for i in range(ct.num_parts)], pin)
             self.host[layer] = None
         experts = [ct for cts in self.host_compressed if cts for ct in cts]
         if not experts:
@@ -253,6 +253,12 @@ class ExpertStore:
                                       dtype=getattr(experts[0], name).dtype, device=self.device) for name in names}
                    for _ in range(HOST_STAGING_SLOTS)]
         self._host_staging_bytes = sum(t.numel() * t.element_size() for st in staging for t in st.values())
+        # NOTE: CUDA-graph warm-ups decode without copying (ExpertPager.no_host_copies): the slots must hold
+        # a real expert's arrays, or the decoder would follow garbage bit offsets out of its buffers.
+        for slot in staging:
+            for name in names:
+                src = getattr(experts[0], name).reshape(-1)
+                slot[name][:src.numel()].copy_(src)
         k = 0
         for layer, cts in enumerate(self.host_compressed):
             if not cts:
@@ -345,16 +351,22 @@ class ExpertStore:
         return self.resident_bytes + self.compressed_bytes + self.quantized_bytes + self.buffer_bytes
 
 
-def _move_compressed(ct, pin: bool):
-    """A CompressedTensor with its arrays in host memory (pinned when `pin`: asynchronous copies from it)."""
+def _to_host(parts: list, pin: bool) -> list:
+    """One layer's one-part CompressedTensors with their arrays moved to host memory: one (pinned, when
+    `pin`) tensor per array kind for the whole layer, each part a view of it (a few registrations per
+    layer, not five per expert: Qwen3-30B-A3B has 6144 experts)."""
     from pagedmoe.codecs.lossless import CompressedTensor
 
-    def mv(t: torch.Tensor) -> torch.Tensor:
-        if not pin:
-            return t.cpu()
-        out = pinned_empty(tuple(t.shape), t.dtype)
-        out.copy_(t)
-        return out
-
-    return CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent, mv(ct.stream),
-                            mv(ct.part_word_offsets), mv(ct.block_bit_offsets), mv(ct.lane_bits), mv(ct.raw))
+    names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
+    arrays: list[dict] = [{} for _ in parts]
+    for name in names:
+        src = [getattr(p, name) for p in parts]
+        flat = torch.cat([a.reshape(-1) for a in src])
+        host = pinned_empty(tuple(flat.shape), flat.dtype) if pin else torch.empty(flat.shape, dtype=flat.dtype)
+        host.copy_(flat)
+        off = 0
+        for d, a in zip(arrays, src):
+            d[name] = host[off:off + a.numel()].view(a.shape)
+            off += a.numel()
+    return [CompressedTensor(p.shape, 1, p.layout, p.code_lengths, p.fill_exponent, **d)
+            for p, d in zip(parts, arrays)]
