@@ -243,9 +243,12 @@ class LLMEngine:
         return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful)
 
     def _clamp_to_device(self, budget: int, weight_bytes: int) -> int:
-        """A budget above what the device can still give (its total less the CUDA context, cuBLAS workspaces
-        and graph pools: DEVICE_RESERVE) would run out of memory mid-run: use what there is, and say so."""
-        free, _ = torch.cuda.mem_get_info(self.device)
+        """A budget above the device's memory is refused. One above what the device can still give (its total
+        less the CUDA context, cuBLAS workspaces and graph pools: DEVICE_RESERVE) would run out of memory
+        mid-run: use what there is, and say so."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        if budget > total:
+            raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         available = weight_bytes + free + cached - DEVICE_RESERVE
         if budget > available:
