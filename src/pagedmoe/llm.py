@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
+import logging
 from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 from pagedmoe.config import engine_config_from_kwargs
 from pagedmoe.engine.llm_engine import LLMEngine
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger("pagedmoe")
 
 PromptType = Union[str, list[int], dict]
 
@@ -74,12 +76,16 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        before = self.engine.expert_stats()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     finished[out.request_id] = out
                     bar.update(1)
         bar.close()
+        summary = self.engine.expert_traffic_summary(before)
+        if summary:
+            logger.info(summary)
         return [finished[rid] for rid in ids]
 
 

@@ -80,3 +80,25 @@ def test_steady_state_refuses_a_window_longer_than_the_output(ckpt):
     engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_model_len=64, num_kv_blocks=40, block_size=8))
     with pytest.raises(ValueError, match="leaves no prompt"):
         run_steady_state(engine, input_len=4, output_len=4, decode_steps=8)
+
+
+def test_paged_runs_report_expert_traffic(ckpt, tmp_path, capsys, caplog):
+    """Paged placement: LLM.generate logs the pager's traffic at the end of the run, and bench throughput
+    prints it and returns the counters of the timed part."""
+    import logging
+
+    from pagedmoe import LLM, SamplingParams
+    from pagedmoe.cli import main
+
+    llm = LLM(str(ckpt), device="cpu", cpu_moe=True, max_model_len=64)
+    with caplog.at_level(logging.INFO, logger="pagedmoe"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    line = [r.message for r in caplog.records if r.message.startswith("expert paging:")]
+    assert len(line) == 1 and "GB host->device over 4 steps" in line[0]
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", str(ckpt), "--num-prompts", "3", "--input-len", "8", "--output-len", "3",
+                 "--max-model-len", "64", "--device", "cpu", "--cpu-moe", "--output-json", str(out)]) == 0
+    assert "expert paging:" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    pager = llm.engine.pager
+    assert r["expert_traffic"]["expert_bytes_h2d"] == pager.bytes_per_forward * r["expert_traffic"]["expert_steps"] > 0

@@ -37,6 +37,7 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
                             output_kind="final_only")
     _warm_up(engine, input_len)
     stats_before = engine.get_stats()
+    experts_before = engine.expert_stats()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", None, params, prompt_token_ids=p)
@@ -67,6 +68,8 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
         "mean_decode_batch": delta["step_decode_tokens"] / max(1, delta["step_decode_steps"]),
         "num_preemptions": delta["num_preemptions_total"],
         "kv_capacity_tokens": engine.plan.kv_capacity_tokens,
+        "expert_traffic": _expert_delta(experts_before, engine.expert_stats()),
+        "expert_traffic_summary": engine.expert_traffic_summary(experts_before),
     }
 
 
@@ -191,6 +194,8 @@ def run(args) -> int:
         r = run_throughput(engine, args.num_prompts, args.input_len, args.output_len, seed=args.seed)
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
+    if r.get("expert_traffic_summary"):
+        print(r["expert_traffic_summary"])
     if args.output_json:
         write_json(Path(args.output_json), {**r, "config": {**config, "num_prompts": args.num_prompts,
                                                             "input_len": args.input_len,

@@ -399,6 +399,30 @@ class LLMEngine:
             **self.expert_stats(),
         }
 
+    def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
+        """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in
+        all and per step, copy time, time compute waited for experts, the share of copying hidden behind
+        compute. None when nothing is paged. Copy and wait times come from CUDA events of eager steps
+        (graph replays are counted in bytes only)."""
+        if self.pager is None:
+            return None
+        now = self.expert_stats()
+        d = {k: now[k] - (since or {}).get(k, 0) for k in ("expert_bytes_h2d", "expert_bytes_decoded",
+                                                            "expert_copy_s", "expert_wait_s", "expert_steps")}
+        steps = max(1, d["expert_steps"])
+        text = (f"expert paging: {d['expert_bytes_h2d'] / 1e9:.2f} GB host->device over {d['expert_steps']} steps "
+                f"({d['expert_bytes_h2d'] / steps / 1e9:.3f} GB/step)")
+        if d["expert_bytes_decoded"]:
+            text += f", {d['expert_bytes_decoded'] / 1e9:.2f} GB decoded"
+        if d["expert_copy_s"] > 0:
+            hidden = 1.0 - d["expert_wait_s"] / d["expert_copy_s"]
+            text += (f"; copy stream busy {d['expert_copy_s']:.2f} s "
+                     f"({d['expert_bytes_h2d'] / d['expert_copy_s'] / 1e9:.1f} GB/s), compute waited "
+                     f"{d['expert_wait_s']:.2f} s, {100 * max(0.0, hidden):.0f}% of copying hidden")
+        elif self.device.type == "cuda":
+            text += "; copy time not timed (CUDA-graph replays)"
+        return text
+
     def expert_stats(self) -> dict:
         store = self.expert_store
         out = {"expert_placement": "paged" if store.paged else "resident",
