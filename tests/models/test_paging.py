@@ -421,3 +421,27 @@ def test_warm_ups_decode_valid_staging_with_a_compressed_host_tier(bf16_ckpt):
     first = engine.expert_store.host_compressed[0][0]
     view = engine.expert_store.host_staging[0][0]
     assert torch.equal(view.raw, first.raw) and torch.equal(view.block_bit_offsets, first.block_bit_offsets)
+
+
+def test_compressing_the_host_tier_frees_the_raw_rows(bf16_ckpt, monkeypatch):
+    """The raw host rows die once their layer is compressed (nothing else, the pager's fill plan included,
+    holds them): a Mixtral-sized host tier could not hold both in host memory."""
+    import gc
+    import weakref
+
+    from pagedmoe import LLM
+    from pagedmoe.experts.store import ExpertStore
+
+    refs = []
+    real = ExpertStore._compress_host
+
+    def spy(self):
+        refs.extend(weakref.ref(t) for t in self.host if t is not None)
+        real(self)
+
+    monkeypatch.setattr(ExpertStore, "_compress_host", spy)
+    llm = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", cpu_moe=True, host_compression="lossless",
+              max_model_len=64)
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    assert llm.engine.expert_store.host_bytes > 0

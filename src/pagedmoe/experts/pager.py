@@ -58,7 +58,9 @@ class ExpertPager:
         self.cuda = store.device.type == "cuda"
         self.stats = PagerStats()
         self.timing = timing and self.cuda
-        self.refresh()
+        # NOTE: the fill plan holds views of the host rows; it is built on first use, after loading, so
+        # a host tier compressed at ExpertStore.finalize can free its raw rows layer by layer.
+        self._planned = False
         self.ring = self.cuda and getattr(store.buffers, "ring", False)
         if self.ring:
             self._wait_layer = ring_wait_layers(store.buffers.streamed_rows, store.buffers.ring_size)
@@ -78,8 +80,16 @@ class ExpertPager:
         self._skip_host = False
 
     def refresh(self) -> None:
-        """(Re)build the host-side plan of every layer's fill from the store: at start, and once loading
-        has finished (ExpertStore.finalize may have compressed the host tier)."""
+        """Drop the fill plan: it is rebuilt from the store on next use (after ExpertStore.finalize, which
+        may have compressed the host tier)."""
+        self._planned = False
+        self._copies = self._host_experts = None
+
+    def _plan(self) -> None:
+        """Build the host-side plan of every layer's fill from the store."""
+        if self._planned:
+            return
+        self._planned = True
         store = self.store
         # (destination row, source row, is_host) copies of each layer
         self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
@@ -134,6 +144,7 @@ class ExpertPager:
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self) -> None:
+        self._plan()
         self._issued = [False] * self.num_layers
         if self.ring:
             # NOTE: every copy of the forward follows the fork: the previous forward's reads are done.
@@ -191,6 +202,7 @@ class ExpertPager:
 
     # -- copies -----------------------------------------------------------------------------------
     def _issue(self, layer: int) -> None:
+        self._plan()
         self._issued[layer] = True
         if not (self._skip_host or (self.cuda and torch.cuda.is_current_stream_capturing())):
             self._account(layer)
@@ -279,19 +291,23 @@ class ExpertPager:
 
     def account_replay(self) -> None:
         """A CUDA-graph replay moved every layer's experts without running this Python code."""
+        self._plan()
         for layer in range(self.num_layers):
             self._account(layer)
 
     @property
     def bytes_per_forward(self) -> int:
+        self._plan()
         return sum(h for h, _ in self._bytes_per_layer)
 
     @property
     def decoded_bytes_per_forward(self) -> int:
+        self._plan()
         return sum(self._decoded_per_layer)
 
     @property
     def dequantized_bytes_per_forward(self) -> int:
+        self._plan()
         return sum(self._dequantized_per_layer)
 
     def end_step(self) -> None:
