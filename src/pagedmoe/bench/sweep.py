@@ -36,7 +36,7 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     # the planner's best split with a lossless compressed tier beside the host tier (issue 6)
     "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless"},
     # the host tier held losslessly compressed: ~0.68 of the PCIe bytes, decoded on the GPU (issue 6)
-    "paged+host-lossless": {"expert_placement": "auto", "host_compression": "lossless"},
+    "paged+host-lossless": {"expert_placement": "paged", "host_compression": "lossless"},
     # every expert at its own precision rung, moved by the KV pressure controller (issue 7)
     "dynamic": {"expert_placement": "auto", "expert_precision": "dynamic"},
 }
