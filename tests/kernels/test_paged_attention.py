@@ -141,6 +141,26 @@ def test_write_kv_small(dtype):
     check_write(13, 2, 80, 8, dtype)
 
 
+@pytest.mark.parametrize("latent_dim", [64 + 16, 57])  # even, and odd (the v half padded)
+def test_write_latent_small(latent_dim):
+    """MLA's split latent cache: the Triton write (kv_write.write_latent) equals write_latent_ref."""
+    from pagedmoe.kernels.attention_ref import write_latent_ref
+    from pagedmoe.kernels.kv_write import write_latent
+
+    D, bs, T = (latent_dim + 1) // 2, 4, 11
+    latent = torch.randn(T, latent_dim, device=DEVICE)
+    num_blocks = T // bs + 2
+    slots = torch.randperm(num_blocks * bs)[:T]
+    slots[::4] = -1
+    slots = slots.to(DEVICE)
+    kc = torch.randn(num_blocks, bs, 1, D, device=DEVICE)
+    vc = torch.randn_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_latent(latent, kc, vc, slots)
+    write_latent_ref(latent, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_decode_small(num_splits):
     # Auto: 300 tokens in five 64-token partitions; 3 leaves the shorter sequences' later splits empty.

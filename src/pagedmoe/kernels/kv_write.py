@@ -77,3 +77,18 @@ def write_kv(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
+
+
+def write_latent(latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """MLA: scatter latent [T, L] (L <= 2D) into the split cache pair [num_blocks, block_size, 1, D] at
+    slot_mapping (< 0 skipped) with write_kv: the first D values to k_cache, the rest (zero-padded to D)
+    to v_cache. No host sync, unlike the reference's boolean indexing. Reference:
+    ``attention_ref.write_latent_ref``."""
+    D = k_cache.shape[-1]
+    if latent.dim() != 2 or not D < latent.shape[1] <= 2 * D:
+        raise ValueError(f"latent must be [T, L] with {D} < L <= {2 * D}, got {tuple(latent.shape)}")
+    hi = latent[:, D:]
+    if hi.shape[1] < D:
+        hi = torch.nn.functional.pad(hi, (0, D - hi.shape[1]))
+    write_kv(latent[:, :D].contiguous().unsqueeze(1), hi.contiguous().unsqueeze(1), k_cache, v_cache, slot_mapping)

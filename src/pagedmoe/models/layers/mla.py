@@ -81,7 +81,13 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        write_latent_ref(torch.cat((c, k_pe[:, 0]), dim=-1), self.k_cache, self.v_cache, meta.slot_mapping)
+        latent = torch.cat((c, k_pe[:, 0]), dim=-1)
+        if latent.is_cuda:  # the Triton write: no host sync (the reference's boolean indexing syncs)
+            from pagedmoe.kernels.kv_write import write_latent
+
+            write_latent(latent, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            write_latent_ref(latent, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode_only:  # one token per sequence: every sequence at once, absorbed
             out = mla_decode_ref(q_nope, q_pe, self.k_cache, self.v_cache, self.kv_b_proj.weight, m.kv_lora_rank,
                                  m.v_head_dim, meta.block_tables, meta.seq_lens, meta.max_seq_len, self.scale)
