@@ -190,9 +190,11 @@ def run_plan(args) -> int:
           f"{shape.backbone_bytes / GiB:.2f} + experts {shape.all_expert_bytes / GiB:.2f}; one expert "
           f"{shape.expert_bytes / 2**20:.1f} MiB); KV {shape.kv_bytes_per_token / 1024:.1f} KiB/token")
     print(f"workload {args.input_len} in / {args.output_len} out, max_model_len {max_model_len}, max_num_seqs "
-          f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, {buffers} buffers; "
+          f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, {buffers} buffers"
+          f"{', host tier compressed (0.683)' if host_ratio else ''}; "
           f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
-          f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms")
+          f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms + "
+          f"{hw.layer_overhead_s * 1e3:.2f} ms/layer + {hw.seq_overhead_s * 1e6:.0f} us/sequence")
     print("GiB columns; step = modelled decode step (max of the floors + pipeline fill + overhead); "
           "* = auto pick, > = selected by the flags")
     report = {"model": name, "shape": shape.to_dict(), "hardware": json.loads(hw.to_json()),
