@@ -341,3 +341,29 @@ def test_vmm_ring_plan_hides_more_than_two_slots():
         steps[buffers] = plan.estimate.decode
     assert steps["vmm-ring"].fill_s < steps["vmm"].fill_s / 2
     assert steps["vmm-ring"].floor_s == steps["vmm"].floor_s
+
+
+def test_spread_arrangements():
+    for total in (253, 251, 224, 100, 0):
+        last, even = (Placement.spread(32, 8, total, fewer=f) for f in ("last", "even"))
+        assert sum(last.num_gpu_experts) == sum(even.num_gpu_experts) == total
+        assert sorted(last.num_gpu_experts) == sorted(even.num_gpu_experts)
+    even = Placement.spread(32, 8, 253, fewer="even")
+    assert [l for l, g in enumerate(even.num_gpu_experts) if g == 7] == [10, 21, 31]
+    with pytest.raises(ValueError, match="fewer"):
+        Placement.spread(32, 8, 253, fewer="first")
+
+
+def test_ring_planner_spaces_the_host_experts_and_hides_their_copies():
+    """With ring buffers the planner also tries the streamed experts evenly spaced: at weights + 4 GiB its
+    pick (3 host experts in layers 10, 21, 31) hides every copy (fill ~0), which the two-slot pipeline
+    cannot (each copy exposed but one layer of compute)."""
+    inputs = PlanInputs(MIXTRAL, MIXTRAL.weight_bytes + 4 * GiB, int(2.1 * GiB), 2048, workload=(1024, 1024),
+                        buffers="vmm-ring")
+    plan = plan_memory(MIXTRAL, inputs.budget_bytes, inputs.activation_bytes, "paged", max_model_len=2048,
+                       workload=(1024, 1024), buffers="vmm-ring")
+    hosts = [l for l, g in enumerate(plan.placement.num_gpu_experts) if g < 8]
+    assert plan.placement.total_host <= 4 and hosts[-1] == 31 and hosts[0] > 0
+    assert plan.estimate.decode.fill_s < 1e-3
+    two_slot = plan_placement(replace(inputs, buffers="vmm"), plan.placement)
+    assert two_slot.estimate.decode.fill_s > 10e-3

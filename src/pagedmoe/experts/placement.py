@@ -44,11 +44,23 @@ class Placement:
 
     @classmethod
     def spread(cls, num_moe_layers: int, num_experts: int, total_gpu_experts: int,
-               num_compressed_experts: int = 0, compression_ratio: float = 0.0) -> "Placement":
-        """`total_gpu_experts` resident experts spread evenly (the first layers get one more)."""
-        base, extra = divmod(total_gpu_experts, num_moe_layers)
-        gpu = tuple(base + (i < extra) for i in range(num_moe_layers))
-        return cls(num_experts, gpu, (num_compressed_experts,) * num_moe_layers, compression_ratio)
+               num_compressed_experts: int = 0, compression_ratio: float = 0.0,
+               fewer: str = "last") -> "Placement":
+        """`total_gpu_experts` resident experts spread evenly: every layer gets `base` or `base + 1`. The
+        layers with one fewer (one more streamed expert) are the last ones (`fewer="last"`), or evenly
+        spaced with the last at the last layer (`fewer="even"`: with ring buffers an early copy can then
+        hide behind the layers before it)."""
+        L = num_moe_layers
+        base, extra = divmod(total_gpu_experts, L)
+        if fewer == "last":
+            short = set(range(extra, L))
+        elif fewer == "even":
+            k = L - extra
+            short = {L - 1 - (i * L) // k for i in range(k)} if k else set()
+        else:
+            raise ValueError(f"fewer must be 'last' or 'even', got {fewer!r}")
+        gpu = tuple(base + (i not in short) for i in range(L))
+        return cls(num_experts, gpu, (num_compressed_experts,) * L, compression_ratio)
 
     @classmethod
     def resident(cls, num_moe_layers: int, num_experts: int) -> "Placement":

@@ -307,7 +307,8 @@ def _refine(inputs: PlanInputs, plan: MemoryPlan, paged_only: bool) -> MemoryPla
     n, c = p.num_gpu_experts[0], p.num_compressed_experts[0]
     top = (E - c) * L - (1 if paged_only and c == 0 else 0)
     totals = range(max(0, (n - 1) * L), min(top, (n + 1) * L) + 1)
-    spread = [Placement.spread(L, E, t, c, p.compression_ratio) for t in totals]
+    arrangements = ("last", "even") if inputs.buffers == "vmm-ring" else ("last",)
+    spread = [Placement.spread(L, E, t, c, p.compression_ratio, fewer) for t in totals for fewer in arrangements]
     return best_plan(inputs, [p, *spread])
 
 
