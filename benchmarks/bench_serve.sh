@@ -29,6 +29,13 @@ PORT=${PORT:-8000}
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# The GPU machine's image has no fastapi / uvicorn / pydantic: install the wheels carried in .whl/
+# (scripts/fetch_device_wheels.sh; run(carry=[".whl"])) when they are missing.
+if ! python -c "import fastapi, uvicorn, pydantic" 2>/dev/null; then
+    ls .whl/*.whl > /dev/null 2>&1 || { echo "fastapi/uvicorn missing and no .whl/: run scripts/fetch_device_wheels.sh and carry .whl"; exit 2; }
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 
 python -m pagedmoe.cli serve "$MODEL" --load-format dummy --served-model-name "$(basename "$MODEL")" \
     --gpu-memory-gb "$BUDGET_GB" --max-model-len "$MAX_MODEL_LEN" --port "$PORT" \
