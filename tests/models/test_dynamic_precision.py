@@ -70,6 +70,11 @@ def test_burst_preempts_under_static_exact_not_under_dynamic(ckpt):
     # the table and the published versions agree with the controller's map
     table = llm.engine.expert_store.table
     assert table.precision_map() == mgr.precision_map()
+    # each entry also holds its activity and the step it was last routed to (the activity table's view)
+    ema, last = llm.engine.activity.host_view()
+    entries = [table._entries[l][e] for l in range(table.num_layers) for e in range(table.num_experts)]
+    assert [x.last_access for x in entries] == [t for row in last for t in row]
+    assert max(x.last_access for x in entries) >= 0 and all(x.activity >= 0 for x in entries)
 
 
 def test_forward_never_sees_a_half_built_version(ckpt):

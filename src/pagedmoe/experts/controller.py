@@ -281,6 +281,7 @@ class DynamicPrecisionManager:
         if self.activity is None:
             return {}
         ema, last = self.activity.host_view()
+        self.runtime.store.table.record_activity(ema, last)
         act = {}
         for layer, row in enumerate(ema):
             total = sum(row) + 1e-3 * len(row)

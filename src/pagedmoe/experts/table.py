@@ -34,6 +34,7 @@ class ExpertEntry:
     slot: int                 # row in that tier's store for this layer
     precision: str = "bf16"
     activity: float = 0.0     # moving average of routed tokens (filled by the activity table)
+    last_access: int = -1     # engine step the expert was last routed to (-1: never; activity table)
 
 
 class ExpertTable:
@@ -87,7 +88,18 @@ class ExpertTable:
         (experts/quantized.py::DynamicExperts; its slot is the expert id)."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}")
-        self._entries[layer][expert] = ExpertEntry(tier, slot, precision)
+        old = self._entries[layer][expert]
+        keep = (old.activity, old.last_access) if old is not None else (0.0, -1)
+        self._entries[layer][expert] = ExpertEntry(tier, slot, precision, *keep)
+
+    def record_activity(self, ema: Sequence[Sequence[float]], last_access: Sequence[Sequence[int]]) -> None:
+        """Copy the activity table's host view into the entries (the controller reads it between steps),
+        so each entry holds where the expert is, at what precision, and when it was last used."""
+        for layer, (row_ema, row_last) in enumerate(zip(ema, last_access)):
+            for e, (a, t) in enumerate(zip(row_ema, row_last)):
+                entry = self._entries[layer][e]
+                if entry is not None:
+                    entry.activity, entry.last_access = float(a), int(t)
 
     def precision_map(self) -> list[list[str]]:
         """[layer][expert] -> precision (for stats and plots)."""
