@@ -23,7 +23,7 @@ import triton
 
 from pagedmoe.kernels import paged_attention as pa
 from pagedmoe.kernels.attention_ref import paged_attention_ref
-from timing import time_graph as _time_graph  # noqa: E402  (benchmarks/ is on sys.path)
+from timing import time_eager as _time_eager, time_graph as _time_graph  # noqa: E402  (benchmarks/ on sys.path)
 
 HBM_BYTES_PER_S = 4.19e12  # ../shared/H200.md: device-to-device copy, bytes read + written
 BF16_FLOPS_PER_S = 753e12  # ../shared/H200.md: bf16 GEMM 8192^3
@@ -69,19 +69,7 @@ def time_graph(fn, num_copies, reps=7):
 
 
 def time_eager(fn, num_copies, reps=7):
-    for i in range(num_copies):
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for i in range(num_copies):
-            fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / num_copies)
-    return statistics.median(samples)
+    return _time_eager(fn, num_copies, reps=reps)
 
 
 def measure_copy_bandwidth():
@@ -254,17 +242,13 @@ def print_table(res):
         if "error" in r:
             print(f"{r['batch']:>5} {r['ctx']:>6} ERROR {r['error'][-200:]}")
             continue
-        ok = {k: v for k, v in r["variants"].items() if "graph_us" in v}
-        auto = r["variants"].get("auto", {})
-        best = min(ok, key=lambda k: ok[k]["graph_us"]) if ok else None
+        ok, auto, best = _variants(r)
         print(f"{r['batch']:>5} {r['ctx']:>6} {r['kv_bytes'] / 1e6:>7.1f} {r['floor_us']:>7.1f} {r['auto_splits']:>3} "
               f"{auto.get('graph_us', float('nan')):>7.1f} {auto.get('eager_us', float('nan')):>7.1f} "
               f"{auto.get('floor_over_measured', float('nan')):>7.2f} {best or '-':>8} "
               f"{ok[best]['graph_us'] if best else float('nan'):>7.1f} "
               f"{ok[best]['floor_over_measured'] if best else float('nan'):>7.2f}")
-        errs = {k: v["error"][:120] for k, v in r["variants"].items() if "error" in v}
-        if errs:
-            print("      variant errors:", errs)
+        _print_errors(r)
         print("      " + "  ".join(f"{k} {v['graph_us']:.1f}" for k, v in ok.items()))
     print("\nPREFILL  512-token chunks  (µs per layer call)")
     print(f"{'batch':>5} {'q':>5} {'ctx':>6} {'floor':>7} {'auto':>8} {'TFLOP/s':>8} {'best':>8} {'µs':>8} {'fl/best':>7}")
@@ -272,20 +256,29 @@ def print_table(res):
         if "error" in r:
             print(f"{r['batch']:>5} {r['q_len']:>5} {r['ctx']:>6} ERROR {r['error'][-200:]}")
             continue
-        ok = {k: v for k, v in r["variants"].items() if "graph_us" in v}
-        auto = r["variants"].get("auto", {})
-        best = min(ok, key=lambda k: ok[k]["graph_us"]) if ok else None
+        ok, auto, best = _variants(r)
         print(f"{r['batch']:>5} {r['q_len']:>5} {r['ctx']:>6} {r['floor_us']:>7.1f} "
               f"{auto.get('graph_us', float('nan')):>8.1f} {auto.get('tflops', float('nan')):>8.1f} {best or '-':>8} "
               f"{ok[best]['graph_us'] if best else float('nan'):>8.1f} "
               f"{ok[best]['floor_over_measured'] if best else float('nan'):>7.2f}")
-        errs = {k: v["error"][:120] for k, v in r["variants"].items() if "error" in v}
-        if errs:
-            print("      variant errors:", errs)
+        _print_errors(r)
     print("\nWRITE_KV  " + "  ".join(
         f"T={r['tokens']}: {r.get('graph_us', float('nan')):.1f} µs (floor {r.get('floor_us', float('nan')):.2f})"
         for r in res["write_kv"]))
     print(f"bench wall {res['wall_s']:.0f} s")
+
+
+def _variants(r: dict):
+    """(variants that ran, the auto variant, the fastest one's name) of one result row."""
+    ok = {k: v for k, v in r["variants"].items() if "graph_us" in v}
+    best = min(ok, key=lambda k: ok[k]["graph_us"]) if ok else None
+    return ok, r["variants"].get("auto", {}), best
+
+
+def _print_errors(r: dict) -> None:
+    errs = {k: v["error"][:120] for k, v in r["variants"].items() if "error" in v}
+    if errs:
+        print("      variant errors:", errs)
 
 
 if __name__ == "__main__":

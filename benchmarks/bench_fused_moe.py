@@ -35,7 +35,7 @@ import triton
 from pagedmoe.experts.layout import expert_stride, expert_views
 from pagedmoe.kernels import fused_moe as fm
 from pagedmoe.models.layers.moe import experts_grouped_mm, experts_loop, route_softmax_topk
-from timing import time_graph as _time_graph  # noqa: E402  (benchmarks/ is on sys.path)
+from timing import time_eager as _time_eager, time_graph as _time_graph  # noqa: E402  (benchmarks/ on sys.path)
 
 HBM_BYTES_PER_S = 4.19e12  # ../shared/H200.md: device-to-device copy, bytes read + written
 DEV, DTYPE = "cuda", torch.bfloat16
@@ -124,19 +124,7 @@ def time_graph(fn, num_copies, reps=9):
 
 
 def time_eager(fn, num_copies, reps=9):
-    for i in range(num_copies):
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for i in range(num_copies):
-            fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / num_copies)
-    return statistics.median(samples)
+    return _time_eager(fn, num_copies, reps=reps)
 
 
 def kernel_breakdown(fn, num_copies):

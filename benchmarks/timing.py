@@ -31,3 +31,20 @@ def time_graph(fn, num_copies: int, reps: int = 7, sample_ms: float = 2.0):
         samples.append(start.elapsed_time(end) * 1e3 / (inner * num_copies))
     del g
     return statistics.median(samples), max(samples) - min(samples)
+
+
+def time_eager(fn, num_copies: int, reps: int = 7) -> float:
+    """Median µs per call of fn(i), i over `num_copies` input copies, launched eagerly (no graph)."""
+    for i in range(num_copies):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for i in range(num_copies):
+            fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / num_copies)
+    return statistics.median(samples)

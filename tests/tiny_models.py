@@ -173,3 +173,18 @@ def write_fp8_checkpoint(hf_model, src: Path, dst: Path, block: tuple[int, int])
                                             **{n: "model-00002-of-00002.safetensors" for n in scales}}}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     return dequantised
+
+
+def greedy_logits(llm, lengths, max_tokens: int, seed: int, vocab: int = 384):
+    """(logits of every sampling step, on the host; the outputs) of `llm` greedily completing random token
+    prompts of `lengths`: what the paging and precision tests compare across placements."""
+    from pagedmoe import SamplingParams
+
+    captured = []
+    orig = llm.engine.sampler.sample
+    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return captured, outs

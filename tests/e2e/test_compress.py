@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
 
 
 def cli(*argv) -> int:
@@ -59,17 +59,10 @@ def _header(p: Path) -> tuple[int, dict]:
 
 def _logits_trace(path, **flags):
     """Logits of every sampling step of a small greedy batch."""
-    from pagedmoe import LLM, SamplingParams
+    from pagedmoe import LLM
 
     llm = LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=64, **flags)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (7, 19, 3)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    return captured
+    return greedy_logits(llm, (7, 19, 3), max_tokens=4, seed=5)[0]
 
 
 def test_compressed_folder_is_complete_and_experts_are_compressed(src, packed, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_logits, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -17,16 +17,10 @@ def ckpt(request, tmp_path_factory):
 
 
 def _trace(path, **flags):
-    from pagedmoe import LLM, SamplingParams
+    from pagedmoe import LLM
 
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=8, **flags)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (7, 19, 3, 30, 11)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    captured, outs = greedy_logits(llm, (7, 19, 3, 30, 11), max_tokens=8, seed=5)
     return captured, [o.outputs[0].token_ids for o in outs], llm.engine
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_logits, make_tiny_checkpoint
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -18,16 +18,10 @@ def ckpt(request, tmp_path_factory):
 
 def _logits_trace(path, device="cpu", **flags):
     """Logits of every sampling step for a small batch, plus the engine."""
-    from pagedmoe import LLM, SamplingParams
+    from pagedmoe import LLM
 
     llm = LLM(str(path), device=device, max_model_len=96, **flags)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (7, 19, 3, 30)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    captured, _ = greedy_logits(llm, (7, 19, 3, 30), max_tokens=6, seed=5)
     return captured, llm.engine
 
 

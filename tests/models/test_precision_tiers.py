@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_logits, make_tiny_checkpoint
 
 PRECISIONS = ["fp8", "int8", "int4"]
 
@@ -34,18 +34,12 @@ def _fake_quantize_store(store, precision):
 
 
 def _trace(path, fake_precision=None, **flags):
-    from pagedmoe import LLM, SamplingParams
+    from pagedmoe import LLM
 
     llm = LLM(str(path), device="cpu", max_model_len=96, **flags)
     if fake_precision is not None:
         _fake_quantize_store(llm.engine.expert_store, fake_precision)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (9, 21, 4)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    captured, _ = greedy_logits(llm, (9, 21, 4), max_tokens=5, seed=7)
     return captured, llm.engine
 
 

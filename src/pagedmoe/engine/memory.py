@@ -13,14 +13,8 @@ class BudgetError(ValueError):
     """The budget cannot hold the model plus one full-length sequence."""
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    budget_bytes: int
-    weight_bytes: int
-    activation_bytes: int
-    kv_bytes_per_block: int
-    num_kv_blocks: int
-    block_size: int
+class KVBlocks:
+    """What a plan's KV share comes to; for dataclasses with num_kv_blocks, kv_bytes_per_block, block_size."""
 
     @property
     def kv_bytes(self) -> int:
@@ -29,6 +23,16 @@ class MemoryPlan:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class MemoryPlan(KVBlocks):
+    budget_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_bytes_per_block: int
+    num_kv_blocks: int
+    block_size: int
 
     def summary(self) -> str:
         return (f"budget {self.budget_bytes / GiB:.2f} GiB: weights {self.weight_bytes / GiB:.2f} GiB, "

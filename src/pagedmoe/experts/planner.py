@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from pagedmoe.engine.memory import GiB, BudgetError
+from pagedmoe.engine.memory import GiB, BudgetError, KVBlocks
 from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload,
                                          ring_wait_layers)
 from pagedmoe.experts.model_shape import ModelShape
@@ -51,7 +51,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class MemoryPlan(KVBlocks):
     """The split of one budget for one placement, and its modelled performance."""
 
     placement: Placement
@@ -74,14 +74,6 @@ class MemoryPlan:
     @property
     def mode(self) -> str:
         return "resident" if self.placement.is_resident else "paged"
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_kv_blocks * self.kv_bytes_per_block
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
 
     @property
     def device_bytes(self) -> int:
