@@ -46,6 +46,10 @@ class EngineConfig:
     gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)
+    host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
+                                                  "GiB; the planner keeps more experts on the GPU to stay within "
+                                                  "it (default: MemAvailable at start-up less max(4 GiB, 10% of "
+                                                  "RAM); unbounded without /proc/meminfo)", type_=float)
     block_size: int = _flag(16, "tokens per KV cache block", type_=int)
     num_kv_blocks: Optional[int] = _flag(None, "force the number of KV cache blocks (overrides the budget)",
                                          type_=int)
@@ -103,6 +107,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.host_memory_gb is not None and not self.host_memory_gb > 0:
+            raise ValueError(f"host_memory_gb must be > 0 (GiB of host memory for the pinned host tier), got "
+                             f"{self.host_memory_gb}")
         if self.num_gpu_experts is not None and self.num_gpu_experts < 0:
             raise ValueError(f"num_gpu_experts must be >= 0, got {self.num_gpu_experts}")
         if self.expert_placement == "resident" and (self.cpu_moe or self.num_gpu_experts is not None):

@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig, resolve_model
-from pagedmoe.engine.memory import GiB, estimate_activation_bytes, plan_memory
+from pagedmoe.engine.memory import GiB, detect_host_budget_bytes, estimate_activation_bytes, plan_memory
 from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
@@ -178,6 +178,7 @@ class LLMEngine:
         ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
         host_modes = (["none", "lossless"] if c.host_compression == "auto" and self.dtype == torch.bfloat16
                       else [self.host_compression])
+        host_budget = self._host_budget()
         plans, errors = {}, []
         for mode in host_modes:
             try:
@@ -185,7 +186,8 @@ class LLMEngine:
                     shape, budget, act, placement, None, max_model_len=self.max_model_len, block_size=c.block_size,
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
                     compression_ratio=ratio,
-                    host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0)
+                    host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
+                    host_budget_bytes=host_budget)
             except ValueError as e:  # PlacementBudgetError: this mode does not fit
                 errors.append(e)
         if not plans:
@@ -205,6 +207,19 @@ class LLMEngine:
             self.host_compression = "none"
             return "resident", None, None
         return "paged", per_layer, comp if any(comp) else None
+
+    def _host_budget(self) -> Optional[int]:
+        """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
+        available at start-up less a reserve (engine/memory.py); None: unbounded."""
+        if self.config.host_memory_gb is not None:
+            return int(self.config.host_memory_gb * GiB)
+        budget = detect_host_budget_bytes()
+        if budget is None:
+            logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
+        else:
+            logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
+                        budget / GiB)
+        return budget
 
     def _planning_budget(self, dims) -> Optional[int]:
         if self.config.gpu_memory_gb is not None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 GiB = 1024 ** 3
 
@@ -54,6 +55,31 @@ def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_
             f"{max_model_len} tokens; the minimum is {need / GiB:.2f} GiB (or lower --max-model-len)")
     return MemoryPlan(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
                       block_size)
+
+
+# Host memory the host tier leaves to everything else (the process, page cache, other tenants).
+HOST_RESERVE_MIN = 4 * GiB
+HOST_RESERVE_FRACTION = 0.10
+
+
+def detect_host_budget_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """Pinned host memory the host tier may take: MemAvailable now, less max(4 GiB, 10% of MemTotal);
+    None (unbounded) when `meminfo` cannot be read or lacks either line. Never negative."""
+    try:
+        with open(meminfo) as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    if "MemAvailable" not in fields or "MemTotal" not in fields:
+        return None
+    reserve = max(HOST_RESERVE_MIN, int(fields["MemTotal"] * HOST_RESERVE_FRACTION))
+    return max(0, fields["MemAvailable"] - reserve)
 
 
 def estimate_activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int,

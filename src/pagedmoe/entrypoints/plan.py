@@ -62,6 +62,9 @@ def register(sub) -> None:
     p.add_argument("--host-compression", default=_env("host_compression", "none"), choices=["none", "lossless"],
                    help="lossless: model the host tier held compressed (0.683 of the bytes over PCIe, decoded "
                         "on the GPU)")
+    p.add_argument("--host-memory-gb", type=float, default=_env("host_memory_gb", None, float),
+                   help="pinned host memory the host tier may take, in GiB (default: unbounded; the plan may be "
+                        "for another machine, unlike the engine, which detects it)")
     p.add_argument("--hardware-json", type=Path, default=None,
                    help="measured rates (HardwareProfile keys); default: the H200 of shared/H200.md")
     p.add_argument("--json", "--output-json", dest="json", type=Path, default=None, help="write the tables here")
@@ -119,7 +122,7 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
     kwargs = dict(max_model_len=inputs.max_model_len, block_size=inputs.block_size, workload=inputs.workload,
                   max_num_seqs=inputs.max_num_seqs, max_num_batched_tokens=inputs.max_num_batched_tokens,
                   hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio,
-                  host_compression_ratio=inputs.host_compression_ratio)
+                  host_compression_ratio=inputs.host_compression_ratio, host_budget_bytes=inputs.host_budget_bytes)
     for auto_mode in (("auto", "paged") if mode == "paged" and num_gpu is None else ("auto",)):
         try:
             plan = plan_memory(shape, inputs.budget_bytes, inputs.activation_bytes, auto_mode, **kwargs)
@@ -144,7 +147,12 @@ def format_table(rows) -> str:
     for label, plan, is_auto, selected in rows:
         mark = ("*" if is_auto else " ") + (">" if selected else " ")
         if isinstance(plan, Exception):
-            lines.append(f"{mark}{label:<26}does not fit (needs {plan.min_budget_bytes / GiB:.2f} GiB)")
+            if hasattr(plan, "host_tier_bytes"):  # HostBudgetError: the host tier is over --host-memory-gb
+                lines.append(f"{mark}{label:<26}does not fit: host tier {g(plan.host_tier_bytes)} > host limit "
+                             f"{g(plan.host_budget_bytes)} GiB (GPU budget for the overflow: ~"
+                             f"{plan.min_budget_bytes / GiB:.2f} GiB)")
+            else:
+                lines.append(f"{mark}{label:<26}does not fit (needs {plan.min_budget_bytes / GiB:.2f} GiB)")
             continue
         d, e = plan.estimate.decode, plan.estimate
         lines.append(
@@ -175,6 +183,10 @@ def run_plan(args) -> int:
     if num_gpu is not None and not 0 <= num_gpu <= per_gpu:
         raise ValueError(f"--num-gpu-experts {num_gpu} is outside [0, {per_gpu}] for this model"
                          + (" (experts per layer per GPU)" if per_gpu != shape.num_experts else ""))
+    if args.host_memory_gb is not None and not args.host_memory_gb > 0:
+        raise ValueError(f"--host-memory-gb must be > 0 (GiB of host memory for the pinned host tier), got "
+                         f"{args.host_memory_gb}")
+    host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
     max_model_len = args.max_model_len or args.input_len + args.output_len
@@ -191,7 +203,8 @@ def run_plan(args) -> int:
           f"{shape.expert_bytes / 2**20:.1f} MiB); KV {shape.kv_bytes_per_token / 1024:.1f} KiB/token")
     print(f"workload {args.input_len} in / {args.output_len} out, max_model_len {max_model_len}, max_num_seqs "
           f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, {buffers} buffers"
-          f"{', host tier compressed (0.683)' if host_ratio else ''}; "
+          f"{', host tier compressed (0.683)' if host_ratio else ''}"
+          f"{f', host memory limit {args.host_memory_gb:.2f} GiB' if host_budget is not None else ''}; "
           f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
           f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms + "
           f"{hw.layer_overhead_s * 1e3:.2f} ms/layer + {hw.seq_overhead_s * 1e6:.0f} us/sequence")
@@ -202,7 +215,8 @@ def run_plan(args) -> int:
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
               "buffers": buffers, "compression_ratio": args.compression_ratio,
-              "host_compression": args.host_compression, "selected_mode": mode,
+              "host_compression": args.host_compression, "host_memory_gb": args.host_memory_gb,
+              "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
     first_error = None
     for num_gpus, text in [(n, t) for n in args.num_gpus for t in args.gpu_memory_gb]:
@@ -210,7 +224,7 @@ def run_plan(args) -> int:
         budget = parse_budget(text, shape.weight_bytes)
         inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
-                            None, None, buffers, host_ratio)
+                            None, None, buffers, host_ratio, host_budget)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
         if num_gpus > 1:
             print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "

@@ -5,7 +5,9 @@ sizes; `pagedmoe plan` calls it from a config.json alone. The cost model is in e
 
 Device budget = backbone + activations + resident experts + compressed tier + expert buffers + KV blocks
 (+ less than one block left over, or more when `max_kv_blocks` caps the KV cache). The host tier lives
-in pinned host memory, outside the budget.
+in pinned host memory, outside the budget, bounded by `host_budget_bytes` when given (a placement whose
+host tier exceeds it raises HostBudgetError; the search then keeps more experts on the GPU, resident or
+in the compressed tier).
 
 Expert buffers: streamed experts (host or compressed tier) land in stable-address compute buffers for
 two MoE layers at a time. With CUDA VMM buffers ("vmm", the H200 default) resident experts are mapped
@@ -44,6 +46,24 @@ class PlacementBudgetError(BudgetError):
     def __init__(self, message: str, min_budget_bytes: int) -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
+
+
+class HostBudgetError(PlacementBudgetError):
+    """The placement's host tier does not fit in the host memory limit. `min_budget_bytes` is a device
+    budget that would fit the plan within the limit: for one placement, about its minimum budget plus the
+    overflowing host experts held resident; from `best_plan`, the cheapest candidate within the limit."""
+
+    def __init__(self, message: str, min_budget_bytes: int, host_tier_bytes: int, host_budget_bytes: int,
+                 fits_device: bool) -> None:
+        super().__init__(message, min_budget_bytes)
+        self.host_tier_bytes = host_tier_bytes
+        self.host_budget_bytes = host_budget_bytes
+        self.fits_device = fits_device  # the GPU budget would hold it: host memory alone refuses it
+
+
+HOST_LIMIT_ADVICE = ("keep more experts on the GPU (a larger --gpu-memory-gb, or the lossless compressed GPU tier "
+                     "--expert-compression lossless), hold the host tier compressed (--host-compression "
+                     "lossless), or raise --host-memory-gb if the machine has more free memory")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -131,10 +151,13 @@ class PlanInputs:
     max_kv_blocks: Optional[int] = None          # cap on useful KV blocks (the rest stays unused)
     buffers: str = "vmm"
     host_compression_ratio: float = 0.0          # --host-compression lossless: the host tier's ratio (0: raw)
+    host_budget_bytes: Optional[int] = None      # pinned host memory the host tier may take (None: unbounded)
 
     def __post_init__(self) -> None:
         if self.buffers not in BUFFER_KINDS:
             raise ValueError(f"buffers must be one of {', '.join(BUFFER_KINDS)}; got {self.buffers!r}")
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0 (None: unbounded), got {self.host_budget_bytes}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -235,9 +258,20 @@ def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
     free = inputs.budget_bytes - _fixed_bytes(inputs, s)
     per_block = inputs.kv_bytes_per_block
     num_blocks = max(free, 0) // per_block
+    g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+    host, limit = s["host_tier_bytes"], inputs.host_budget_bytes
+    if limit is not None and host > limit:
+        # Checked before the device budget so that every plain PlacementBudgetError is a placement within
+        # the host limit: best_plan's cheapest budget then never names one the host cannot hold.
+        per_host = host // placement.total_host
+        overflow = -(-(host - limit) // per_host)
+        need = minimum_budget_bytes(inputs, placement) + overflow * s["expert_slot_bytes"]
+        raise HostBudgetError(
+            f"placement {placement.label()} needs a host tier of {g(host)} GiB of pinned host memory, over the "
+            f"host memory limit of {g(limit)} GiB ({overflow} experts too many); {HOST_LIMIT_ADVICE}",
+            need, host, limit, num_blocks >= inputs.min_kv_blocks)
     if num_blocks < inputs.min_kv_blocks:
         need = minimum_budget_bytes(inputs, placement)
-        g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
         raise PlacementBudgetError(
             f"a budget of {g(inputs.budget_bytes)} GiB cannot hold placement {placement.label()}: backbone "
             f"{g(s['backbone_bytes'])} + resident experts {g(s['resident_expert_bytes'])} + compressed "
@@ -259,11 +293,17 @@ def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
 
 
 def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> MemoryPlan:
-    """The candidate with the best modelled output throughput (ties: more resident experts)."""
-    best, cheapest = None, None
+    """The candidate with the best modelled output throughput (ties: more resident experts). When none fits,
+    the error names the cheapest placement within the host memory limit, and says when that limit is why."""
+    best, cheapest, host_err = None, None, None
     for placement in candidates:
         try:
             plan = plan_placement(inputs, placement)
+        except HostBudgetError as e:  # its min_budget_bytes is an estimate: kept apart from `cheapest`
+            if host_err is None or (e.fits_device, -e.host_tier_bytes) > (host_err.fits_device,
+                                                                           -host_err.host_tier_bytes):
+                host_err = e
+            continue
         except PlacementBudgetError as e:
             if cheapest is None or e.min_budget_bytes < cheapest.min_budget_bytes:
                 cheapest = e
@@ -271,11 +311,24 @@ def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> MemoryPlan
         key = (plan.output_throughput, placement.total_gpu, -placement.total_compressed)
         if best is None or key > best[0]:
             best = (key, plan)
-    if best is None:
-        if cheapest is None:
-            raise ValueError("no placement to choose from")
+    if best is not None:
+        return best[1]
+    if cheapest is None and host_err is None:
+        raise ValueError("no placement to choose from")
+    if host_err is None:
         raise PlacementBudgetError(f"no placement fits; the cheapest: {cheapest}", cheapest.min_budget_bytes)
-    return best[1]
+    limit = f"{host_err.host_budget_bytes / GiB:.2f}"
+    if cheapest is None:
+        raise HostBudgetError(f"no placement fits the host memory limit of {limit} GiB; the least host memory: "
+                              f"{host_err}", host_err.min_budget_bytes, host_err.host_tier_bytes,
+                              host_err.host_budget_bytes, host_err.fits_device)
+    within = f"within the host memory limit of {limit} GiB the cheapest: {cheapest}"
+    if host_err.fits_device:
+        raise HostBudgetError(
+            f"no placement fits: host memory is the limit. Placements the GPU budget holds need more pinned host "
+            f"memory than the limit (e.g. {host_err}); {within}", cheapest.min_budget_bytes,
+            host_err.host_tier_bytes, host_err.host_budget_bytes, True)
+    raise PlacementBudgetError(f"no placement fits; {within}", cheapest.min_budget_bytes)
 
 
 def auto_candidates(shape: ModelShape, compression_ratio: Optional[float] = None,
@@ -310,20 +363,21 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
                 max_num_batched_tokens: int = 8192, hw: HardwareProfile = H200,
                 backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
                 buffers: str = "vmm", compression_ratio: Optional[float] = None,
-                host_compression_ratio: float = 0.0) -> MemoryPlan:
+                host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None) -> MemoryPlan:
     """Split `budget_bytes` for `placement_mode`:
     - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
     - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest
       streamed from the host; None lets the planner pick the best N < E;
     - "auto": the best modelled throughput over N in 0..E (N = E is resident), refined per layer.
     `compression_ratio` (issue 6) adds the lossless compressed tier to the search; `host_compression_ratio`
-    holds the host tier compressed (its traffic and decode modelled). Raises
+    holds the host tier compressed (its traffic and decode modelled); `host_budget_bytes` bounds the host tier
+    (None: unbounded; over it: HostBudgetError, or the search keeps more experts on the GPU). Raises
     PlacementBudgetError (a BudgetError, a ValueError) naming the minimum budget when nothing fits."""
     if placement_mode not in PLACEMENT_MODES:
         raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
     inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
                         max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers,
-                        host_compression_ratio)
+                        host_compression_ratio, host_budget_bytes)
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     if num_gpu_experts is not None:
         counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)

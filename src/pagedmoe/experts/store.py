@@ -287,6 +287,12 @@ class ExpertStore:
             for e in range(self.table.num_experts):
                 self.row(layer, e)[:n].copy_(rows[e, :n])
             del rows
+            # Encode (quantise) this layer's staged rows now: staging every layer first would peak host
+            # memory at the whole compressed (quantized) tier in raw bf16; now it peaks at one layer.
+            if self._staging[layer] is not None:
+                self._encode(layer)
+            if self._qstaging[layer] is not None:
+                self._quantize(layer)
         self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------
