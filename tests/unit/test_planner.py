@@ -367,3 +367,111 @@ def test_ring_planner_spaces_the_host_experts_and_hides_their_copies():
     assert plan.estimate.decode.fill_s < 1e-3
     two_slot = plan_placement(replace(inputs, buffers="vmm"), plan.placement)
     assert two_slot.estimate.decode.fill_s > 10e-3
+
+
+# -- the host tier bounded by host memory -------------------------------------------------------
+
+def test_host_limit_refuses_a_host_heavy_placement():
+    from pagedmoe.experts.planner import HostBudgetError
+
+    limit = 40 * GiB
+    inputs = PlanInputs(MIXTRAL, 64 * GiB, ACT, 2048, workload=(1024, 1024), host_budget_bytes=limit)
+    cpu_moe = Placement.uniform(32, 8, 0)
+    assert plan_placement(replace(inputs, host_budget_bytes=None), cpu_moe).host_tier_bytes == 256 * EXPERT
+    with pytest.raises(HostBudgetError) as info:
+        plan_placement(inputs, cpu_moe)
+    e = info.value
+    assert isinstance(e, PlacementBudgetError) and e.fits_device
+    assert (e.host_tier_bytes, e.host_budget_bytes) == (256 * EXPERT, limit)
+    overflow = -(-(256 * EXPERT - limit) // EXPERT)                  # 135 experts
+    assert e.min_budget_bytes == minimum_budget_bytes(inputs, cpu_moe) + overflow * EXPERT
+    for words in ("host tier of 84.00 GiB", "host memory limit of 40.00 GiB", "--gpu-memory-gb",
+                  "--expert-compression lossless", "--host-compression lossless", "--host-memory-gb"):
+        assert words in str(e)
+    # at the limit it fits; the fixed-placement path of plan_memory raises the same error
+    assert plan_placement(replace(inputs, host_budget_bytes=256 * EXPERT), cpu_moe).host_tier_bytes == 256 * EXPERT
+    with pytest.raises(HostBudgetError):
+        plan_memory(MIXTRAL, 64 * GiB, ACT, "paged", 0, host_budget_bytes=limit, **KW)
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        replace(inputs, host_budget_bytes=-1)
+
+
+def test_host_limit_moves_experts_to_the_compressed_tier():
+    """With a compressed tier the auto search (uniform candidates, then _refine) stays within the limit by
+    holding experts compressed on the GPU; without the limit it would put more on the host."""
+    kw = dict(compression_ratio=0.68, **KW)
+    free = plan_memory(MIXTRAL, 64 * GiB, ACT, "auto", **kw)
+    limit = free.host_tier_bytes // 2
+    bounded = plan_memory(MIXTRAL, 64 * GiB, ACT, "auto", host_budget_bytes=limit, **kw)
+    assert free.host_tier_bytes > limit >= bounded.host_tier_bytes
+    assert bounded.placement.total_compressed > free.placement.total_compressed
+    assert bounded.output_throughput <= free.output_throughput
+    for mode in ("auto", "paged"):
+        tight = plan_memory(MIXTRAL, 64 * GiB, ACT, mode, host_budget_bytes=8 * GiB, **kw)
+        assert 7 * GiB < tight.host_tier_bytes <= 8 * GiB and tight.placement.total_compressed > 200  # not a uniform count
+
+
+def test_host_limit_named_when_nothing_fits():
+    from pagedmoe.experts.planner import HostBudgetError
+
+    # 48 GiB holds every paged placement's device share, but 20 GiB of host memory needs >= 196 experts on
+    # the GPU (64 GiB): host memory is why nothing fits; the budget named is the cheapest within the limit.
+    limit = 20 * GiB
+    assert plan_memory(MIXTRAL, 48 * GiB, ACT, "auto", **KW).host_tier_bytes > limit
+    with pytest.raises(HostBudgetError, match="host memory is the limit") as info:
+        plan_memory(MIXTRAL, 48 * GiB, ACT, "auto", host_budget_bytes=limit, **KW)
+    inputs = PlanInputs(MIXTRAL, 48 * GiB, ACT, 2048, workload=(1024, 1024), host_budget_bytes=limit)
+    # 196 = 256 - 60 host experts, spread: cheaper than the uniform N=7 a whole-expert-per-layer step gives
+    need = minimum_budget_bytes(inputs, Placement.spread(32, 8, 196))
+    assert need < min(minimum_budget_bytes(inputs, Placement.uniform(32, 8, n)) for n in range(9)
+                      if (8 - n) * 32 * EXPERT <= limit)
+    assert info.value.min_budget_bytes == need
+    assert plan_memory(MIXTRAL, need, ACT, "auto", host_budget_bytes=limit, **KW).host_tier_bytes <= limit
+    # a GPU budget too small for anything: the device budget is the reason, the error still names the limit
+    with pytest.raises(PlacementBudgetError, match="within the host memory limit") as info:
+        plan_memory(MIXTRAL, 8 * GiB, ACT, "auto", host_budget_bytes=limit, **KW)
+    assert not isinstance(info.value, HostBudgetError) and info.value.min_budget_bytes == need
+
+
+def test_detect_host_budget_from_meminfo(tmp_path):
+    from pagedmoe.engine.memory import detect_host_budget_bytes
+
+    def meminfo(total_kb, avail_kb):
+        p = tmp_path / f"meminfo_{total_kb}_{avail_kb}"
+        lines = [f"MemTotal:       {total_kb} kB", "MemFree:         1000 kB", "HugePages_Total:       0"]
+        if avail_kb is not None:
+            lines.append(f"MemAvailable:   {avail_kb} kB")
+        p.write_text("\n".join(lines) + "\n")
+        return str(p)
+
+    big = 128 * 1024 * 1024                                            # 128 GiB in kB: reserve 12.8 GiB
+    assert detect_host_budget_bytes(meminfo(big, 120 * 1024 * 1024)) == 120 * GiB - int(big * 1024 * 0.1)
+    small = 16 * 1024 * 1024                                           # 16 GiB: reserve 4 GiB
+    assert detect_host_budget_bytes(meminfo(small, 10 * 1024 * 1024)) == 6 * GiB
+    assert detect_host_budget_bytes(meminfo(small, 1024 * 1024)) == 0
+    assert detect_host_budget_bytes(meminfo(small, None)) is None
+    assert detect_host_budget_bytes(str(tmp_path / "missing")) is None
+
+
+def test_host_memory_flag_validation(capsys):
+    import argparse
+
+    from pagedmoe.cli import main
+    from pagedmoe.config import EngineConfig, add_engine_args, engine_config_from_args
+
+    for bad in (0, -2.5):
+        with pytest.raises(ValueError, match="host_memory_gb must be > 0"):
+            EngineConfig(host_memory_gb=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--host-memory-gb", "96"])).host_memory_gb == 96.0
+    assert EngineConfig().host_memory_gb is None
+    mixtral = str(CONFIGS / "mixtral-8x7b")
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--host-memory-gb", "0"]) == 2
+    assert "--host-memory-gb must be > 0" in capsys.readouterr().err
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--host-memory-gb", "20", "--compression-ratio",
+                 "0.68"]) == 0
+    text = capsys.readouterr().out
+    assert "host memory limit 20.00 GiB" in text and "does not fit: host tier 84.00 > host limit 20.00 GiB" in text
+    assert main(["plan", mixtral, "--gpu-memory-gb", "64"]) == 0
+    assert "host memory limit" not in capsys.readouterr().out

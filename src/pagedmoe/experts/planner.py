@@ -344,16 +344,43 @@ def auto_candidates(shape: ModelShape, compression_ratio: Optional[float] = None
     return out
 
 
+def host_limited_candidates(inputs: PlanInputs, compression_ratio: Optional[float] = None,
+                            paged_only: bool = False) -> list[Placement]:
+    """Under a host memory limit, the placements whose host tier just fits it: the experts it cannot hold
+    resident (spread evenly), or for each N resident per layer held compressed (spread evenly). Uniform
+    counts step a whole expert per layer (L experts), too coarse to meet a limit closely."""
+    shape, limit = inputs.shape, inputs.host_budget_bytes
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
+    if limit is None or L * E == 0:
+        return []
+    per_host = _sizes(inputs, Placement.uniform(L, E, 0))["host_tier_bytes"] // (L * E)
+    on_gpu = L * E - min(L * E, limit // per_host)
+    if on_gpu <= 0:
+        return []
+    out = [] if paged_only and on_gpu == L * E else [Placement.spread(L, E, on_gpu)]
+    for n in range(E) if compression_ratio else ():
+        compressed = on_gpu - n * L
+        if compressed <= 0:
+            break
+        if compressed <= (E - n) * L:
+            base, extra = divmod(compressed, L)
+            out.append(Placement(E, (n,) * L, tuple(base + (i < extra) for i in range(L)), compression_ratio))
+    return out
+
+
 def _refine(inputs: PlanInputs, plan: MemoryPlan, paged_only: bool) -> MemoryPlan:
-    """Around the best uniform N, try every total resident count within one expert per layer (spread
-    evenly): one more resident expert in a few layers frees less KV than a whole N step."""
+    """Around the best N, try every total resident count within one expert per layer (spread evenly),
+    keeping the compressed counts: one more resident expert in a few layers frees less KV than a whole N
+    step. Each goes through plan_placement, so the host memory limit holds for the refined plan too."""
     shape, p = inputs.shape, plan.placement
     L, E = shape.num_moe_layers, shape.experts_per_gpu
-    n, c = p.num_gpu_experts[0], p.num_compressed_experts[0]
+    n, comp = p.num_gpu_experts[0], p.num_compressed_experts
+    c = max(comp, default=0)
     top = (E - c) * L - (1 if paged_only and c == 0 else 0)
     totals = range(max(0, (n - 1) * L), min(top, (n + 1) * L) + 1)
     arrangements = ("last", "even") if inputs.buffers == "vmm-ring" else ("last",)
-    spread = [Placement.spread(L, E, t, c, p.compression_ratio, fewer) for t in totals for fewer in arrangements]
+    spread = [Placement(E, Placement.spread(L, E, t, 0, 0.0, fewer).num_gpu_experts, comp, p.compression_ratio)
+              for t in totals for fewer in arrangements]
     return best_plan(inputs, [p, *spread])
 
 
@@ -393,5 +420,6 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
     if placement_mode == "resident":
         return plan_placement(inputs, Placement.resident(L, E))
     paged_only = placement_mode == "paged"
-    best = best_plan(inputs, auto_candidates(shape, compression_ratio, paged_only))
+    best = best_plan(inputs, [*auto_candidates(shape, compression_ratio, paged_only),
+                              *host_limited_candidates(inputs, compression_ratio, paged_only)])
     return _refine(inputs, best, paged_only) if L > 1 else best
