@@ -439,3 +439,75 @@ def test_compressing_the_host_tier_frees_the_raw_rows(bf16_ckpt, monkeypatch):
     gc.collect()
     assert refs and all(r() is None for r in refs)
     assert llm.engine.expert_store.host_bytes > 0
+
+
+# -- host memory ---------------------------------------------------------------------------------
+
+def test_init_random_encodes_each_layer_as_it_is_staged(monkeypatch):
+    """Dummy init encodes (quantises) a layer's staged rows before the next layer is written (host memory
+    peaks at one layer of raw rows), with the same result as staging every layer first."""
+    from pagedmoe.codecs.lossless import decode_reference
+    from pagedmoe.experts.store import ExpertStore
+    from pagedmoe.experts.table import ExpertTable
+
+    H, I, L = 16, 8, 3
+
+    def store():
+        table = ExpertTable(L, 6)
+        table.place([{0}, {0, 5}, ()], [{1, 3}, {2}, {0, 1}], [{2}, {1, 3}, {4, 5}], "int8")
+        return ExpertStore(table, H, I, torch.bfloat16, torch.device("cpu"), paged=True)
+
+    new, events = store(), []
+    real_row, real_encode, real_quant = new.row, new._encode, new._quantize
+    monkeypatch.setattr(new, "row", lambda l, e: (events.append(("row", l)), real_row(l, e))[1])
+    monkeypatch.setattr(new, "_encode", lambda l: (events.append(("encode", l)), real_encode(l))[1])
+    monkeypatch.setattr(new, "_quantize", lambda l: (events.append(("quantize", l)), real_quant(l))[1])
+    new.init_random(seed=9)
+    done = [(kind, l) for kind, l in events if kind != "row"]
+    assert done == [(k, l) for l in range(L) for k in ("encode", "quantize")]
+    for kind, l in done:  # each layer is done before the next layer's first row
+        assert all(ll <= l for _, ll in events[:events.index((kind, l))])
+
+    old = store()  # the old order: every layer's rows first, finalize() encodes them all
+    gen = torch.Generator().manual_seed(9 + 1)
+    n = 3 * I * H
+    for l in range(L):
+        rows = torch.empty(6, old.stride, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+        for e in range(6):
+            old.row(l, e)[:n].copy_(rows[e, :n])
+    old.finalize()
+    for l in range(L):
+        assert torch.equal(decode_reference(new.compressed[l]), decode_reference(old.compressed[l]))
+        a, b = (torch.zeros(6, new.stride, dtype=torch.bfloat16) for _ in range(2))
+        new.quantized[l].dequantize_into(a)
+        old.quantized[l].dequantize_into(b)
+        assert torch.equal(a, b) and torch.equal(new.host[l], old.host[l])
+        assert torch.equal(new.resident[l], old.resident[l])
+
+
+def test_engine_bounds_the_host_tier(tmp_path, monkeypatch):
+    """--host-memory-gb (else the detected host memory) reaches the planner: with too little host memory
+    for any paged plan at this budget the engine refuses, naming host memory."""
+    from pagedmoe import LLM
+    from pagedmoe.engine import llm_engine
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=1, num_hidden_layers=6)
+    probe = LLM(str(tmp_path), device="cpu", max_model_len=64).engine.plan
+    tight = (probe.weight_bytes + probe.activation_bytes + 8 * probe.kv_bytes_per_block) / 1024 ** 3
+    engine = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tight).engine
+    assert engine.expert_store.paged and engine.placement_plan.host_tier_bytes > 0
+    half = engine.placement_plan.host_tier_bytes // 2
+    bounded = LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tight,
+                  host_memory_gb=half / 1024 ** 3).engine
+    assert 0 < bounded.placement_plan.host_tier_bytes <= half
+    assert bounded.expert_store.host_bytes <= half
+    # too small for resident (4 KV blocks for max_model_len), and no expert fits the host
+    tighter = (probe.weight_bytes + probe.activation_bytes + 2 * probe.kv_bytes_per_block) / 1024 ** 3
+    limit = 1024
+    with pytest.raises(ValueError, match="host memory is the limit"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tighter, host_memory_gb=limit / 1024 ** 3)
+    monkeypatch.setattr(llm_engine, "detect_host_budget_bytes", lambda: limit)
+    with pytest.raises(ValueError, match="--host-memory-gb"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tighter)
+    monkeypatch.setattr(llm_engine, "detect_host_budget_bytes", lambda: None)  # unknown: unbounded
+    assert LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tighter).engine.expert_store.paged
