@@ -149,8 +149,8 @@ def format_table(rows) -> str:
         if isinstance(plan, Exception):
             if hasattr(plan, "host_tier_bytes"):  # HostBudgetError: the host tier is over --host-memory-gb
                 lines.append(f"{mark}{label:<26}does not fit: host tier {g(plan.host_tier_bytes)} > host limit "
-                             f"{g(plan.host_budget_bytes)} GiB (GPU budget for the overflow: ~"
-                             f"{plan.min_budget_bytes / GiB:.2f} GiB)")
+                             f"{g(plan.host_budget_bytes)} GiB (~{plan.min_budget_bytes / GiB:.2f} GiB GPU with the "
+                             f"overflow resident)")
             else:
                 lines.append(f"{mark}{label:<26}does not fit (needs {plan.min_budget_bytes / GiB:.2f} GiB)")
             continue
