@@ -141,6 +141,7 @@ def main() -> int:
                                            cwd=ROOT).stdout.strip()
     except Exception:
         results["commit"] = None
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench_dynamic.json"
 
     def dump():

@@ -48,7 +48,7 @@ class EngineConfig:
                                            type_=float)
     host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
                                                   "GiB; the planner keeps more experts on the GPU to stay within "
-                                                  "it (default: MemAvailable at start-up less max(4 GiB, 10% of "
+                                                  "it (default: MemAvailable at start-up less max(4 GiB, a tenth of "
                                                   "RAM); unbounded without /proc/meminfo)", type_=float)
     block_size: int = _flag(16, "tokens per KV cache block", type_=int)
     num_kv_blocks: Optional[int] = _flag(None, "force the number of KV cache blocks (overrides the budget)",
