@@ -67,5 +67,11 @@ case ${1:-a} in
   f)  # issue 6 end to end: Mixtral at 64 GiB and weights + 4 with the compressed host tier, and the ring buffers
     point mixtral-64-host-lossless $M 290 64 -- paged+host-lossless
     EXTRA="--expert-buffers vmm-ring" point mixtral-w4-ring $M 150 weights+4 -- paged ;;
-  *) echo "usage: gpu_issue5.sh a|b|c|d|e|f"; exit 2 ;;
+  g)  # issue 6 end to end, the lossless GPU tier where the planner picks it: every Mixtral expert compressed at
+      # weights + 4 (modelled 1158 output tok/s against resident's 256), Qwen3 C=123 at weights + 4 and 64 GiB
+      # (modelled 1721 / 1963 against resident's 658 / 1184)
+    point mixtral-w4-lossless $M 170 weights+4 -- paged+lossless
+    point qwen3-w4-lossless $Q 170 weights+4 -- paged+lossless
+    point qwen3-64-lossless $Q 200 64 -- resident paged+lossless ;;
+  *) echo "usage: gpu_issue5.sh a|b|c|d|e|f|g"; exit 2 ;;
 esac
