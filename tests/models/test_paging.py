@@ -511,3 +511,20 @@ def test_engine_bounds_the_host_tier(tmp_path, monkeypatch):
         LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tighter)
     monkeypatch.setattr(llm_engine, "detect_host_budget_bytes", lambda: None)  # unknown: unbounded
     assert LLM(str(tmp_path), device="cpu", max_model_len=64, gpu_memory_gb=tighter).engine.expert_store.paged
+
+
+def test_fixed_placement_checks_the_host_tier(tmp_path):
+    """--cpu-moe / --num-gpu-experts skip the planner's search but not the host limit: refused with the
+    sizes and what to do, and accepted once the limit holds the host tier."""
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=1, num_hidden_layers=2)
+    paged = LLM(str(tmp_path), device="cpu", max_model_len=64, cpu_moe=True).engine
+    host = paged.expert_store.host_bytes
+    assert host > 0
+    with pytest.raises(ValueError, match="does not fit the host memory limit.*--num-gpu-experts"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64, cpu_moe=True, host_memory_gb=host / 2 / 1024 ** 3)
+    with pytest.raises(ValueError, match="host memory limit"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64, num_gpu_experts=1, host_memory_gb=host / 4 / 1024 ** 3)
+    ok = LLM(str(tmp_path), device="cpu", max_model_len=64, cpu_moe=True, host_memory_gb=2 * host / 1024 ** 3)
+    assert ok.engine.expert_store.host_bytes == host
