@@ -308,6 +308,16 @@ def test_warm_ups_skip_host_copies_and_count_nothing():
     assert pager.stats.as_dict()["bytes_h2d"] > stats["bytes_h2d"]
 
 
+def test_compressed_host_tier_with_dummy_weights(bf16_ckpt):
+    """--load-format dummy fills the compressed host tier layer by layer (init_random): logits equal the
+    raw host tier's with the same seed, and no raw host row is left."""
+    ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16", load_format="dummy", cpu_moe=True)
+    got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", load_format="dummy", cpu_moe=True,
+                                host_compression="lossless")
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(h is None for h in engine.expert_store.host) and engine.expert_store.host_bytes > 0
+
+
 @pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=5)])
 def test_compressed_host_tier_logits_bit_identical_to_resident(bf16_ckpt, flags):
     """--host-compression lossless: the host tier holds compressed bytes, copied into a staging copy and
@@ -418,27 +428,37 @@ def test_warm_ups_decode_valid_staging_with_a_compressed_host_tier(bf16_ckpt):
 
 
 def test_compressing_the_host_tier_frees_the_raw_rows(bf16_ckpt, monkeypatch):
-    """The raw host rows die once their layer is compressed (nothing else, the pager's fill plan included,
-    holds them): a Mixtral-sized host tier could not hold both in host memory."""
+    """Each layer's raw host rows are compressed as soon as the loader has written them (not after the
+    whole checkpoint) and then die (nothing else, the pager's fill plan included, holds them): a host tier
+    larger than host memory in bf16 but not compressed must load."""
     import gc
     import weakref
 
     from pagedmoe import LLM
     from pagedmoe.experts.store import ExpertStore
 
-    refs = []
-    real = ExpertStore._compress_host
+    refs, writes, at_compress = [], [0], []
+    real_compress, real_write = ExpertStore._compress_host_layer, ExpertStore.write
 
-    def spy(self):
-        refs.extend(weakref.ref(t) for t in self.host if t is not None)
-        real(self)
+    def spy_compress(self, layer):
+        if self.host[layer] is not None and self.host[layer].shape[0]:
+            refs.append(weakref.ref(self.host[layer]))
+            at_compress.append(writes[0])
+        real_compress(self, layer)
 
-    monkeypatch.setattr(ExpertStore, "_compress_host", spy)
+    def spy_write(self, *args, **kw):
+        writes[0] += 1
+        real_write(self, *args, **kw)
+
+    monkeypatch.setattr(ExpertStore, "_compress_host_layer", spy_compress)
+    monkeypatch.setattr(ExpertStore, "write", spy_write)
     llm = LLM(str(bf16_ckpt), device="cpu", dtype="bfloat16", cpu_moe=True, host_compression="lossless",
               max_model_len=64)
     gc.collect()
-    assert refs and all(r() is None for r in refs)
-    assert llm.engine.expert_store.host_bytes > 0
+    store = llm.engine.expert_store
+    assert len(refs) == store.table.num_layers and all(r() is None for r in refs)
+    assert at_compress[0] < writes[0]   # the first layer was compressed while later layers were loading
+    assert store.host_bytes > 0 and all(h is None for h in store.host)
 
 
 # -- host memory ---------------------------------------------------------------------------------

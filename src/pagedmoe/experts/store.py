@@ -104,6 +104,7 @@ class ExpertStore:
         self.quantized: list = [None] * L           # QuantizedLayer per layer (paged, quantized tier)
         self._qstaging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
         self._qstaged_parts: list[set] = [set() for _ in range(L)]
+        self._host_staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
         # --host-compression lossless: per layer, each host expert as a one-part CompressedTensor in pinned
         # host memory (encoded at finalize), copied into one of HOST_STAGING_SLOTS device staging slots and
@@ -129,8 +130,10 @@ class ExpertStore:
                 self.resident.append(self.buffers.resident_rows(layer))
             else:
                 self.resident.append(torch.empty(n_res, self.stride, dtype=dtype, device=device))
-            self.host[layer] = pinned_empty((n_host, self.stride), dtype) if pin else \
-                torch.empty(n_host, self.stride, dtype=dtype)
+            # With a compressed host tier the raw rows only stage a layer until it is encoded (pageable,
+            # touched lazily): pinning them all first would peak host memory at the raw host tier.
+            self.host[layer] = pinned_empty((n_host, self.stride), dtype) if pin and host_compression == "none" \
+                else torch.empty(n_host, self.stride, dtype=dtype)
             n_comp = table.count(layer, COMPRESSED)
             if n_comp:
                 if dtype != torch.bfloat16:
@@ -184,6 +187,10 @@ class ExpertStore:
             self._qstaged_parts[layer].update((entry.slot, p) for p in _PARTS[kind])
             if len(self._qstaged_parts[layer]) == 3 * self._qstaging[layer].shape[0]:
                 self._quantize(layer)
+        elif entry is not None and entry.tier == HOST and self.host_compression == "lossless":
+            self._host_staged_parts[layer].update((entry.slot, p) for p in _PARTS[kind])
+            if len(self._host_staged_parts[layer]) == 3 * self.host[layer].shape[0]:
+                self._compress_host_layer(layer)
 
     def _encode(self, layer: int) -> None:
         from pagedmoe.codecs.lossless import encode
@@ -221,28 +228,34 @@ class ExpertStore:
             if self._qstaging[layer] is not None:
                 self._quantize(layer)
         if self.host_compression == "lossless" and all(v is None for v in self.host_staging):
-            self._compress_host()
+            for layer in range(self.table.num_layers):
+                if self.host[layer] is not None:
+                    self._compress_host_layer(layer)
+            self._build_host_staging()
         if self.device.type == "cuda" and any(x is not None for x in self.compressed + self.quantized
                                               + self.host_compressed):
             # the encoder's temporaries (~80 B per weight of a chunk) would otherwise stay cached and
             # shrink the free memory the KV cache is sized from
             torch.cuda.empty_cache()
 
-    def _compress_host(self) -> None:
-        """Encode every layer's host rows (on the device: fast; one codebook per layer), keep each expert's
-        part in pinned host memory and free the raw rows; then build the device staging slots and each
-        expert's views into its slot."""
-        from pagedmoe.codecs.lossless import CompressedTensor, encode
+    def _compress_host_layer(self, layer: int) -> None:
+        """Encode one layer's host rows (on the device: fast; one codebook per layer), keep each expert's
+        part in pinned host memory and free the raw rows."""
+        from pagedmoe.codecs.lossless import encode
 
-        n = self.expert_numel
-        pin = self.device.type == "cuda"
-        for layer in range(self.table.num_layers):
-            rows = self.host[layer]
-            if rows is None or not rows.shape[0]:
-                continue
-            ct = encode(rows[:, :n].to(self.device).contiguous(), num_parts=rows.shape[0], checksum=False)
-            self.host_compressed[layer] = _to_host([ct.part(i) for i in range(ct.num_parts)], pin)
-            self.host[layer] = None
+        rows = self.host[layer]
+        if rows is None or not rows.shape[0]:
+            return
+        self.host[layer] = None
+        self._host_staged_parts[layer] = set()
+        ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
+                    checksum=False)
+        self.host_compressed[layer] = _to_host([ct.part(i) for i in range(ct.num_parts)], self.device.type == "cuda")
+
+    def _build_host_staging(self) -> None:
+        """Once every host layer is encoded: the device staging slots and each expert's views into its slot."""
+        from pagedmoe.codecs.lossless import CompressedTensor
+
         experts = [ct for cts in self.host_compressed if cts for ct in cts]
         if not experts:
             return
@@ -293,6 +306,8 @@ class ExpertStore:
                 self._encode(layer)
             if self._qstaging[layer] is not None:
                 self._quantize(layer)
+            if self.host_compression == "lossless" and self.host[layer] is not None:
+                self._compress_host_layer(layer)
         self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------
