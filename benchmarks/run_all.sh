@@ -37,20 +37,27 @@ Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 # stage -> "expected device time | what it reproduces"
 declare -A STAGES=(
   [gputests]="~2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
-  [issue4]="~9 min | GPU tests; fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh)"
+  [issue4]="~8 min | GPU tests; fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh)"
   [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
-  [hf-offload]="~5 min | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
-  [codec]="~4 min | lossless codec table: bit-exactness, decoder variants, encoder (benchmarks/bench_codec.py)"
+  [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
+  [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
   [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
-  [serve-resident]="~5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
-  [serve-paged]="~6 min | serving table, paged N=32 row"
-  [sweep-mixtral-24_64]="~6 min | sweep Mixtral-8x7B at 24 and 64 GiB (resident does not fit; paged streams every expert)"
-  [sweep-mixtral-w4_139]="~4 min | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio) and 139 GiB"
-  [sweep-qwen3-24_64]="~4 min | sweep Qwen3-30B-A3B at 24 and 64 GiB"
-  [sweep-qwen3-w4_139]="~3 min | sweep Qwen3-30B-A3B at weights + 4 and 139 GiB"
+  [dynamic]="~3 min | dynamic precision: controller cost and the preemption burst (benchmarks/bench_dynamic.py)"
+  [serve-resident]="~2 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
+  [serve-paged]="~4 min [pcie] | serving table, paged N=64 row"
+  [glm-air]="~7 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
+  [sweep-mixtral-24-paged,paged+host-lossless]="~7 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams), host tier raw and compressed"
+  [sweep-mixtral-64-paged,paged+host-lossless]="~8 min [pcie] | sweep Mixtral-8x7B at 64 GiB, host tier raw and compressed"
+  [sweep-mixtral-w4_139-resident,paged,paged+lossless]="~6 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio) and 139 GiB, with and without the lossless GPU tier"
+  [sweep-qwen3-24-paged,paged+host-lossless]="~5 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
+  [sweep-qwen3-64_w4-resident,paged,paged+lossless]="~9 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB and weights + 4"
+  [sweep-qwen3-139-resident]="~2 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
-ORDER=(gputests issue4 hf hf-offload codec attention serve-resident serve-paged sweep-mixtral-24_64 sweep-mixtral-w4_139
-       sweep-qwen3-24_64 sweep-qwen3-w4_139)
+ORDER=(gputests issue4 hf hf-offload codec attention dynamic serve-resident serve-paged glm-air
+       sweep-mixtral-24-paged,paged+host-lossless sweep-mixtral-64-paged,paged+host-lossless
+       sweep-mixtral-w4_139-resident,paged,paged+lossless sweep-qwen3-24-paged,paged+host-lossless
+       sweep-qwen3-64_w4-resident,paged,paged+lossless sweep-qwen3-139-resident)
+HOST_FLAG=${HOST_MEMORY_GB:+--host-memory-gb $HOST_MEMORY_GB}
 
 record_env() {  # $1 = folder
   local d=$1 commit dirty
@@ -80,10 +87,10 @@ PY
   cat "$d/env.txt"
 }
 
-sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output folder
-  # shellcheck disable=SC2086  # budgets and placements are word lists
+sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output folder, $4 = placements (space separated)
+  # shellcheck disable=SC2086  # budgets, placements and HOST_FLAG are word lists
   timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep "$1" --load-format dummy \
-    --budgets $2 --placements ${SWEEP_PLACEMENTS:-resident paged} \
+    --budgets $2 --placements $4 $HOST_FLAG \
     --num-prompts "${SWEEP_NUM_PROMPTS:-256}" --input-len "${SWEEP_INPUT_LEN:-1024}" \
     --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-64}" \
     --max-model-len "${SWEEP_MAX_MODEL_LEN:-2048}" --max-num-seqs 256 \
@@ -126,19 +133,38 @@ run_stage() {  # $1 = stage
       OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_attention.py > "$d/bench_attention.log" \
         2>&1 || rc=$?
       tail -30 "$d/bench_attention.log" ;;
+    dynamic)
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_dynamic.py > "$d/bench_dynamic.log" \
+        2>&1 || rc=$?
+      tail -20 "$d/bench_dynamic.log" ;;
     serve-resident)
       OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh resident \
         --expert-placement resident || rc=$? ;;
     serve-paged)
-      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh paged-n32 \
-        --expert-placement paged --num-gpu-experts 32 || rc=$? ;;
+      # shellcheck disable=SC2086
+      OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh paged-n64 \
+        --expert-placement paged --num-gpu-experts 64 $HOST_FLAG || rc=$? ;;
+    glm-air)
+      # The first try at 139 GiB without expandable segments ran out of memory to fragmentation (docs/benchmarks.md).
+      # shellcheck disable=SC2086
+      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} timeout --kill-after=15 \
+        "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep benchmarks/configs/glm-4.5-air --load-format dummy \
+        --budgets 136 --placements paged+lossless --host-memory-gb "${HOST_MEMORY_GB:-100}" --input-len 1024 \
+        --output-len 1024 --steady-decode-steps 32 --max-model-len 2048 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --output-dir "$d" > "$d/sweep.log" 2>&1 || rc=$?
+      sed -n '/^budget GiB/,$p' "$d/sweep.log" ;;
     sweep-*)
-      local name=${s#sweep-} model budget
-      case ${name%-*} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
-      budget=${name##*-}
+      # sweep-MODEL-BUDGETS[-PLACEMENTS]: budgets joined by "_" (w4 = weights + 4 GiB), placements by ","
+      local name=${s#sweep-} model budget placements=${SWEEP_PLACEMENTS:-resident paged}
+      local -a parts
+      IFS=- read -r -a parts <<< "$name"
+      case ${parts[0]} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
+      budget=${parts[1]:-}
+      [ -n "$budget" ] || { echo "no budget in $s"; return 2; }
       budget=${budget//_/ }
       budget=${budget//w4/weights+4}
-      sweep "$model" "$budget" "$d" || rc=$? ;;
+      [ -n "${parts[2]:-}" ] && placements=${parts[2]//,/ }
+      sweep "$model" "$budget" "$d" "$placements" || rc=$? ;;
     *) echo "unknown stage $s (bash benchmarks/run_all.sh list)"; return 2 ;;
   esac
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "stage $s: TIMED OUT after ${STAGE_TIMEOUT} s (partial results kept)"
