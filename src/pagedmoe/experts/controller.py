@@ -270,9 +270,6 @@ class DynamicPrecisionManager:
     `runtime` is an experts/quantized.py::DynamicExperts; `kv` a kvcache KVCacheManager (its pool
     withholds and releases blocks); `activity` the ActivityTable (read on the host on ticks that act)."""
 
-    RECORD_EVERY = 32   # ticks that act between copies of the activity into the expert table
-    _records = 0
-
     def __init__(self, runtime, kv, block_bytes: int, low: float, high: float, min_precision: str,
                  activity=None, min_usable_blocks: int = 1, max_bytes_per_step: Optional[int] = None,
                  initial: Optional[Mapping[ExpertKey, str]] = None,
@@ -418,11 +415,7 @@ class DynamicPrecisionManager:
         if self.activity is None:
             return {}
         ema, last = self.activity.host_view()
-        # The expert table's copy is for inspection only (nothing decides on it): refreshed every
-        # RECORD_EVERY ticks that act, not every one (its per-entry Python loop).
-        if self._records % self.RECORD_EVERY == 0:
-            self.runtime.store.table.record_activity(ema, last)
-        self._records += 1
+        self.runtime.store.table.record_activity(ema, last)
         if self._keys_by_layer is None:
             self._keys_by_layer = [(l, e) for l in range(len(ema)) for e in range(len(ema[0]) if ema else 0)]
         # NOTE: row totals with Python's sum (left to right), not numpy's pairwise sum, and the same
