@@ -9,13 +9,22 @@ bf16, eager (dynamic precision runs eager: CUDA graphs would bake old expert ver
    needs; its plan's budget B (weights + activations + KV) is the budget of every other run.
 2. dynamic: `--expert-precision dynamic --gpu-memory-gb B` (min int4, default watermarks), same burst.
    Records the precision map at the end and at the step with the fewest free KV blocks (peak).
-3. held: the same engine with the final map (and 4. the peak map) loaded from an `--expert-stats`
-   file and watermarks 0 / 1 (the controller never moves), same burst: the controller's cost is
-   dynamic's time against these (target <= 4%). `tick_s` is the host time inside the controller.
-
 Burst: BENCH_DYNAMIC_REQS requests (default 32) of 2048 random prompt tokens + 256 output tokens
-(ignore_eos), all submitted at once. A CPU smoke run of the script's logic (not a measurement):
-BENCH_DYNAMIC_CONFIG=<a small config folder> BENCH_DYNAMIC_LAYERS=4 BENCH_DYNAMIC_REQS=8 ...
+(ignore_eos), all submitted at once: static exact preempts, dynamic does not.
+
+Controller cost (target <= 4%), like for like: a steady workload keeps BENCH_DYNAMIC_INFLIGHT requests
+(default REQS) in flight, a new one submitted whenever one finishes, BENCH_DYNAMIC_STEADY_REQS
+(default 4 x in flight) in all; the first wave's output lengths are spread 1..OUTPUT so completions
+stay staggered. The window is the second half of the constant-in-flight phase (from half of the
+requests that finish before the last submission until the last submission); the run stops there.
+3. steady_dynamic: the controller active (default watermarks) at budget B.
+4. steady_held: the map the controller held at the window's end, loaded from an `--expert-stats` file
+   with watermarks 0 / 1 (the controller never moves), same workload, same budget.
+cost = held window tok/s / dynamic window tok/s - 1. `tick_s`: host time inside the controller.
+
+A CPU smoke run of the script's logic (not a measurement):
+BENCH_DYNAMIC_CONFIG=src/pagedmoe/default_model BENCH_DYNAMIC_LAYERS=4 BENCH_DYNAMIC_REQS=8 \
+BENCH_DYNAMIC_PROMPT=64 BENCH_DYNAMIC_OUTPUT=16 PYTHONPATH=src python benchmarks/bench_dynamic.py
 
     PYTHONPATH=src python benchmarks/bench_dynamic.py          # JSON in $OUT/bench_dynamic.json
 """
@@ -38,6 +47,8 @@ LAYERS = int(os.environ.get("BENCH_DYNAMIC_LAYERS", "16"))
 REQS = int(os.environ.get("BENCH_DYNAMIC_REQS", "32"))
 PROMPT = int(os.environ.get("BENCH_DYNAMIC_PROMPT", "2048"))
 OUTPUT = int(os.environ.get("BENCH_DYNAMIC_OUTPUT", "256"))
+INFLIGHT = int(os.environ.get("BENCH_DYNAMIC_INFLIGHT", str(REQS)))
+STEADY_REQS = int(os.environ.get("BENCH_DYNAMIC_STEADY_REQS", str(4 * INFLIGHT)))
 COMMON = dict(load_format="dummy", dtype="bfloat16", max_model_len=PROMPT + OUTPUT + 16, max_num_seqs=64,
               max_num_batched_tokens=8192, seed=0)
 
@@ -51,9 +62,9 @@ def model_dir() -> str:
     return str(d)
 
 
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(10, vocab - 10, (REQS, PROMPT), generator=g).tolist()
+def prompts(vocab: int, n: int = REQS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, PROMPT), generator=g).tolist()
 
 
 def _sync() -> None:
@@ -61,10 +72,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_burst(engine, ids, watch_maps: bool = False) -> dict:
-    from pagedmoe import SamplingParams
-
-    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, temperature=0.0)
+def time_ticks(engine) -> list:
+    """Wraps the precision manager's tick; the returned list's [0] accumulates its host seconds."""
     tick_s = [0.0]
     mgr = getattr(engine, "precision", None)
     if mgr is not None:
@@ -77,6 +86,15 @@ def run_burst(engine, ids, watch_maps: bool = False) -> dict:
             finally:
                 tick_s[0] += time.perf_counter() - t
         mgr.tick = timed_tick
+    return tick_s
+
+
+def run_burst(engine, ids, watch_maps: bool = False) -> dict:
+    from pagedmoe import SamplingParams
+
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, temperature=0.0)
+    mgr = getattr(engine, "precision", None)
+    tick_s = time_ticks(engine)
     _sync()
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
@@ -102,6 +120,71 @@ def run_burst(engine, ids, watch_maps: bool = False) -> dict:
         res.update({k: v for k, v in s.items() if k.startswith(("precision_", "expert_dynamic", "expert_precision", "kv_blocks"))})
         res["final_map"] = mgr.precision_map()
         res["peak_map"] = peak_map
+    return res
+
+
+def run_steady(engine, ids) -> dict:
+    """INFLIGHT requests in flight, a new one whenever one finishes, until all STEADY_REQS are submitted;
+    times the window (second half of that phase) and stops at its end."""
+    from pagedmoe import SamplingParams
+
+    mgr = getattr(engine, "precision", None)
+    tick_s = time_ticks(engine)
+    n_in = min(INFLIGHT, len(ids))
+    # The first wave's lengths are spread so completions (and new prefills) stay staggered.
+    lengths = [max(1, (i + 1) * OUTPUT // n_in) for i in range(n_in)] + [OUTPUT] * (len(ids) - n_in)
+    submitted = finished = 0
+
+    def submit():
+        nonlocal submitted
+        p = SamplingParams(max_tokens=lengths[submitted], ignore_eos=True, temperature=0.0)
+        engine.add_request(f"s{submitted}", None, p, prompt_token_ids=ids[submitted])
+        submitted += 1
+
+    def snapshot():
+        _sync()
+        s = engine.get_stats()
+        return {"t": time.perf_counter(), "tick_s": tick_s[0], "steps": steps, "out": out_tokens,
+                "finished": finished, "preempt": s["num_preemptions_total"],
+                "moves": (s.get("precision_demotions", 0), s.get("precision_promotions", 0)),
+                "counts": mgr.precision_counts() if mgr is not None else None}
+
+    for _ in range(n_in):
+        submit()
+    # window: from half the completions of the constant-in-flight phase to the last submission
+    start_at = (len(ids) - n_in) // 2
+    steps = out_tokens = 0
+    t0, w0, w1 = time.perf_counter(), None, None
+    while submitted < len(ids) or (w1 is None and engine.has_unfinished_requests()):
+        if w0 is None and finished >= start_at:
+            w0 = snapshot()
+        outs = engine.step()
+        steps += 1
+        out_tokens += len(outs)
+        for o in outs:
+            if o.finished:
+                finished += 1
+                if submitted < len(ids):
+                    submit()
+        if submitted == len(ids) and w0 is not None:
+            w1 = snapshot()
+            break
+    if w1 is None:      # (tiny runs) the window never opened before the last submission
+        w0 = w0 or snapshot()
+        w1 = snapshot()
+    wall = w1["t"] - w0["t"]
+    res = {"total_s": w1["t"] - t0, "window_s": wall, "window_steps": w1["steps"] - w0["steps"],
+           "window_output_tokens": w1["out"] - w0["out"], "window_finished": w1["finished"] - w0["finished"],
+           "window_output_throughput": (w1["out"] - w0["out"]) / max(wall, 1e-9),
+           "window_tick_s": w1["tick_s"] - w0["tick_s"],
+           "window_preemptions": w1["preempt"] - w0["preempt"],
+           "window_demotions": w1["moves"][0] - w0["moves"][0], "window_promotions": w1["moves"][1] - w0["moves"][1],
+           "counts_window_start": w0["counts"], "counts_window_end": w1["counts"],
+           "num_kv_blocks": engine.get_stats()["num_kv_blocks"]}
+    res["window_tick_ms_per_step"] = 1e3 * res["window_tick_s"] / max(res["window_steps"], 1)
+    res["window_tick_share"] = res["window_tick_s"] / max(wall, 1e-9)
+    if mgr is not None:
+        res["final_map"] = mgr.precision_map()
     return res
 
 
@@ -152,7 +235,8 @@ def main() -> int:
     # 1. static exact, resident, KV forced below the burst's need
     e, start_s = make(model, expert_placement="resident", num_kv_blocks=static_blocks)
     budget = e.plan.budget_bytes
-    ids = prompts(e.model.dims.vocab_size)
+    e_vocab = e.model.dims.vocab_size
+    ids = prompts(e_vocab)
     results["budget_gib"] = budget / GiB
     results["static_exact"] = {"start_s": start_s, **run_burst(e, ids)}
     dump()
@@ -165,44 +249,53 @@ def main() -> int:
                           "peak_counts": counts(peak_map)}
     dump()
     free_engine(e)
-    # 3./4. the final (peak) map held static: same engine, controller frozen
-    for name, m in (("held_final", final_map), ("held_peak", peak_map)):
-        if m is None:
-            continue
-        stats = Path(tempfile.mkdtemp()) / f"{name}.json"
-        L = len(m)
-        stats.write_text(json.dumps({"total": [[0.0] * len(m[0])] * L, "ema": [[0.0] * len(m[0])] * L,
-                                     "decay": 0.99, "precision_map": m}))
-        e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB, expert_stats=str(stats),
-                          kv_low_watermark=0.0, kv_high_watermark=1.0)
-        held_counts = e.precision.precision_counts()
-        r = run_burst(e, ids)
-        r.pop("final_map", None), r.pop("peak_map", None)
-        results[name] = {"start_s": start_s, **r, "counts": held_counts}
-        dump()
-        free_engine(e)
+    # 3./4. steady workload: controller active, then the map it converged to held static
+    steady_ids = prompts(e_vocab, STEADY_REQS, seed=2)
+    e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB)
+    r = run_steady(e, steady_ids)
+    steady_map = r.pop("final_map")
+    results["steady_dynamic"] = {"start_s": start_s, **r}
+    dump()
+    free_engine(e)
+    stats = Path(tempfile.mkdtemp()) / "steady_held.json"
+    L, E = len(steady_map), len(steady_map[0])
+    stats.write_text(json.dumps({"total": [[0.0] * E] * L, "ema": [[0.0] * E] * L, "decay": 0.99,
+                                 "precision_map": steady_map}))
+    e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB, expert_stats=str(stats),
+                      kv_low_watermark=0.0, kv_high_watermark=1.0)
+    held_counts = e.precision.precision_counts()
+    r = run_steady(e, steady_ids)
+    r.pop("final_map", None)
+    results["steady_held"] = {"start_s": start_s, **r, "held_counts": held_counts,
+                              "held_is_converged_map": held_counts == results["steady_dynamic"]["counts_window_end"]}
+    dump()
+    free_engine(e)
     results["seconds"] = time.perf_counter() - t_all
-    d = results["dynamic"]
-    for name in ("held_final", "held_peak"):
-        if name in results:
-            results[f"controller_cost_vs_{name}"] = results[name]["output_throughput"] / d["output_throughput"] - 1
+    sd, sh = results["steady_dynamic"], results["steady_held"]
+    results["controller_cost"] = sh["window_output_throughput"] / sd["window_output_throughput"] - 1
     dump()
 
-    print(f"\nQwen3-30B-A3B shape, {LAYERS} layers, {REQS} x ({PROMPT} + {OUTPUT}) tokens, budget "
-          f"{results['budget_gib']:.2f} GiB, {results['seconds']:.0f} s total; JSON {path}")
-    print(f"{'run':<14}{'KV blocks':>10}{'preempt':>9}{'out tok/s':>11}{'wall s':>8}{'tick s':>8}  precision")
-    for name in ("static_exact", "dynamic", "held_final", "held_peak"):
-        if name not in results:
-            continue
+    print(f"\nQwen3-30B-A3B shape, {LAYERS} layers, budget {results['budget_gib']:.2f} GiB, "
+          f"{results['seconds']:.0f} s total; JSON {path}")
+    print(f"burst: {REQS} x ({PROMPT} + {OUTPUT}) tokens at once")
+    print(f"{'run':<14}{'KV blocks':>10}{'preempt':>9}{'out tok/s':>11}{'wall s':>8}{'tick s':>8}  precision at end")
+    for name in ("static_exact", "dynamic"):
         r = results[name]
-        prec = r.get("counts") or r.get("final_counts") or {"bf16 (resident)": "all"}
+        prec = r.get("final_counts") or {"bf16 (resident)": "all"}
         print(f"{name:<14}{r['num_kv_blocks']:>10}{r['num_preemptions']:>9}{r['output_throughput']:>11.1f}"
               f"{r['wall_s']:>8.2f}{r['tick_s']:>8.3f}  {prec}")
-    for name in ("held_final", "held_peak"):
-        k = f"controller_cost_vs_{name}"
-        if k in results:
-            print(f"controller cost vs {name}: {100 * results[k]:+.1f}% ({name} tok/s over dynamic tok/s - 1; "
-                  "target <= 4%; negative: dynamic faster)")
+    print(f"steady: {INFLIGHT} in flight, {STEADY_REQS} requests; window = 2nd half of the constant-in-flight phase")
+    print(f"{'run':<15}{'KV blocks':>10}{'win steps':>10}{'win s':>8}{'out tok/s':>11}{'preempt':>8}"
+          f"{'moves':>7}{'tick ms/step':>13}{'tick share':>11}  precision")
+    for name in ("steady_dynamic", "steady_held"):
+        r = results[name]
+        moves = r["window_demotions"] + r["window_promotions"]
+        print(f"{name:<15}{r['num_kv_blocks']:>10}{r['window_steps']:>10}{r['window_s']:>8.2f}"
+              f"{r['window_output_throughput']:>11.1f}{r['window_preemptions']:>8}{moves:>7}"
+              f"{r['window_tick_ms_per_step']:>13.3f}{100 * r['window_tick_share']:>10.1f}%  "
+              f"{r.get('held_counts') or r['counts_window_end']}")
+    print(f"controller cost: {100 * results['controller_cost']:+.1f}% (held window tok/s over dynamic window tok/s "
+          f"- 1; target <= 4%; negative: dynamic faster); held map == converged map: {sh['held_is_converged_map']}")
     return 0
 
 

@@ -143,3 +143,89 @@ def test_precision_metrics_exported():
     assert f'pagedmoe:expert_precision_changes_total{{direction="down",model_name="m"}} {float(down)}' in text
     assert f'pagedmoe:expert_kv_blocks_lent{{model_name="m"}} {float(mgr.withheld)}' in text
     assert 'pagedmoe:experts{model_name="m",precision="int4",tier="quantized"} 7.0' in text
+
+
+# -- the vectorised ranking against the per-Move reference ---------------------------------------------
+def _ref_demote(ctl, need_bytes, last_access):
+    """PressureController.demote as first written: a Move per expert, sorted by demote_rank."""
+    from pagedmoe.experts.precision import EXACT
+
+    pol = ctl.policy
+    cands = [m for k, p in ctl.assignment.items() if (m := pol.demotion(k, p)) is not None]
+    if any(m.dst in EXACT for m in cands):
+        cands = [m for m in cands if m.dst in EXACT]
+    cands.sort(key=lambda m: pol.demote_rank(m, last_access))
+    moves, freed, changed = [], 0, 0
+    for m in cands:
+        if freed >= need_bytes:
+            break
+        if changed - m.bytes_delta > ctl.max_bytes_per_step:
+            continue
+        moves.append(m)
+        freed -= m.bytes_delta
+        changed -= m.bytes_delta
+    return moves
+
+
+def _ref_promote(ctl, room_bytes, last_access):
+    from pagedmoe.experts.precision import EXACT
+
+    pol = ctl.policy
+    cands = [m for k, p in ctl.assignment.items() if (m := pol.promotion(k, p)) is not None]
+    if any(m.src not in EXACT for m in cands):
+        cands = [m for m in cands if m.src not in EXACT]
+    cands.sort(key=lambda m: pol.promote_rank(m, last_access))
+    moves, used = [], 0
+    for m in cands:
+        if used + m.bytes_delta > min(room_bytes, ctl.max_bytes_per_step):
+            continue
+        moves.append(m)
+        used += m.bytes_delta
+    return moves
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_vectorised_selection_matches_reference(seed):
+    """Same moves in the same order as the per-Move implementation, on random costs, activities (zeros
+    and ties included), assignments (off-frontier rungs included), last accesses (ties, missing keys),
+    byte caps and needs; over several rounds of applied moves, re-measured errors and new activity."""
+    import random
+
+    from pagedmoe.experts.controller import PressureController
+    from pagedmoe.experts.precision import PrecisionPolicy, QualityCosts
+
+    rng = random.Random(seed)
+    L, E = rng.choice([(1, 5), (2, 8), (3, 17)])
+    keys = [(l, e) for l in range(L) for e in range(E)]
+    rung_bytes = {"bf16": 100, "lossless": rng.choice([68, 70]), "fp8": 52, "int8": 52, "int4": rng.choice([28, 52])}
+    floor = rng.choice(["int4", "int8", "fp8"])
+    small = [0.001, 0.004, 0.01, 0.025, 0.07]     # few values: ties between experts and rungs
+
+    def rel():
+        return {p: rng.choice(small) for p in ("fp8", "int8", "int4")}
+
+    def activity():
+        return {k: rng.choice([0.0, 0.05, 0.125, 0.5, 1.0, rng.random()]) for k in keys if rng.random() < 0.9}
+
+    costs = QualityCosts({k: rel() for k in keys}, activity())
+    pol = PrecisionPolicy(rung_bytes, costs, floor)
+    start = {k: rng.choice(pol.allowed) for k in keys}
+    ctl = PressureController(pol, Watermarks(5, 15), block_bytes=8, max_bytes_per_step=rng.choice([24, 60, 150, 10**6]),
+                             assignment=start)
+    for _ in range(12):
+        last = {k: rng.randint(0, 4) for k in keys if rng.random() < 0.8}
+        if rng.random() < 0.5:
+            need = rng.choice([0, 1, 30, 200, 10**6])
+            got, want = ctl.demote(need, last), _ref_demote(ctl, need, last)
+        else:
+            room = rng.choice([0, 10, 40, 300, 10**6])
+            got, want = ctl._promote(room, last), _ref_promote(ctl, room, last)
+        assert got == want
+        ctl.applied(got)
+        assert ctl.total_bytes() == pol.total_bytes(ctl.assignment)
+        # costs change the way the manager changes them: measured errors in place, new activity
+        for k in rng.sample(keys, k=min(3, len(keys))):
+            costs.rel_error[k].update(rel())
+            ctl.costs_changed([k])
+        if rng.random() < 0.5:
+            costs.update_activity(activity())

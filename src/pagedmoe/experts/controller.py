@@ -13,19 +13,24 @@ usable KV blocks + expert bytes fit the budget. The builds run off the forward p
 (experts/quantized.py::DynamicExperts: a side stream on CUDA, between steps on CPU) and are published
 at a step boundary, whole layers at a time.
 
-Pure Python (no torch): the runtime and the KV manager are passed in.
+No torch (numpy for the ranking): the runtime and the KV manager are passed in.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Mapping, Optional
 
-from pagedmoe.experts.precision import EXACT, ExpertKey, Move, PrecisionPolicy, QualityCosts
+import numpy as np
+
+from pagedmoe.experts.precision import (_EPS, EXACT, LADDER, ExpertKey, Move, PrecisionPolicy, QualityCosts,
+                                        rung_index)
 
 # Relative output error assumed for an expert before its lossy form was ever built (then measured on
 # its weights); N(0, 0.02)-like weights give about these. Only their order matters much for ranking.
 PRIOR_REL_ERROR = {"fp8": 0.025, "int8": 0.004, "int4": 0.07}
+_EXACT_RUNG = np.array([p in EXACT for p in LADDER])     # by ladder index
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,16 @@ class Watermarks:
 class PressureController:
     """Reads free KV blocks every N steps and returns (expert, from, to) moves; the runtime builds the
     new versions asynchronously and publishes them, then calls `applied`. Each expert moves at most one
-    rung per step and the bytes changed per step are capped, so quality degrades progressively."""
+    rung per step and the bytes changed per step are capped, so quality degrades progressively.
+
+    Ranking is PrecisionPolicy.demote_rank / promote_rank over every expert's one-rung move, computed on
+    numpy arrays: a tick that acts must stay well under a millisecond at thousands of experts (a Move
+    object and a rank tuple per expert per tick cost ~7 ms on the GPU host at 2048 experts). Each
+    expert's neighbours on its frontier are cached and re-read only when they can change: its
+    precision moved (`applied`), its relative errors changed (`costs_changed`), its activity became
+    zero or non-zero, or the bytes per rung changed.
+    NOTE: whoever updates `policy.costs.rel_error[key]` in place must call `costs_changed([key])`
+    (DynamicPrecisionManager._publish does); replacing the whole rel_error dict is noticed."""
 
     def __init__(self, policy: PrecisionPolicy, watermarks: Watermarks, block_bytes: int,
                  max_bytes_per_step: int, assignment: Mapping[ExpertKey, str]) -> None:
@@ -64,9 +78,88 @@ class PressureController:
             raise ValueError("block_bytes and max_bytes_per_step must be positive")
         self.policy, self.watermarks = policy, watermarks
         self.block_bytes, self.max_bytes_per_step = block_bytes, max_bytes_per_step
-        self.assignment = dict(assignment)
+        self.assignment = assignment
         self.demoting = False     # between crossing `low` and reaching the midpoint
 
+    # -- the assignment and its array view -------------------------------------------------------------
+    @property
+    def assignment(self) -> dict[ExpertKey, str]:
+        """Expert -> precision now. Read-only in place (moves go through `applied`); assigning a new
+        map is allowed and resets the cached view."""
+        return self._assignment
+
+    @assignment.setter
+    def assignment(self, assignment: Mapping[ExpertKey, str]) -> None:
+        self._assignment = dict(assignment)
+        self.keys = list(self._assignment)
+        n = len(self.keys)
+        self._index = {k: i for i, k in enumerate(self.keys)}
+        # position of each key in sorted order: the rank tuples' last element (the tie-break)
+        self._key_rank = np.empty(n, dtype=np.int64)
+        self._key_rank[sorted(range(n), key=self.keys.__getitem__)] = np.arange(n)
+        self._cur = np.array([rung_index(p) for p in self._assignment.values()], dtype=np.int64)
+        self._down = np.full(n, -1, dtype=np.int64)     # ladder index of the demotion's rung; -1: none
+        self._up = np.full(n, -1, dtype=np.int64)       # ladder index of the promotion's rung; -1: none
+        self._rel = np.full((n, len(LADDER)), np.nan)   # rel_error per ladder rung (nan: none given)
+        self._dirty: set[int] = set(range(n))           # experts whose cached view must be re-read
+        self._zero = np.zeros(n, dtype=bool)            # activity == 0 when last read
+        self._seen = None                               # (costs, rel_error, bytes) the cache was built on
+
+    def _rung_bytes(self) -> np.ndarray:
+        b = self.policy.bytes_per_rung
+        return np.array([b.get(p, 0) for p in LADDER], dtype=np.int64)
+
+    def total_bytes(self) -> int:
+        """policy.total_bytes(self.assignment), without a pass over a dict."""
+        return int(self._rung_bytes()[self._cur].sum())
+
+    def num_below(self, precision: str) -> int:
+        """How many experts sit at a rung below `precision`."""
+        return int(np.count_nonzero(self._cur > rung_index(precision)))
+
+    def costs_changed(self, keys: Optional[Iterable[ExpertKey]] = None) -> None:
+        """These experts' relative errors changed (None: all of them)."""
+        self._dirty.update(range(len(self.keys)) if keys is None else
+                           (self._index[k] for k in keys if k in self._index))
+
+    def _refresh(self) -> np.ndarray:
+        """Bring the cached neighbours up to date; returns the activity per expert (in `keys` order)."""
+        pol, n = self.policy, len(self.keys)
+        seen = (pol.costs, pol.costs.rel_error, tuple(self._rung_bytes().tolist()))
+        if self._seen is None or seen[0] is not self._seen[0] or seen[1] is not self._seen[1] \
+                or seen[2] != self._seen[2]:
+            self._dirty.update(range(n))
+            self._seen = seen
+        act = np.fromiter(map(pol.costs.activity.get, self.keys, repeat(1.0)), dtype=np.float64, count=n)
+        # The frontier depends on activity only through whether it is zero (policy.frontier's memo).
+        zero = act == 0
+        self._dirty.update(np.flatnonzero(zero != self._zero).tolist())
+        self._zero = zero
+        for i in self._dirty:
+            k, p = self.keys[i], LADDER[self._cur[i]]
+            down, up = pol._neighbour(k, p, +1), pol._neighbour(k, p, -1)
+            self._down[i] = -1 if down is None else rung_index(down)
+            self._up[i] = -1 if up is None else rung_index(up)
+            rel = pol.costs.rel_error.get(k, {})
+            self._rel[i] = [rel.get(q, np.nan) for q in LADDER]
+        self._dirty.clear()
+        return act
+
+    def _cost(self, idx: np.ndarray, rung: np.ndarray, act: np.ndarray) -> np.ndarray:
+        """QualityCosts.cost for experts `idx` at ladder rungs `rung`: the same float operations."""
+        return np.where(_EXACT_RUNG[rung], 0.0, self._rel[idx, rung] * act[idx])
+
+    def _last_access(self, last_access) -> np.ndarray:
+        n = len(self.keys)
+        if not last_access:
+            return np.full(n, -1.0)
+        return np.fromiter(map(last_access.get, self.keys, repeat(-1)), dtype=np.float64, count=n)
+
+    def _moves(self, idx, src, dst, delta) -> list[Move]:
+        return [Move(self.keys[i], LADDER[s], LADDER[d], b)
+                for i, s, d, b in zip(idx.tolist(), src.tolist(), dst.tolist(), delta.tolist())]
+
+    # -- decisions ----------------------------------------------------------------------------------------
     def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
         wm = self.watermarks
         if num_free_blocks < wm.low:
@@ -80,46 +173,82 @@ class PressureController:
         return []
 
     def demote(self, need_bytes: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
-        """The best-ranked demotions (one rung each) that free `need_bytes`, within the per-step cap."""
-        cands = [m for k, p in self.assignment.items() if (m := self.policy.demotion(k, p)) is not None]
+        """The best-ranked demotions (one rung each) that free `need_bytes`, within the per-step cap:
+        candidates in PrecisionPolicy.demote_rank order, taken greedily, skipping any that would pass
+        the cap (tests/unit/test_controller.py checks this against the per-Move reference)."""
+        if need_bytes <= 0:
+            return []
+        act = self._refresh()
+        idx = np.flatnonzero(self._down >= 0)
+        dst, src = self._down[idx], self._cur[idx]
         # Exact rungs first across steps too: no lossy demotion while an exact one is still possible.
-        if any(m.dst in EXACT for m in cands):
-            cands = [m for m in cands if m.dst in EXACT]
-        cands.sort(key=lambda m: self.policy.demote_rank(m, last_access))
-        moves, freed, changed = [], 0, 0
-        for m in cands:
+        exact = _EXACT_RUNG[dst]
+        if exact.any():
+            idx, dst, src = idx[exact], dst[exact], src[exact]
+        b = self._rung_bytes()
+        delta = b[dst] - b[src]
+        lossy = ~_EXACT_RUNG[dst]
+        dcost = self._cost(idx, dst, act) - self._cost(idx, src, act)
+        saved_per_cost = np.where(lossy, -delta / np.maximum(dcost, _EPS), 0.0)
+        last = self._last_access(last_access)[idx]
+        # demote_rank = (lossy, -saved_per_cost, last access, key); lexsort's last key is the primary
+        order = np.lexsort((self._key_rank[idx], last, -saved_per_cost, lossy))
+        idx, src, dst, delta = idx[order], src[order], dst[order], delta[order]
+        take, freed, changed = [], 0, 0
+        saved = (-delta).tolist()
+        smallest = min(saved, default=0)
+        for j, s in enumerate(saved):
             if freed >= need_bytes:
                 break
-            if changed - m.bytes_delta > self.max_bytes_per_step:
+            if changed + s > self.max_bytes_per_step:
+                if self.max_bytes_per_step - changed < smallest:
+                    break           # nothing left fits under the cap: the rest would all be skipped
                 continue
-            moves.append(m)
-            freed -= m.bytes_delta
-            changed -= m.bytes_delta
-        return moves
+            take.append(j)
+            freed += s
+            changed += s
+        return self._moves(idx[take], src[take], dst[take], delta[take])
 
     def _promote(self, room_bytes: int, last_access) -> list[Move]:
-        cands = [m for k, p in self.assignment.items() if (m := self.policy.promotion(k, p)) is not None]
+        act = self._refresh()
+        idx = np.flatnonzero(self._up >= 0)
+        dst, src = self._up[idx], self._cur[idx]
         # Mirror image: lossless -> bf16 only once no expert is lossy.
-        if any(m.src not in EXACT for m in cands):
-            cands = [m for m in cands if m.src not in EXACT]
-        cands.sort(key=lambda m: self.policy.promote_rank(m, last_access))
-        moves, used = [], 0
-        for m in cands:
-            # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
-            # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
-            if used + m.bytes_delta > min(room_bytes, self.max_bytes_per_step):
+        lossy_src = ~_EXACT_RUNG[src]
+        if lossy_src.any():
+            idx, dst, src = idx[lossy_src], dst[lossy_src], src[lossy_src]
+        b = self._rung_bytes()
+        delta = b[dst] - b[src]
+        gain = self._cost(idx, src, act) - self._cost(idx, dst, act)
+        last = self._last_access(last_access)[idx]
+        # promote_rank = (exact only, -gain per byte, -last access, key)
+        order = np.lexsort((self._key_rank[idx], -last, -gain / np.maximum(delta, 1), _EXACT_RUNG[src]))
+        idx, src, dst, delta = idx[order], src[order], dst[order], delta[order]
+        # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
+        # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
+        limit = min(room_bytes, self.max_bytes_per_step)
+        take, used = [], 0
+        grow = delta.tolist()
+        smallest = min(grow, default=0)
+        for j, d in enumerate(grow):
+            if used + d > limit:
+                if limit - used < smallest:
+                    break           # nothing left fits: the rest would all be skipped
                 continue
-            moves.append(m)
-            used += m.bytes_delta
-        return moves
+            take.append(j)
+            used += d
+        return self._moves(idx[take], src[take], dst[take], delta[take])
 
     def applied(self, moves: Iterable[Move]) -> None:
         """The runtime published these moves' new versions."""
         for m in moves:
-            if self.assignment.get(m.key) != m.src:
+            if self._assignment.get(m.key) != m.src:
                 raise ValueError(f"move {m} does not start from the expert's current precision "
-                                 f"{self.assignment.get(m.key)}")
-            self.assignment[m.key] = m.dst
+                                 f"{self._assignment.get(m.key)}")
+            self._assignment[m.key] = m.dst
+            i = self._index[m.key]
+            self._cur[i] = rung_index(m.dst)
+            self._dirty.add(i)
 
 
 @dataclass
@@ -139,7 +268,7 @@ class DynamicPrecisionManager:
     """Between engine steps: publish finished builds, read pressure, start the next moves.
 
     `runtime` is an experts/quantized.py::DynamicExperts; `kv` a kvcache KVCacheManager (its pool
-    withholds and releases blocks); `activity` the ActivityTable (read on the host every tick)."""
+    withholds and releases blocks); `activity` the ActivityTable (read on the host on ticks that act)."""
 
     def __init__(self, runtime, kv, block_bytes: int, low: float, high: float, min_precision: str,
                  activity=None, min_usable_blocks: int = 1, max_bytes_per_step: Optional[int] = None,
@@ -182,17 +311,22 @@ class DynamicPrecisionManager:
         self.controller = PressureController(self.policy, self.watermarks, block_bytes, self.max_bytes_per_step,
                                              start)
         self._pending: list[Move] = []
-        self._num_below_top = sum(p != self.policy.top for p in start.values())
+        self._keys_by_layer = None      # [(layer, expert)] in the activity table's row-major order
 
     # -- KV lending -----------------------------------------------------------------------------
     def surplus_bytes(self, assignment: Mapping[ExpertKey, str]) -> int:
         return self.policy.total_bytes(assignment) - self.floor_bytes
 
     def _blocks_for(self, assignment) -> int:
-        return -(-max(0, self.surplus_bytes(assignment)) // self.block_bytes)
+        return self._blocks_for_bytes(self.policy.total_bytes(assignment))
 
-    def _withhold_for(self, assignment) -> bool:
-        need = self._blocks_for(assignment) - self.withheld
+    def _blocks_for_bytes(self, total_bytes: int) -> int:
+        return -(-max(0, total_bytes - self.floor_bytes) // self.block_bytes)
+
+    def _withhold_for(self, assignment=None, total_bytes: Optional[int] = None) -> bool:
+        if total_bytes is None:
+            total_bytes = self.policy.total_bytes(assignment)
+        need = self._blocks_for_bytes(total_bytes) - self.withheld
         if need <= 0:
             return True
         if self.kv.num_free_blocks < need or self.num_blocks - self.withheld - need < self.min_usable_blocks:
@@ -201,8 +335,8 @@ class DynamicPrecisionManager:
         self.withheld += need
         return True
 
-    def _release_to(self, assignment) -> None:
-        extra = self.withheld - self._blocks_for(assignment)
+    def _release_to(self, total_bytes: int) -> None:
+        extra = self.withheld - self._blocks_for_bytes(total_bytes)
         if extra > 0:
             self.kv.release(extra)
             self.withheld -= extra
@@ -219,7 +353,7 @@ class DynamicPrecisionManager:
         free, wm, ctl = self.kv.num_free_blocks, self.watermarks, self.controller
         # Rank experts only when the controller would act (the hysteresis band costs nothing).
         demote = free < wm.low or (ctl.demoting and free < wm.mid)
-        promote = free > wm.high and self._num_below_top > 0
+        promote = free > wm.high and ctl.num_below(self.policy.top) > 0
         if not (demote or promote):
             ctl.demoting = ctl.demoting and free < wm.mid
             return []
@@ -249,10 +383,8 @@ class DynamicPrecisionManager:
     def _start(self, moves: list[Move]) -> list[Move]:
         if not moves:
             return []
-        new = dict(self.controller.assignment)
-        for m in moves:
-            new[m.key] = m.dst
-        if any(m.bytes_delta > 0 for m in moves) and not self._withhold_for(new):
+        new_total = self.controller.total_bytes() + sum(m.bytes_delta for m in moves)
+        if any(m.bytes_delta > 0 for m in moves) and not self._withhold_for(total_bytes=new_total):
             moves = [m for m in moves if m.bytes_delta <= 0]   # no room for the promotions now
             if not moves:
                 return []
@@ -266,8 +398,8 @@ class DynamicPrecisionManager:
         self.controller.applied(moves)
         for k, errs in measured.items():
             self.costs.rel_error[k].update(errs)
-        self._release_to(self.controller.assignment)
-        self._num_below_top = sum(p != self.policy.top for p in self.controller.assignment.values())
+        self.controller.costs_changed(measured)
+        self._release_to(self.controller.total_bytes())
         s = self.stats
         s.publishes += 1
         s.demotions += sum(m.bytes_delta < 0 for m in moves)
@@ -277,18 +409,21 @@ class DynamicPrecisionManager:
 
     def _refresh_activity(self) -> dict:
         """Costs follow the activity EMA (each expert's share of its layer's routed tokens, add-a-little
-        smoothed); last access steps break ties. One small device->host read between steps."""
+        smoothed); last access steps break ties. One small device->host read between steps; runs only
+        on ticks where the controller acts, vectorised (a Python loop over thousands of experts cost
+        about a millisecond per tick)."""
         if self.activity is None:
             return {}
         ema, last = self.activity.host_view()
         self.runtime.store.table.record_activity(ema, last)
-        act = {}
-        for layer, row in enumerate(ema):
-            total = sum(row) + 1e-3 * len(row)
-            for e, v in enumerate(row):
-                act[(layer, e)] = (v + 1e-3) / total
-        self.costs.update_activity(act)
-        return {(l, e): v for l, row in enumerate(last) for e, v in enumerate(row)}
+        if self._keys_by_layer is None:
+            self._keys_by_layer = [(l, e) for l in range(len(ema)) for e in range(len(ema[0]) if ema else 0)]
+        # NOTE: row totals with Python's sum (left to right), not numpy's pairwise sum, and the same
+        # elementwise float operations as before: the costs, and so the ranking, stay bit for bit.
+        totals = np.array([sum(row) + 1e-3 * len(row) for row in ema], dtype=np.float64)
+        act = (np.asarray(ema, dtype=np.float64) + 1e-3) / totals[:, None]
+        self.costs.update_activity(dict(zip(self._keys_by_layer, act.ravel().tolist())))
+        return dict(zip(self._keys_by_layer, (v for row in last for v in row)))
 
     # -- reporting ---------------------------------------------------------------------------------
     @property
