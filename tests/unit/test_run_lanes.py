@@ -1,0 +1,39 @@
+"""benchmarks/run_lanes.py: run_all.sh's stage list parses, and the schedule places every stage exactly once,
+PCIe-bound stages only on the GPUs allowed them, the same way in every call."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import run_lanes  # noqa: E402
+
+
+def test_run_all_stages_parse():
+    stages = run_lanes.list_stages()
+    names = [s.name for s in stages]
+    assert len(names) == len(set(names)) >= 15
+    assert {"gputests", "glm-air", "serve-paged", "sweep-mixtral-w4-resident,paged,paged+lossless"} <= set(names)
+    assert all(s.minutes > 0 for s in stages)
+    assert {s.name for s in stages if s.pcie} >= {"glm-air", "sweep-mixtral-24-paged", "hf-offload"}
+    assert not any(s.pcie for s in stages if s.name in ("codec", "gputests", "sweep-qwen3-139-resident"))
+
+
+@pytest.mark.parametrize("gpus,calls,pcie", [(4, 2, [0, 1, 2, 3]), (8, 1, [0, 2, 4, 6]), (1, 3, [0]), (2, 2, [1])])
+def test_schedule_places_each_stage_once_pcie_where_allowed(gpus, calls, pcie):
+    stages = run_lanes.list_stages()
+    bins = run_lanes.schedule(stages, gpus, calls, pcie)
+    placed = [(c, g, s) for c, call in enumerate(bins) for g, lane in enumerate(call) for s in lane]
+    assert sorted(s.name for _, _, s in placed) == sorted(s.name for s in stages)
+    assert all(g in pcie for _, g, s in placed if s.pcie)
+    assert bins == run_lanes.schedule(stages, gpus, calls, pcie)   # every call computes the same plan
+    loads = [sum(s.minutes for s in lane) for call in bins for lane in call]
+    longest = max(s.minutes for s in stages)
+    # LPT: no bin exceeds the average by more than the longest stage (among bins any stage may use)
+    if len(pcie) == gpus:
+        assert max(loads) <= sum(loads) / len(loads) + longest
+
+
+def test_schedule_refuses_pcie_stages_without_pcie_gpus():
+    with pytest.raises(ValueError, match="--pcie-gpus"):
+        run_lanes.schedule(run_lanes.list_stages(), 2, 1, [])
