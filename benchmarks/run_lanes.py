@@ -119,23 +119,25 @@ def main() -> int:
         stages = [known[n] for n in args.stages]
     if not 1 <= args.call <= args.calls:
         sys.exit(f"--call must be in 1..{args.calls}")
+    # NOTE: this process never touches CUDA (nvidia-smi counts, the probe runs in a child): a context held
+    # here would take GPU memory from the stages, whose budgets go up to the whole device.
     gpus = args.gpus
-    probe = None
-    if gpus is None or (args.pcie_gpus is None and not args.dry_run):
-        import torch
-
-        gpus = gpus or torch.cuda.device_count()
+    if gpus is None:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
         if gpus < 1:
             sys.exit("no GPU: give --gpus N with --dry-run to see the schedule")
+    probe = None
     if args.pcie_gpus is not None:
         pcie = [int(x) for x in args.pcie_gpus.split(",") if x != ""]
     elif args.dry_run:
         pcie = list(range(gpus))
     else:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from h2d_probe import probe as h2d_probe
-
-        probe = h2d_probe()
+        probe_json = Path(args.work) / "h2d_probe.json"
+        probe_json.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h2d_probe.py"), "--json", str(probe_json)],
+                       check=True)
+        probe = json.loads(probe_json.read_text())
         pcie = [g for g in range(gpus) if probe["together_gb_per_s"][g] >= 0.9 * probe["solo_gb_per_s"][g]]
         if not pcie:  # every link is shared: one PCIe-bound stage at a time, on GPU 0
             pcie = [0]
