@@ -18,7 +18,8 @@
 #
 # Sweep workload (env, defaults in brackets): SWEEP_INPUT_LEN [1024], SWEEP_OUTPUT_LEN [1024],
 # SWEEP_STEADY_STEPS [64], SWEEP_NUM_PROMPTS [256, a cap on the batch], SWEEP_PLACEMENTS ["resident paged"],
-# SWEEP_MAX_MODEL_LEN [2048]. A paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s
+# SWEEP_MAX_MODEL_LEN [2048], SWEEP_EXTRA [more engine flags, e.g. --dtype bfloat16 for a CPU dry run].
+# A paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s
 # (docs/planner.md), so 1024 output tokens cannot finish inside one device call: each point fills the KV cache
 # with as many sequences as 1024 in / 1024 out keeps in flight, times SWEEP_STEADY_STEPS decode steps with the
 # cache full and projects the full run (`--steady-decode-steps`, bench/throughput.py); SWEEP_STEADY_STEPS=0
@@ -95,7 +96,7 @@ PY
 sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output folder, $4 = placements (space separated)
   # shellcheck disable=SC2086  # budgets, placements and HOST_FLAG are word lists
   timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep "$1" --load-format dummy \
-    --budgets $2 --placements $4 $HOST_FLAG \
+    --budgets $2 --placements $4 $HOST_FLAG ${SWEEP_EXTRA:-} \
     --num-prompts "${SWEEP_NUM_PROMPTS:-256}" --input-len "${SWEEP_INPUT_LEN:-1024}" \
     --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-64}" \
     --max-model-len "${SWEEP_MAX_MODEL_LEN:-2048}" --max-num-seqs 256 \
@@ -161,15 +162,15 @@ run_stage() {  # $1 = stage
       sed -n '/^budget GiB/,$p' "$d/sweep.log" ;;
     sweep-*)
       # sweep-MODEL-BUDGETS[-PLACEMENTS]: budgets joined by "_" (w4 = weights + 4 GiB), placements by ","
-      local name=${s#sweep-} model budget placements=${SWEEP_PLACEMENTS:-resident paged}
-      local -a parts
-      IFS=- read -r -a parts <<< "$name"
-      case ${parts[0]} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
-      budget=${parts[1]:-}
-      [ -n "$budget" ] || { echo "no budget in $s"; return 2; }
+      # (placement names may hold "-" themselves: paged+host-lossless)
+      local name=${s#sweep-} model budget rest placements=${SWEEP_PLACEMENTS:-resident paged}
+      case ${name%%-*} in mixtral) model=$M ;; qwen3) model=$Q ;; *) echo "unknown model in $s"; return 2 ;; esac
+      rest=${name#*-}
+      [ "$rest" != "$name" ] && [ -n "$rest" ] || { echo "no budget in $s"; return 2; }
+      budget=${rest%%-*}
+      [[ $rest == *-* ]] && placements=${rest#*-} && placements=${placements//,/ }
       budget=${budget//_/ }
       budget=${budget//w4/weights+4}
-      [ -n "${parts[2]:-}" ] && placements=${parts[2]//,/ }
       sweep "$model" "$budget" "$d" "$placements" || rc=$? ;;
     *) echo "unknown stage $s (bash benchmarks/run_all.sh list)"; return 2 ;;
   esac

@@ -37,3 +37,23 @@ def test_schedule_places_each_stage_once_pcie_where_allowed(gpus, calls, pcie):
 def test_schedule_refuses_pcie_stages_without_pcie_gpus():
     with pytest.raises(ValueError, match="--pcie-gpus"):
         run_lanes.schedule(run_lanes.list_stages(), 2, 1, [])
+
+
+def test_run_all_sweep_stage_runs_its_budgets_and_placements(tmp_path):
+    """A sweep stage's name carries the model, the budgets and the placements (whose names hold '-' and
+    '+'): run on the CPU with the embedded model standing in for Mixtral, each point is measured."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    stage = "sweep-mixtral-w4_2-paged,paged+host-lossless"
+    env = dict(os.environ, OUT=str(tmp_path), MIXTRAL_MODEL="src/pagedmoe/default_model", SWEEP_STEADY_STEPS="1",
+               SWEEP_INPUT_LEN="8", SWEEP_OUTPUT_LEN="8", SWEEP_MAX_MODEL_LEN="32", SWEEP_NUM_PROMPTS="2",
+               SWEEP_EXTRA="--dtype bfloat16 --no-plots", PAGEDMOE_NO_PROGRESS="1")
+    proc = subprocess.run(["bash", "benchmarks/run_all.sh", stage], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    points = json.loads((tmp_path / stage / "sweep.json").read_text())["points"]
+    got = {(p["budget_arg"], p["placement"]): p["status"] for p in points}
+    assert got == {(b, pl): "ok" for b in ("weights+4", "2") for pl in ("paged", "paged+host-lossless")}
