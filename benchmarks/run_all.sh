@@ -42,6 +42,7 @@ declare -A STAGES=(
   [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
   [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
   [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
+  [dequant]="~1 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
   [dynamic]="~3 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
@@ -58,7 +59,7 @@ declare -A STAGES=(
   [sweep-qwen3-w4-resident,paged,paged+lossless]="~5 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~2 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
-ORDER=(gputests issue4 hf hf-offload codec attention dynamic serve-resident serve-paged glm-air
+ORDER=(gputests issue4 hf hf-offload codec dequant attention dynamic serve-resident serve-paged glm-air
        sweep-mixtral-24-paged sweep-mixtral-24-paged+host-lossless sweep-mixtral-64-paged
        sweep-mixtral-64-paged+host-lossless sweep-mixtral-w4-resident,paged,paged+lossless sweep-mixtral-139-resident
        sweep-qwen3-24-paged,paged+host-lossless sweep-qwen3-64-resident,paged,paged+lossless
@@ -136,6 +137,10 @@ run_stage() {  # $1 = stage
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --out "$d" > "$d/bench_codec.log" 2>&1 \
         || rc=$?
       tail -30 "$d/bench_codec.log" ;;
+    dequant)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_dequant.py --out "$d" > "$d/bench_dequant.log" \
+        2>&1 || rc=$?
+      tail -6 "$d/bench_dequant.log" ;;
     attention)
       OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_attention.py > "$d/bench_attention.log" \
         2>&1 || rc=$?

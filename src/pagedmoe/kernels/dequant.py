@@ -55,7 +55,7 @@ def dequant_kernel(
 
 
 def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor, block_r: int = 16,
-                    block_k: int = 256) -> None:
+                    block_k: int = 256, num_warps: int = 4) -> None:
     """Dequantise qt ([n*N, K] stacked) into `out` (a contiguous packed buffer, any float dtype) at the
     element offsets `bases` (int64 [n], on out's device): one launch, no host sync."""
     N_total, K = qt.shape
@@ -75,4 +75,5 @@ def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor,
         raise ValueError(f"data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
     grid = (triton.cdiv(N_total, block_r), triton.cdiv(K, block_k))
     dequant_kernel[grid](qt.data, qt.scales, bases, out, N_total, N_total // n, K, qt.data.shape[1],
-                         qt.scales.shape[1], INT4=int4, GROUP=INT4_GROUP, BLOCK_R=block_r, BLOCK_K=block_k)
+                         qt.scales.shape[1], INT4=int4, GROUP=INT4_GROUP, BLOCK_R=block_r, BLOCK_K=block_k,
+                         num_warps=num_warps)

@@ -1,0 +1,97 @@
+"""Dequantisation into the compute buffer (kernels/dequant.py) against its HBM floor, per precision and launch shape.
+
+Under --expert-precision dynamic (and the static lossy tiers) every quantized expert of a layer is
+dequantised into the layer's compute rows each step; on the H200 at d3607ad that cost ~21 ms of a 29.9 ms
+step for 2,048 Qwen3-shaped experts, about a third of the HBM rate (docs/benchmarks.md). This times one
+layer's worth (128 Qwen3-30B-A3B experts: w13 [128*1536, 2048], w2 [128*2048, 768]) for fp8 / int8 / int4 and a
+grid of (BLOCK_R, BLOCK_K, num_warps), launches queued back to back between CUDA events, two layers
+alternated (well over the 50 MB L2). Every variant is first checked bit-exact against the PyTorch
+reference (codecs/quant.py::dequantize). Floor: (quantized bytes read + bf16 bytes written) / the
+device-to-device copy rate measured in the same run.
+
+    PYTHONPATH=src python benchmarks/bench_dequant.py [--experts 128] [--out $OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from pagedmoe.codecs.quant import dequantize
+from pagedmoe.experts.quantized import QuantizedLayer
+from pagedmoe.kernels.dequant import dequantize_into
+
+from timing import time_eager
+
+H, I = 2048, 768   # Qwen3-30B-A3B
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_eager(lambda i: b.copy_(a), 1)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    n = args.experts
+    stride = 3 * I * H
+    bw = copy_rate()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for precision in ("int8", "fp8", "int4"):
+        layers = [QuantizedLayer.quantize_rows(
+            (torch.randn(n, stride, device="cuda", generator=g) * 0.02).bfloat16(), precision, H, I, list(range(n)),
+            torch.device("cuda")) for _ in range(2)]
+        packed = [torch.empty(n, stride, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        kinds = [(lay.w13, lay._bases(stride, 0)) for lay in layers], [(lay.w2, lay._bases(stride, 2 * I * H))
+                                                                       for lay in layers]
+        moved = sum(qt.nbytes for qt in (layers[0].w13, layers[0].w2)) + 2 * n * stride
+        refs = [dequantize(lay.w13, torch.bfloat16) for lay in layers[:1]]
+        for br, bk, nw in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8)):
+            if br * bk > 65536:
+                continue
+            kw = dict(block_r=br, block_k=bk, num_warps=nw)
+            packed[0].fill_(float("nan"))
+            for qt, bases in (kinds[0][0], kinds[1][0]):
+                dequantize_into(qt, packed[0], bases, **kw)
+            got = packed[0][:, :2 * I * H].reshape(n * 2 * I, H)
+            exact = torch.equal(got.view(torch.int16), refs[0].view(torch.int16))
+
+            def run(i):
+                for qt, bases in (kinds[0][i], kinds[1][i]):
+                    dequantize_into(qt, packed[i], bases, **kw)
+
+            us = time_eager(run, 2)
+            r = {"precision": precision, "block_r": br, "block_k": bk, "num_warps": nw, "us_per_layer": us,
+                 "tb_per_s": moved / (us * 1e-6) / 1e12, "floor_us": moved / bw * 1e6, "exact": exact}
+            results.append(r)
+            print(f"{precision:5s} BLOCK_R {br:3d} BLOCK_K {bk:5d} warps {nw}: {us:8.1f} us per layer, "
+                  f"{r['tb_per_s']:.2f} TB/s, {r['floor_us'] / us:.2f} of the floor, exact {exact}", flush=True)
+        del layers, packed, kinds
+        torch.cuda.empty_cache()
+    best = {}
+    for r in results:
+        if r["exact"] and (r["precision"] not in best or r["us_per_layer"] < best[r["precision"]]["us_per_layer"]):
+            best[r["precision"]] = r
+    default = {r["precision"]: r for r in results if (r["block_r"], r["block_k"], r["num_warps"]) == (16, 256, 4)}
+    print("\nprecision  default us  best us  best (BLOCK_R, BLOCK_K, warps)  best / floor")
+    for p, r in best.items():
+        print(f"{p:9s} {default[p]['us_per_layer']:10.1f} {r['us_per_layer']:8.1f}  "
+              f"({r['block_r']}, {r['block_k']}, {r['num_warps']}){'':18s}{r['floor_us'] / r['us_per_layer']:.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_dequant.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "experts": n, "results": results},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
