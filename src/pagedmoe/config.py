@@ -48,8 +48,9 @@ class EngineConfig:
                                            type_=float)
     host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
                                                   "GiB; the planner keeps more experts on the GPU to stay within "
-                                                  "it (default: MemAvailable at start-up less max(4 GiB, a tenth of "
-                                                  "RAM); unbounded without /proc/meminfo)", type_=float)
+                                                  "it (default: MemAvailable at start-up less a tenth of RAM, at "
+                                                  "least 4 GiB or a quarter of a smaller machine's; unbounded "
+                                                  "without /proc/meminfo)", type_=float)
     block_size: int = _flag(16, "tokens per KV cache block", type_=int)
     num_kv_blocks: Optional[int] = _flag(None, "force the number of KV cache blocks (overrides the budget)",
                                          type_=int)

@@ -449,6 +449,8 @@ def test_detect_host_budget_from_meminfo(tmp_path):
     small = 16 * 1024 * 1024                                           # 16 GiB: reserve 4 GiB
     assert detect_host_budget_bytes(meminfo(small, 10 * 1024 * 1024)) == 6 * GiB
     assert detect_host_budget_bytes(meminfo(small, 1024 * 1024)) == 0
+    laptop = 8 * 1024 * 1024                                           # 8 GiB: reserve a quarter, 2 GiB
+    assert detect_host_budget_bytes(meminfo(laptop, 3 * 1024 * 1024)) == 1 * GiB
     assert detect_host_budget_bytes(meminfo(small, None)) is None
     assert detect_host_budget_bytes(str(tmp_path / "missing")) is None
 

@@ -57,14 +57,18 @@ def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_
                       block_size)
 
 
-# Host memory the host tier leaves to everything else (the process, page cache, other tenants).
+# Host memory the host tier leaves to everything else (the process, page cache, other tenants): a tenth
+# of RAM, at least 4 GiB, but never more than a quarter of a small machine's RAM (an 8 GiB laptop keeps
+# 2 GiB back, not half of it).
 HOST_RESERVE_MIN = 4 * GiB
 HOST_RESERVE_FRACTION = 0.10
+HOST_RESERVE_SMALL_FRACTION = 0.25
 
 
 def detect_host_budget_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
-    """Pinned host memory the host tier may take: MemAvailable now, less max(4 GiB, 10% of MemTotal);
-    None (unbounded) when `meminfo` cannot be read or lacks either line. Never negative."""
+    """Pinned host memory the host tier may take: MemAvailable now, less the reserve (a tenth of MemTotal,
+    at least min(4 GiB, a quarter of MemTotal)); None (unbounded) when `meminfo` cannot be read or lacks
+    either line. Never negative."""
     try:
         with open(meminfo) as f:
             text = f.read()
@@ -78,7 +82,8 @@ def detect_host_budget_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
             fields[name.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
     if "MemAvailable" not in fields or "MemTotal" not in fields:
         return None
-    reserve = max(HOST_RESERVE_MIN, int(fields["MemTotal"] * HOST_RESERVE_FRACTION))
+    total = fields["MemTotal"]
+    reserve = max(min(HOST_RESERVE_MIN, int(total * HOST_RESERVE_SMALL_FRACTION)), int(total * HOST_RESERVE_FRACTION))
     return max(0, fields["MemAvailable"] - reserve)
 
 
