@@ -103,7 +103,7 @@ def test_decode_cost_does_not_grow_with_the_output(tokenizer):
     tokenizer = tokenizer[1]
     proc = OutputProcessor(tokenizer, None, "/nonexistent")
     decoded = []
-    proc.tokenizer = _Counting(tokenizer, decoded)
+    proc.decode = _Counting(tokenizer, decoded).decode
     ids = tokenizer.encode(TEXT * 8, add_special_tokens=False)
     req = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True), max_tokens=len(ids))
     for t in ids:
@@ -116,7 +116,7 @@ def test_final_only_decodes_once_at_the_end(tokenizer):
     proc = OutputProcessor(tokenizer, None, "/nonexistent")
     calls = []
     real = tokenizer.decode
-    proc.tokenizer = _Counting(tokenizer, calls)
+    proc.decode = _Counting(tokenizer, calls).decode
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     req = Request("r", [1], SamplingParams(max_tokens=len(ids), ignore_eos=True, output_kind="final_only"),
                   max_tokens=len(ids))
@@ -131,3 +131,22 @@ def test_final_only_decodes_once_at_the_end(tokenizer):
         if proc.append_token(req, t, None, None, 0.0) is not None:
             break
     assert req.output_text == TEXT[:20] or req.output_text == real(ids, skip_special_tokens=True).split(stop)[0]
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_fast_decode_equals_tokenizer_decode(clean_up):
+    """The Rust backend called directly gives tokenizer.decode's text (a tokenizer that cleans up spaces
+    keeps the wrapper), for random ids with special tokens kept and skipped."""
+    from pagedmoe.engine.output import _fast_decode
+
+    tok = _default_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = _fast_decode(tok)
+    assert (decode == tok.decode) == clean_up
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 24))] + rng.sample(special, min(2, len(special)))
+        rng.shuffle(ids)
+        for skip in (False, True):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)

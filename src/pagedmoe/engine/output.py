@@ -32,10 +32,21 @@ def _eos_token_ids(tokenizer, hf_config, model_path: str) -> set[int]:
     return ids
 
 
+def _fast_decode(tokenizer):
+    """decode(ids, skip_special_tokens) -> str, as `tokenizer.decode` gives it. For a fast tokenizer that
+    does not clean up spaces this calls its Rust backend directly: transformers' wrapper costs ~6x the
+    decode itself, and streaming detokenizes every sequence every step (bench_host_overhead.py)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids, skip_special_tokens=False: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, hf_config, model_path: str) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_path)
+        self.decode = _fast_decode(tokenizer) if tokenizer is not None else None
 
     def mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Forbid EOS and stop tokens for requests that have not reached min_tokens yet."""
@@ -59,7 +70,7 @@ class OutputProcessor:
             request.first_token_time = now
         if logprobs is not None:
             for t, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([t]) if self.tokenizer is not None else None
+                lp.decoded_token = self.decode([t]) if self.tokenizer is not None else None
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += sampled_logprob
         n_out = len(request.output_token_ids)
@@ -90,7 +101,7 @@ class OutputProcessor:
         and the next token is decoded with it. Equal to decoding the whole output (tests/unit/test_detokenize.py)."""
         ids, skip = request.output_token_ids, request.params.skip_special_tokens
         prefix, read = request.detok_prefix, request.detok_read
-        decode = self.tokenizer.decode
+        decode = self.decode
         prefix_text = decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
         new_text = decode(ids[prefix:], skip_special_tokens=skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
@@ -102,8 +113,8 @@ class OutputProcessor:
         ids, skip = request.output_token_ids, request.params.skip_special_tokens
         prefix, read = request.detok_prefix, request.detok_read
         if read < len(ids):
-            prefix_text = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
-            request.output_text += self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)[len(prefix_text):]
+            prefix_text = self.decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
+            request.output_text += self.decode(ids[prefix:], skip_special_tokens=skip)[len(prefix_text):]
             request.detok_prefix, request.detok_read = read, len(ids)
 
     @staticmethod
