@@ -464,8 +464,9 @@ def test_compressing_the_host_tier_frees_the_raw_rows(bf16_ckpt, monkeypatch):
 # -- host memory ---------------------------------------------------------------------------------
 
 def test_init_random_encodes_each_layer_as_it_is_staged(monkeypatch):
-    """Dummy init encodes (quantises) a layer's staged rows before the next layer is written (host memory
-    peaks at one layer of raw rows), with the same result as staging every layer first."""
+    """Dummy init encodes (quantises) a layer's compressed (quantized) experts from the device rows before the
+    next layer is written, never staging them in host memory (only resident and host experts are written
+    through row()), with the same result as staging every layer first."""
     from pagedmoe.codecs.lossless import decode_reference
     from pagedmoe.experts.store import ExpertStore
     from pagedmoe.experts.table import ExpertTable
@@ -480,10 +481,12 @@ def test_init_random_encodes_each_layer_as_it_is_staged(monkeypatch):
     new, events = store(), []
     real_row, real_encode, real_quant = new.row, new._encode, new._quantize
     monkeypatch.setattr(new, "row", lambda l, e: (events.append(("row", l)), real_row(l, e))[1])
-    monkeypatch.setattr(new, "_encode", lambda l: (events.append(("encode", l)), real_encode(l))[1])
-    monkeypatch.setattr(new, "_quantize", lambda l: (events.append(("quantize", l)), real_quant(l))[1])
+    monkeypatch.setattr(new, "_encode", lambda l, *a: (events.append(("encode", l)), real_encode(l, *a))[1])
+    monkeypatch.setattr(new, "_quantize", lambda l, *a: (events.append(("quantize", l)), real_quant(l, *a))[1])
     new.init_random(seed=9)
     done = [(kind, l) for kind, l in events if kind != "row"]
+    rows_written = [sum(1 for kind, ll in events if kind == "row" and ll == l) for l in range(L)]
+    assert rows_written == [new.table.count(l, "resident") + new.table.count(l, "host") for l in range(L)]
     assert done == [(k, l) for l in range(L) for k in ("encode", "quantize")]
     for kind, l in done:  # each layer is done before the next layer's first row
         assert all(ll <= l for _, ll in events[:events.index((kind, l))])

@@ -192,10 +192,11 @@ class ExpertStore:
             if len(self._host_staged_parts[layer]) == 3 * self.host[layer].shape[0]:
                 self._compress_host_layer(layer)
 
-    def _encode(self, layer: int) -> None:
+    def _encode(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Encode the layer's compressed experts: their staged rows, or `rows` (device, slot order) given."""
         from pagedmoe.codecs.lossless import encode
 
-        staged = self._staging[layer]
+        staged = self._staging[layer] if rows is None else rows
         # One tensor per layer, one part per expert: a shared codebook, and a run of experts decodes
         # with one kernel launch. Checksums guard files, not device memory: skipped.
         ct = self.compressed[layer] = encode(staged.to(self.device), num_parts=staged.shape[0], checksum=False)
@@ -209,13 +210,14 @@ class ExpertStore:
         self._staging[layer] = None
         self._staged_parts[layer] = set()
 
-    def _quantize(self, layer: int) -> None:
+    def _quantize(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Quantise the layer's quantized experts: their staged rows, or `rows` (slot order) given."""
         from pagedmoe.experts.quantized import QuantizedLayer
 
         ids = self.table.ids(layer, QUANTIZED)  # slot order = expert-id order
         precision = self.table._entries[layer][ids[0]].precision
-        self.quantized[layer] = QuantizedLayer.quantize_rows(self._qstaging[layer], precision, self.hidden,
-                                                             self.inter, ids, self.device)
+        self.quantized[layer] = QuantizedLayer.quantize_rows(self._qstaging[layer] if rows is None else rows,
+                                                             precision, self.hidden, self.inter, ids, self.device)
         self._qstaging[layer] = None
         self._qstaged_parts[layer] = set()
 
@@ -238,12 +240,12 @@ class ExpertStore:
             # shrink the free memory the KV cache is sized from
             torch.cuda.empty_cache()
 
-    def _compress_host_layer(self, layer: int) -> None:
-        """Encode one layer's host rows (on the device: fast; one codebook per layer), keep each expert's
-        part in pinned host memory and free the raw rows."""
+    def _compress_host_layer(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Encode one layer's host rows (on the device: fast; one codebook per layer), or `rows` (device,
+        slot order) given; keep each expert's part in pinned host memory and free the raw rows."""
         from pagedmoe.codecs.lossless import encode
 
-        rows = self.host[layer]
+        rows = self.host[layer] if rows is None else rows
         if rows is None or not rows.shape[0]:
             return
         self.host[layer] = None
@@ -297,17 +299,25 @@ class ExpertStore:
         for layer in range(self.table.num_layers):
             rows = torch.empty(self.table.num_experts, self.stride, dtype=self.dtype, device=self.device)
             rows.normal_(0.0, std, generator=gen)
+            # Experts whose tier encodes (quantises) them go to the encoder from the device rows, in slot
+            # order; the rest are copied to their rows. Staging them in host memory first would copy every
+            # compressed weight device -> host -> device, through pageable memory (GLM-4.5-Air: 95 GB).
+            encoded: dict[str, dict[int, int]] = {COMPRESSED: {}, QUANTIZED: {}, HOST: {}}
             for e in range(self.table.num_experts):
-                self.row(layer, e)[:n].copy_(rows[e, :n])
+                entry = self.table._entries[layer][e] if self.paged and self.dynamic is None else None
+                if entry is not None and (entry.tier in (COMPRESSED, QUANTIZED)
+                                          or entry.tier == HOST and self.host_compression == "lossless"):
+                    encoded[entry.tier][entry.slot] = e
+                else:
+                    self.row(layer, e)[:n].copy_(rows[e, :n])
+            by_slot = {tier: rows[[ids[k] for k in sorted(ids)], :n] for tier, ids in encoded.items() if ids}
             del rows
-            # Encode (quantise) this layer's staged rows now: staging every layer first would peak host
-            # memory at the whole compressed (quantized) tier in raw bf16; now it peaks at one layer.
-            if self._staging[layer] is not None:
-                self._encode(layer)
-            if self._qstaging[layer] is not None:
-                self._quantize(layer)
-            if self.host_compression == "lossless" and self.host[layer] is not None:
-                self._compress_host_layer(layer)
+            if COMPRESSED in by_slot:
+                self._encode(layer, by_slot.pop(COMPRESSED))
+            if QUANTIZED in by_slot:
+                self._quantize(layer, by_slot.pop(QUANTIZED))
+            if HOST in by_slot:
+                self._compress_host_layer(layer, by_slot.pop(HOST))
         self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------
