@@ -56,10 +56,10 @@ def main() -> None:
                                                                        for lay in layers]
         moved = sum(qt.nbytes for qt in (layers[0].w13, layers[0].w2)) + 2 * n * stride
         refs = [dequantize(lay.w13, torch.bfloat16) for lay in layers[:1]]
-        for br, bk, nw in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8)):
-            if br * bk > 65536:
+        for br, bk, nw, paired in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (False, True)):
+            if br * bk > 65536 or paired and precision != "int4":
                 continue
-            kw = dict(block_r=br, block_k=bk, num_warps=nw)
+            kw = dict(block_r=br, block_k=bk, num_warps=nw, paired=paired)
             packed[0].fill_(float("nan"))
             for qt, bases in (kinds[0][0], kinds[1][0]):
                 dequantize_into(qt, packed[0], bases, **kw)
@@ -71,10 +71,12 @@ def main() -> None:
                     dequantize_into(qt, packed[i], bases, **kw)
 
             us = time_eager(run, 2)
-            r = {"precision": precision, "block_r": br, "block_k": bk, "num_warps": nw, "us_per_layer": us,
+            r = {"precision": precision, "block_r": br, "block_k": bk, "num_warps": nw, "paired": paired,
+                 "us_per_layer": us,
                  "tb_per_s": moved / (us * 1e-6) / 1e12, "floor_us": moved / bw * 1e6, "exact": exact}
             results.append(r)
-            print(f"{precision:5s} BLOCK_R {br:3d} BLOCK_K {bk:5d} warps {nw}: {us:8.1f} us per layer, "
+            print(f"{precision:5s} BLOCK_R {br:3d} BLOCK_K {bk:5d} warps {nw}{' paired' if paired else ''}: "
+                  f"{us:8.1f} us per layer, "
                   f"{r['tb_per_s']:.2f} TB/s, {r['floor_us'] / us:.2f} of the floor, exact {exact}", flush=True)
         del layers, packed, kinds
         torch.cuda.empty_cache()
@@ -82,11 +84,13 @@ def main() -> None:
     for r in results:
         if r["exact"] and (r["precision"] not in best or r["us_per_layer"] < best[r["precision"]]["us_per_layer"]):
             best[r["precision"]] = r
-    default = {r["precision"]: r for r in results if (r["block_r"], r["block_k"], r["num_warps"]) == (16, 256, 4)}
-    print("\nprecision  default us  best us  best (BLOCK_R, BLOCK_K, warps)  best / floor")
+    default = {r["precision"]: r for r in results
+               if (r["block_r"], r["block_k"], r["num_warps"], r["paired"]) == (16, 256, 4, False)}
+    print("\nprecision  default us  best us  best (BLOCK_R, BLOCK_K, warps, paired)  best / floor")
     for p, r in best.items():
         print(f"{p:9s} {default[p]['us_per_layer']:10.1f} {r['us_per_layer']:8.1f}  "
-              f"({r['block_r']}, {r['block_k']}, {r['num_warps']}){'':18s}{r['floor_us'] / r['us_per_layer']:.2f}")
+              f"({r['block_r']}, {r['block_k']}, {r['num_warps']}, {r['paired']}){'':12s}"
+              f"{r['floor_us'] / r['us_per_layer']:.2f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_dequant.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "experts": n, "results": results},

@@ -48,3 +48,25 @@ def test_dequantize_into_rows_matches_reference(precision, N, K, dtype):
         assert out[e, :lo].isnan().all() and out[e, lo + N * K:].isnan().all()
     for e in set(range(E)) - set(ids):
         assert out[e].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,block_k", [(6, 40, 128), (5, 300, 256), (4, 129, 128), (3, 520, 256)])
+def test_paired_int4_matches_reference(N, K, block_k, dtype):
+    """The paired int4 path (each byte loaded once, one scale per group) writes the reference's bits,
+    with odd K, a short last group and K both shorter and longer than the block."""
+    g = torch.Generator().manual_seed(N + K)
+    parts = [quantize((torch.randn(N, K, generator=g) * 0.05).to(DEVICE), "int4") for _ in range(2)]
+    qt = _stack(parts)
+    stride = N * K + 8
+    out = torch.full((3, stride), float("nan"), dtype=dtype, device=DEVICE)
+    ids = [2, 0]
+    bases = torch.tensor([e * stride + 8 for e in ids], dtype=torch.int64, device=DEVICE)
+    dequantize_into(qt, out, bases, block_r=16, block_k=block_k, paired=True)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for e, p in zip(ids, parts):
+        assert torch.equal(out[e, 8:8 + N * K].view(bits), dequantize(p, dtype).reshape(-1).view(bits))
+        assert out[e, :8].isnan().all()
+    assert out[1].isnan().all()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dequantize_into(qt, out, bases, block_k=64, paired=True)

@@ -31,6 +31,7 @@ def dequant_kernel(
     data_stride,
     scale_stride,
     INT4: tl.constexpr,
+    PAIRED: tl.constexpr,  # int4: load each byte once and split it (BLOCK_K a multiple of GROUP)
     GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -40,7 +41,19 @@ def dequant_kernel(
     rmask = rows < R
     mask = rmask[:, None] & (ks < K)[None, :]
     row_off = rows.to(tl.int64)[:, None]
-    if INT4:
+    if INT4 and PAIRED:
+        # one coalesced load of BLOCK_K / 2 bytes, both nibbles interleaved back into K order; one scale
+        # per (row, group) broadcast over its GROUP values (the block starts on a group boundary)
+        js = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(data_ptr + row_off * data_stride + js[None, :],
+                       mask=rmask[:, None] & (js < data_stride)[None, :], other=0)
+        q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
+        gs = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(scale_ptr + row_off * scale_stride + gs[None, :],
+                    mask=rmask[:, None] & (gs < scale_stride)[None, :], other=0.0)
+        q = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_R, BLOCK_K))
+        s = 1.0
+    elif INT4:
         byte = tl.load(data_ptr + row_off * data_stride + (ks // 2)[None, :], mask=mask, other=0)
         nibble = tl.where((ks % 2 == 0)[None, :], byte & 0xF, byte >> 4)
         q = nibble.to(tl.float32) - 8.0
@@ -55,9 +68,11 @@ def dequant_kernel(
 
 
 def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor, block_r: int = 16,
-                    block_k: int = 256, num_warps: int = 4) -> None:
+                    block_k: int = 256, num_warps: int = 4, paired: bool = False) -> None:
     """Dequantise qt ([n*N, K] stacked) into `out` (a contiguous packed buffer, any float dtype) at the
-    element offsets `bases` (int64 [n], on out's device): one launch, no host sync."""
+    element offsets `bases` (int64 [n], on out's device): one launch, no host sync. `paired` (int4, block_k
+    a multiple of 128): each byte loaded once and split, one scale load per group (bit-identical;
+    benchmarks/bench_dequant.py times both)."""
     N_total, K = qt.shape
     n = bases.numel()
     if qt.precision not in ("fp8", "int8", "int4"):
@@ -73,7 +88,10 @@ def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor,
         raise ValueError(f"int4 data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
     if not int4 and (qt.data.shape != (N_total, K) or qt.scales.shape != (N_total, 1)):
         raise ValueError(f"data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
+    if paired and block_k % INT4_GROUP:
+        raise ValueError(f"paired int4 dequantisation needs block_k a multiple of {INT4_GROUP}, got {block_k}")
     grid = (triton.cdiv(N_total, block_r), triton.cdiv(K, block_k))
     dequant_kernel[grid](qt.data, qt.scales, bases, out, N_total, N_total // n, K, qt.data.shape[1],
-                         qt.scales.shape[1], INT4=int4, GROUP=INT4_GROUP, BLOCK_R=block_r, BLOCK_K=block_k,
+                         qt.scales.shape[1], INT4=int4, PAIRED=paired and int4, GROUP=INT4_GROUP, BLOCK_R=block_r,
+                         BLOCK_K=block_k,
                          num_warps=num_warps)
