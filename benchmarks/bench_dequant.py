@@ -17,46 +17,67 @@ import argparse
 import itertools
 import json
 import os
+import time
 
 import torch
 
-from pagedmoe.codecs.quant import dequantize
-from pagedmoe.experts.quantized import QuantizedLayer
-from pagedmoe.kernels.dequant import dequantize_into
+CUDA = torch.cuda.is_available()
+if not CUDA:  # a CPU smoke run of the script's logic (tiny shapes, Triton interpreter): not a measurement
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from timing import time_eager
+from pagedmoe.codecs.quant import dequantize  # noqa: E402
+from pagedmoe.experts.quantized import QuantizedLayer  # noqa: E402
+from pagedmoe.kernels.dequant import dequantize_into  # noqa: E402
 
-H, I = 2048, 768   # Qwen3-30B-A3B
+from timing import time_eager  # noqa: E402
+
+H, I = (2048, 768) if CUDA else (256, 128)   # Qwen3-30B-A3B; CPU smoke: small
+DEV = "cuda" if CUDA else "cpu"
+
+
+def time_call(fn, num_copies: int) -> float:
+    if CUDA:
+        return time_eager(fn, num_copies)
+    t = time.perf_counter()
+    for i in range(num_copies):
+        fn(i)
+    return (time.perf_counter() - t) / num_copies * 1e6
 
 
 def copy_rate() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    a = torch.empty(1 << (30 if CUDA else 24), dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
-    us = time_eager(lambda i: b.copy_(a), 1)
+    us = time_call(lambda i: b.copy_(a), 1)
     return 2 * a.numel() / (us * 1e-6)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=128 if CUDA else 2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     n = args.experts
     stride = 3 * I * H
     bw = copy_rate()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
-    g = torch.Generator(device="cuda").manual_seed(0)
+    gpu = torch.cuda.get_device_name() if CUDA else "cpu (smoke run, not a measurement)"
+    print(f"{gpu}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)")
+    g = torch.Generator(device=DEV).manual_seed(0)
     results = []
-    for precision in ("int8", "fp8", "int4"):
+    for precision in ("int8", "fp8", "int4") if CUDA else ("int8", "int4"):  # the interpreter has no fp8
         layers = [QuantizedLayer.quantize_rows(
-            (torch.randn(n, stride, device="cuda", generator=g) * 0.02).bfloat16(), precision, H, I, list(range(n)),
-            torch.device("cuda")) for _ in range(2)]
-        packed = [torch.empty(n, stride, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+            (torch.randn(n, stride, device=DEV, generator=g) * 0.02).bfloat16(), precision, H, I, list(range(n)),
+            torch.device(DEV)) for _ in range(2)]
+        # the interpreter's bf16 cast truncates (tests/kernels/test_dequant.py): float32 rows on the CPU
+        dtype = torch.bfloat16 if CUDA else torch.float32
+        packed = [torch.empty(n, stride, dtype=dtype, device=DEV) for _ in range(2)]
         kinds = [(lay.w13, lay._bases(stride, 0)) for lay in layers], [(lay.w2, lay._bases(stride, 2 * I * H))
                                                                        for lay in layers]
         moved = sum(qt.nbytes for qt in (layers[0].w13, layers[0].w2)) + 2 * n * stride
-        refs = [dequantize(lay.w13, torch.bfloat16) for lay in layers[:1]]
-        for br, bk, nw, paired in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (False, True)):
+        refs = [dequantize(lay.w13, dtype) for lay in layers[:1]]
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        grid = itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (False, True)) if CUDA else \
+            [(16, 256, 4, False), (16, 256, 4, True)]
+        for br, bk, nw, paired in grid:
             if br * bk > 65536 or paired and precision != "int4":
                 continue
             kw = dict(block_r=br, block_k=bk, num_warps=nw, paired=paired)
@@ -64,13 +85,13 @@ def main() -> None:
             for qt, bases in (kinds[0][0], kinds[1][0]):
                 dequantize_into(qt, packed[0], bases, **kw)
             got = packed[0][:, :2 * I * H].reshape(n * 2 * I, H)
-            exact = torch.equal(got.view(torch.int16), refs[0].view(torch.int16))
+            exact = torch.equal(got.view(bits), refs[0].view(bits))
 
             def run(i):
                 for qt, bases in (kinds[0][i], kinds[1][i]):
                     dequantize_into(qt, packed[i], bases, **kw)
 
-            us = time_eager(run, 2)
+            us = time_call(run, 2)
             r = {"precision": precision, "block_r": br, "block_k": bk, "num_warps": nw, "paired": paired,
                  "us_per_layer": us,
                  "tb_per_s": moved / (us * 1e-6) / 1e12, "floor_us": moved / bw * 1e6, "exact": exact}
@@ -79,7 +100,8 @@ def main() -> None:
                   f"{us:8.1f} us per layer, "
                   f"{r['tb_per_s']:.2f} TB/s, {r['floor_us'] / us:.2f} of the floor, exact {exact}", flush=True)
         del layers, packed, kinds
-        torch.cuda.empty_cache()
+        if CUDA:
+            torch.cuda.empty_cache()
     best = {}
     for r in results:
         if r["exact"] and (r["precision"] not in best or r["us_per_layer"] < best[r["precision"]]["us_per_layer"]):
@@ -93,7 +115,7 @@ def main() -> None:
               f"{r['floor_us'] / r['us_per_layer']:.2f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_dequant.json"), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "experts": n, "results": results},
+        json.dump({"gpu": gpu, "copy_bytes_per_s": bw, "experts": n, "results": results},
                   f, indent=1)
 
 

@@ -70,3 +70,22 @@ def test_paired_int4_matches_reference(N, K, block_k, dtype):
     assert out[1].isnan().all()
     with pytest.raises(ValueError, match="multiple of 128"):
         dequantize_into(qt, out, bases, block_k=64, paired=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark (run_all.sh dequant)")
+def test_bench_dequant_script_runs_on_cpu(tmp_path):
+    """benchmarks/bench_dequant.py's logic on tiny shapes in the interpreter: every variant it times is
+    checked exact first, and it writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "benchmarks/bench_dequant.py", "--out", str(tmp_path)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "bench_dequant.json").read_text())["results"]
+    assert {(r["precision"], r["paired"]) for r in res} == {("int8", False), ("int4", False), ("int4", True)}
+    assert all(r["exact"] for r in res)
