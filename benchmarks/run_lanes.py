@@ -42,33 +42,40 @@ class Stage:
     name: str
     minutes: float
     pcie: bool
+    owed: bool = False   # measures what docs/benchmarks.md does not hold yet: scheduled first
 
 
 def list_stages() -> list[Stage]:
-    """The stages of `run_all.sh list`, in its order: `name  ~N min [pcie] | what`."""
+    """The stages of `run_all.sh list`, in its order: `name  ~N min [pcie] [owed] | what`."""
     text = subprocess.run(["bash", str(RUN_ALL), "list"], capture_output=True, text=True, check=True).stdout
     out = []
     for line in text.splitlines():
-        m = re.match(r"^(\S+)\s+~([\d.]+) min( \[pcie\])? \|", line)
+        m = re.match(r"^(\S+)\s+~([\d.]+) min( \[pcie\])?( \[owed\])? \|", line)
         if m:
-            out.append(Stage(m.group(1), float(m.group(2)), bool(m.group(3))))
+            out.append(Stage(m.group(1), float(m.group(2)), bool(m.group(3)), bool(m.group(4))))
     return out
 
 
-def schedule(stages: list[Stage], gpus: int, calls: int, pcie_gpus: list[int]) -> list[list[list[Stage]]]:
-    """[call][gpu] -> stages: longest first, each onto the least loaded bin it may use (PCIe-bound stages
-    only on `pcie_gpus`); ties go to the earlier call and the lower GPU, so every call computes the same
-    plan from the same inputs."""
+def schedule(stages: list[Stage], gpus: int, calls: int, pcie_gpus: list[int],
+             budget_min: float = float("inf")) -> tuple[list[list[list[Stage]]], list[Stage]]:
+    """([call][gpu] -> stages, the stages left out). Owed stages first, each group longest first, each
+    stage onto the least loaded bin it may use (PCIe-bound stages only on `pcie_gpus`) whose expected work
+    stays within `budget_min`; a stage no bin has room for is left out (for a later call). Ties go to the
+    earlier call and the lower GPU, so every call computes the same plan from the same inputs."""
     if any(s.pcie for s in stages) and not pcie_gpus:
         raise ValueError("PCIe-bound stages but no GPU may run them (--pcie-gpus)")
     bins = [[[] for _ in range(gpus)] for _ in range(calls)]
     load = {(c, g): 0.0 for c in range(calls) for g in range(gpus)}
-    for s in sorted(stages, key=lambda s: -s.minutes):
-        allowed = [k for k in load if not s.pcie or k[1] in pcie_gpus]
+    left_out = []
+    for s in sorted(stages, key=lambda s: (not s.owed, -s.minutes)):
+        allowed = [k for k in load if (not s.pcie or k[1] in pcie_gpus) and load[k] + s.minutes <= budget_min]
+        if not allowed:
+            left_out.append(s)
+            continue
         c, g = min(allowed, key=lambda k: (load[k], k))
         bins[c][g].append(s)
         load[(c, g)] += s.minutes
-    return bins
+    return bins, left_out
 
 
 def describe(bins, budget_s: float) -> str:
@@ -141,11 +148,14 @@ def main() -> int:
         pcie = [g for g in range(gpus) if probe["together_gb_per_s"][g] >= 0.9 * probe["solo_gb_per_s"][g]]
         if not pcie:  # every link is shared: one PCIe-bound stage at a time, on GPU 0
             pcie = [0]
-    bins = schedule(stages, gpus, args.calls, pcie)
+    # the expected minutes are rounded estimates: pack to the call's budget less the runner's own start
+    bins, left_out = schedule(stages, gpus, args.calls, pcie, (args.budget_s - 20) / 60)
     header = (f"{len(stages)} stages, {sum(s.minutes for s in stages):.0f} GPU-minutes expected, {gpus} GPUs, "
               f"{args.calls} calls of {args.budget_s:.0f} s; PCIe-bound stages on GPUs {pcie}\n"
               f"later calls: --calls {args.calls} --pcie-gpus {','.join(map(str, pcie))} --gpus {gpus}\n"
-              + describe(bins, args.budget_s))
+              + describe(bins, args.budget_s)
+              + (f"\nleft out (no room; run them later with --stages): {' '.join(s.name for s in left_out)}"
+                 if left_out else ""))
     print(header, flush=True)
     if args.dry_run:
         return 0

@@ -17,21 +17,36 @@ def test_run_all_stages_parse():
     assert all(s.minutes > 0 for s in stages)
     assert {s.name for s in stages if s.pcie} >= {"glm-air", "sweep-mixtral-24-paged", "hf-offload"}
     assert not any(s.pcie for s in stages if s.name in ("codec", "gputests", "sweep-qwen3-139-resident"))
+    assert {s.name for s in stages if s.owed} >= {"dynamic", "sweep-mixtral-64-paged", "hf-offload"}
+    assert not any(s.owed for s in stages if s.name in ("gputests", "glm-air", "codec"))
 
 
 @pytest.mark.parametrize("gpus,calls,pcie", [(4, 2, [0, 1, 2, 3]), (8, 1, [0, 2, 4, 6]), (1, 3, [0]), (2, 2, [1])])
 def test_schedule_places_each_stage_once_pcie_where_allowed(gpus, calls, pcie):
     stages = run_lanes.list_stages()
-    bins = run_lanes.schedule(stages, gpus, calls, pcie)
+    bins, left_out = run_lanes.schedule(stages, gpus, calls, pcie)
+    assert left_out == []   # no budget: everything placed
     placed = [(c, g, s) for c, call in enumerate(bins) for g, lane in enumerate(call) for s in lane]
     assert sorted(s.name for _, _, s in placed) == sorted(s.name for s in stages)
     assert all(g in pcie for _, g, s in placed if s.pcie)
-    assert bins == run_lanes.schedule(stages, gpus, calls, pcie)   # every call computes the same plan
+    assert (bins, left_out) == run_lanes.schedule(stages, gpus, calls, pcie)   # every call: the same plan
     loads = [sum(s.minutes for s in lane) for call in bins for lane in call]
     longest = max(s.minutes for s in stages)
     # LPT: no bin exceeds the average by more than the longest stage (among bins any stage may use)
     if len(pcie) == gpus:
         assert max(loads) <= sum(loads) / len(loads) + longest
+
+
+def test_schedule_keeps_each_bin_within_the_budget_owed_stages_first():
+    stages = run_lanes.list_stages()
+    budget = 8.5
+    bins, left_out = run_lanes.schedule(stages, 2, 2, [0, 1], budget)
+    assert all(sum(s.minutes for s in lane) <= budget for call in bins for lane in call)
+    placed = [s for call in bins for lane in call for s in lane]
+    assert sorted(s.name for s in placed + left_out) == sorted(s.name for s in stages) and left_out
+    # a stage is left out only if it could not fit where an owed stage could: owed ones go first
+    owed_out = [s for s in left_out if s.owed]
+    assert not owed_out or all(s.owed for s in placed)
 
 
 def test_schedule_refuses_pcie_stages_without_pcie_gpus():
