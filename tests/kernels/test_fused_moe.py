@@ -218,3 +218,49 @@ def test_gpu_cuda_graph_and_determinism():
     assert torch.equal(out, eager)
     assert torch.equal(eager, fm.fused_moe(x2, w13, w2, weights2, ids2))
     assert rel_err(out, reference(x2, w13, w2, weights2, ids2)) < TOL[torch.bfloat16]
+
+
+QUANT_PRECISIONS = ["int8", "int4"] + (["fp8"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("precision", QUANT_PRECISIONS)
+@pytest.mark.parametrize("T,E,A,H,I", [(5, 4, 2, 72, 40), (3, 3, 2, 200, 136)])
+def test_quantized_experts_equal_the_dequantized_ones(precision, T, E, A, H, I):
+    """fused_moe_quantized dequantizes each weight tile in registers to the values kernels/dequant.py
+    writes: with the same tiles its output equals fused_moe on the dequantized weights bit for bit
+    (fp32 activations in the interpreter, where bf16 dots are not exact; bf16 on the GPU). Sizes with a
+    short last int4 group, K below one group, and odd tails."""
+    from pagedmoe.codecs.quant import dequantize, quantize
+    from pagedmoe.experts.quantized import _stack
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    g = torch.Generator().manual_seed(T * H + I)
+    w13 = [torch.randn(2 * I, H, generator=g) * H ** -0.5 for _ in range(E)]
+    w2 = [torch.randn(H, I, generator=g) * I ** -0.5 for _ in range(E)]
+    q13 = _stack([quantize(w.to(DEVICE), precision) for w in w13])
+    q2 = _stack([quantize(w.to(DEVICE), precision) for w in w2])
+    d13 = dequantize(q13, dtype).view(E, 2 * I, H)
+    d2 = dequantize(q2, dtype).view(E, H, I)
+    x = (torch.randn(T, H, generator=g)).to(DEVICE, dtype)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), A, dim=-1)
+    ref = fm.fused_moe(x, d13, d2, weights, ids)
+    got = fm.fused_moe_quantized(x, q13, q2, E, weights, ids)
+    assert torch.equal(got, ref)
+    loop = reference(x, d13, d2, weights, ids)
+    assert rel_err(got, loop) < TOL[dtype]
+
+
+def test_quantized_experts_refuse_bad_stacks():
+    from pagedmoe.codecs.quant import quantize
+    from pagedmoe.experts.quantized import _stack
+
+    q13 = _stack([quantize(torch.randn(16, 32).to(DEVICE), "int8") for _ in range(2)])
+    q2 = _stack([quantize(torch.randn(32, 8).to(DEVICE), "int4") for _ in range(2)])
+    x = torch.randn(1, 32, device=DEVICE)
+    w, ids = torch.ones(1, 1, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="share one of"):
+        fm.fused_moe_quantized(x, q13, q2, 2, w, ids)
+    q2 = _stack([quantize(torch.randn(32, 8).to(DEVICE), "int8") for _ in range(2)])
+    with pytest.raises(ValueError, match="do not hold 3 experts"):
+        fm.fused_moe_quantized(x, q13, q2, 3, w, ids)

@@ -35,6 +35,7 @@ import triton.language as tl
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision, next_pow2
 from .device_info import sm_count
 from .moe_align import moe_align
+from pagedmoe.codecs.quant import INT4_GROUP
 
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
@@ -42,19 +43,45 @@ SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 
 # Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
 # batch bucket; strides, N, K and k_per_split keep their divisibility hints (16-byte loads).
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile in like_ptr's dtype (the activations'). QUANT 0: as stored. 1 (fp8 /
+    int8, one float32 scale per output channel): q * s. 2 (int4 stored v + 8, two per byte, a scale per
+    GROUP inputs; the tile lies in one group, starting at an even K): (nibble - 8) * s. Products in
+    float32, rounded once to nearest even: the values kernels/dequant.py writes, so the GEMM sees the
+    same weights as through a dequantized copy."""
+    if QUANT == 0:
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+    else:
+        if QUANT == 1:
+            s = tl.load(s_ptrs, mask=n_mask, other=0.0)
+            q = tl.load(w_ptrs, mask=mask, other=0).to(tl.float32)
+        else:
+            s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
+            byte = tl.load(w_ptrs, mask=mask, other=0)  # w_ptrs address the byte of each K position
+            nibble = tl.where((tl.arange(0, BLOCK_K) % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+            q = nibble.to(tl.float32) - 8.0
+        w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return w
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, ws_ptr,
     num_slots, num_blocks, N, K, k_per_split,
-    stride_a, stride_we, stride_wn, stride_os, stride_om,
+    stride_a, stride_we, stride_wn, stride_os, stride_om, stride_se, stride_sn,
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 128,
 ):
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ w[e, n, k-range]^T) for one block.
 
     GATED: w rows n (gate) and N + n (up), output silu(gate) * up. Not GATED: plain product of one
-    split of K, for moe_sum_kernel to add up.
+    split of K, for moe_sum_kernel to add up. QUANT (see _weight_tile): w holds quantized values (int4:
+    bytes, stride_wn counted in bytes) and ws_ptr their float32 scales (stride_se per expert, stride_sn
+    per output row); the tiles are dequantized in registers, not through a bf16 copy in memory.
     """
     pid = tl.program_id(0)
     pid_m = pid % num_blocks
@@ -79,8 +106,13 @@ def fused_moe_kernel(
 
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if QUANT == 2:  # two K positions per byte
+        wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + ((k_start + offs_k) // 2)[None, :]
+    else:
+        wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     wu_ptrs = wg_ptrs + N * stride_wn
+    sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+    su_ptrs = sg_ptrs + N * stride_sn
     if SWAP_AB:  # the weight tile is the MMA's M side: dot(w [N, K], a^T [K, M]) -> [N, M]
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -94,20 +126,21 @@ def fused_moe_kernel(
             k_mask = (k0 + offs_k) < k_end
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
-        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
         if SWAP_AB:
             acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
         else:
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        w_step = BLOCK_K // 2 if QUANT == 2 else BLOCK_K
         if GATED:
-            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+            wu = _weight_tile(wu_ptrs, su_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
             if SWAP_AB:
                 acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
             else:
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-            wu_ptrs += BLOCK_K
+            wu_ptrs += w_step
         a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
+        wg_ptrs += w_step
 
     if GATED:
         res = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -237,6 +270,29 @@ def check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, i
     return T, topk_ids.shape[1], E, H, I
 
 
+@dataclass(frozen=True)
+class _ExpertWeights:
+    """One expert GEMM's weights as the kernel reads them: w [E, rows, K] by strides (elements; int4: bytes
+    of packed nibble pairs), and for quantized weights their float32 scales and the kernel's QUANT code."""
+    data: torch.Tensor
+    stride_e: int
+    stride_n: int
+    scales: torch.Tensor | None = None
+    stride_se: int = 0
+    stride_sn: int = 0
+    quant: int = 0
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "_ExpertWeights":
+        return cls(w, w.stride(0), w.stride(1))
+
+    @classmethod
+    def quantized(cls, qt, num_experts: int) -> "_ExpertWeights":
+        rows = qt.shape[0] // num_experts  # the stack is [E * rows, K], expert e's rows at e * rows
+        return cls(qt.data, rows * qt.data.stride(0), qt.data.stride(0), qt.scales, rows * qt.scales.stride(0),
+                   qt.scales.stride(0), 2 if qt.precision == "int4" else 1)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
@@ -247,6 +303,48 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Returns out [T, H] in x's dtype.
     """
     T, A, E, H, I = check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    return _fused_moe(x, _ExpertWeights.of(w13), _ExpertWeights.of(w2), topk_weights, topk_ids, T, A, E, H, I,
+                      out, config, overrides)
+
+
+def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
+                        config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
+    """fused_moe on quantized experts (codecs/quant.py QuantizedTensor stacks, expert e's rows at e * rows:
+    q13 [E * 2I, H], q2 [E * H, I]; fp8 / int8 per output channel, int4 in groups of 128), dequantized
+    tile by tile in registers: each weight byte is read once, and no dequantized copy is written. The
+    weights it multiplies are the ones kernels/dequant.py would write, so with the same tiles the result
+    equals fused_moe on those dequantized weights bit for bit."""
+    E = num_experts
+    if q13.precision != q2.precision or q13.precision not in ("fp8", "int8", "int4"):
+        raise ValueError(f"quantized experts must share one of fp8/int8/int4, got {q13.precision}, {q2.precision}")
+    if E < 1 or q13.shape[0] % (2 * E) or q2.shape[0] % E:
+        raise ValueError(f"stacks {q13.shape} / {q2.shape} do not hold {E} experts' [2I, H] / [H, I] weights")
+    I, H = q13.shape[0] // (2 * E), q13.shape[1]
+    if tuple(q2.shape) != (E * H, I):
+        raise ValueError(f"w2 stack {q2.shape} does not match w13 {q13.shape} for {E} experts (expected {(E * H, I)})")
+    for qt in (q13, q2):
+        if not qt.data.is_contiguous() or not qt.scales.is_contiguous() or qt.scales.dtype != torch.float32:
+            raise ValueError("quantized data and float32 scales must be contiguous")
+    check_float(x, "x", 2)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    check_same_device(x=x, w13=q13.data, w2=q2.data, topk_weights=topk_weights, topk_ids=topk_ids)
+    if x.shape[1] != H or topk_ids.shape[0] != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)} do not fit experts of hidden size {H}")
+    T, A = topk_ids.shape
+    cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    if q13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
+        raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}: block_k {cfg.block_k} / block_k2 "
+                         f"{cfg.block_k2} must divide it")
+    return _fused_moe(x, _ExpertWeights.quantized(q13, E), _ExpertWeights.quantized(q2, E), topk_weights,
+                      topk_ids, T, A, E, H, I, out, cfg, {})
+
+
+def _fused_moe(x, w13: _ExpertWeights, w2: _ExpertWeights, topk_weights, topk_ids, T, A, E, H, I, out, config,
+               overrides) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
@@ -264,12 +362,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     h = torch.empty((N, I), dtype=x.dtype, device=x.device)
     fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
-        x, w13, h, sorted_slots, block_expert,
+        x, w13.data, h, sorted_slots, block_expert, x if w13.scales is None else w13.scales,
         N, num_blocks, I, H, H,
-        x.stride(0), w13.stride(0), w13.stride(1), 0, h.stride(0),
+        x.stride(0), w13.stride_e, w13.stride_n, 0, h.stride(0), w13.stride_se, w13.stride_sn,
         TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=w13.quant, GROUP=INT4_GROUP, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     n_tiles2 = triton.cdiv(H, cfg.block_n2)
@@ -282,13 +380,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y_dtype = torch.float32 if splits > 1 else x.dtype
     y = torch.empty((splits, N, H), dtype=y_dtype, device=x.device)
     fused_moe_kernel[(num_blocks * n_tiles2, splits)](
-        h, w2, y, sorted_slots, block_expert,
+        h, w2.data, y, sorted_slots, block_expert, x if w2.scales is None else w2.scales,
         N, num_blocks, H, I, k_per_split,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), y.stride(1),
+        h.stride(0), w2.stride_e, w2.stride_n, y.stride(0), y.stride(1), w2.stride_se, w2.stride_sn,
         TOP_K=1, GATED=False, SWAP_AB=cfg.swap_ab,
         EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+        QUANT=w2.quant, GROUP=INT4_GROUP, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
     )
 
     moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
