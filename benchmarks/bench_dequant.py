@@ -7,7 +7,9 @@ layer's worth (128 Qwen3-30B-A3B experts: w13 [128*1536, 2048], w2 [128*2048, 76
 grid of (BLOCK_R, BLOCK_K, num_warps), launches queued back to back between CUDA events, two layers
 alternated (well over the 50 MB L2). Every variant is first checked bit-exact against the PyTorch
 reference (codecs/quant.py::dequantize). Floor: (quantized bytes read + bf16 bytes written) / the
-device-to-device copy rate measured in the same run.
+device-to-device copy rate measured in the same run. Then, per precision, one MoE layer's expert GEMMs at
+decode sizes (1-256 tokens, top-8): dequantise + fused_moe on the buffer (--quantized-gemm dequant) against
+fused_moe_quantized on the quantized weights (direct), their outputs compared bit for bit.
 
     PYTHONPATH=src python benchmarks/bench_dequant.py [--experts 128] [--out $OUT]
 """
@@ -17,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -30,6 +33,12 @@ from pagedmoe.experts.quantized import QuantizedLayer  # noqa: E402
 from pagedmoe.kernels.dequant import dequantize_into  # noqa: E402
 
 from timing import time_eager  # noqa: E402
+
+if not CUDA:  # the interpreter fix the kernel tests use (loops with runtime bounds under numpy >= 2.4)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    from triton_interp import fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
 
 H, I = (2048, 768) if CUDA else (256, 128)   # Qwen3-30B-A3B; CPU smoke: small
 DEV = "cuda" if CUDA else "cpu"
@@ -99,15 +108,43 @@ def main() -> None:
             print(f"{precision:5s} BLOCK_R {br:3d} BLOCK_K {bk:5d} warps {nw}{' paired' if paired else ''}: "
                   f"{us:8.1f} us per layer, "
                   f"{r['tb_per_s']:.2f} TB/s, {r['floor_us'] / us:.2f} of the floor, exact {exact}", flush=True)
+        # One MoE layer's expert GEMMs at decode sizes: dequantise into the buffer, then fused_moe on it
+        # (--quantized-gemm dequant), against fused_moe_quantized reading the quantized weights (direct).
+        from pagedmoe.experts.layout import expert_views
+        from pagedmoe.kernels.fused_moe import fused_moe, fused_moe_quantized
+
+        for T in (1, 16, 64, 256) if CUDA else (2,):
+            x = [torch.randn(T, H, device=DEV, generator=g).to(dtype) for _ in range(2)]
+            ids = [torch.stack([torch.randperm(n, device=DEV, generator=g)[:8 if n >= 8 else n] for _ in range(T)])
+                   for _ in range(2)]
+            wts = [torch.full(i.shape, 1.0 / i.shape[1], device=DEV) for i in ids]
+            views = [expert_views(p, H, I) for p in packed]
+
+            def via_buffer(i):
+                for qt, bases in (kinds[0][i], kinds[1][i]):
+                    dequantize_into(qt, packed[i], bases)
+                return fused_moe(x[i], *views[i], wts[i], ids[i])
+
+            def direct(i):
+                return fused_moe_quantized(x[i], layers[i].w13, layers[i].w2, n, wts[i], ids[i])
+
+            same = torch.equal(via_buffer(0), direct(0))
+            t_buf, t_dir = time_call(via_buffer, 2), time_call(direct, 2)
+            results.append({"precision": precision, "gemm_tokens": T, "us_dequant_then_gemm": t_buf,
+                            "us_direct": t_dir, "direct_equal": same})
+            print(f"{precision:5s} MoE layer at {T:3d} tokens: dequantise + GEMMs {t_buf:8.1f} us, direct "
+                  f"{t_dir:8.1f} us ({t_buf / t_dir:.2f}x), outputs equal {same}", flush=True)
         del layers, packed, kinds
         if CUDA:
             torch.cuda.empty_cache()
     best = {}
     for r in results:
+        if "gemm_tokens" in r:
+            continue
         if r["exact"] and (r["precision"] not in best or r["us_per_layer"] < best[r["precision"]]["us_per_layer"]):
             best[r["precision"]] = r
-    default = {r["precision"]: r for r in results
-               if (r["block_r"], r["block_k"], r["num_warps"], r["paired"]) == (16, 256, 4, False)}
+    default = {r["precision"]: r for r in results if "gemm_tokens" not in r
+               and (r["block_r"], r["block_k"], r["num_warps"], r["paired"]) == (16, 256, 4, False)}
     print("\nprecision  default us  best us  best (BLOCK_R, BLOCK_K, warps, paired)  best / floor")
     for p, r in best.items():
         print(f"{p:9s} {default[p]['us_per_layer']:10.1f} {r['us_per_layer']:8.1f}  "

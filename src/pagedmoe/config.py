@@ -24,6 +24,7 @@ _HOST_COMPRESSION = ("none", "lossless", "auto")
 # format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
 # the ladder by the pressure controller (experts/controller.py).
 _EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
+_QUANTIZED_GEMMS = ("dequant", "direct")
 _MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")
 
 
@@ -87,6 +88,11 @@ class EngineConfig:
                                            "dequantised each step (paged); dynamic: each expert at its own "
                                            "precision, demoted under KV-cache pressure and promoted back",
                                   _EXPERT_PRECISIONS)
+    quantized_gemm: str = _flag("dequant", "static lossy experts (--expert-precision static-*): dequant (each step "
+                                           "dequantise every expert into the compute buffer, then bf16 GEMMs) or "
+                                           "direct (steps of up to 512 tokens multiply the quantized weights, "
+                                           "dequantising tiles in registers; longer prefill chunks dequantise)",
+                                _QUANTIZED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
                                                       "(default int4; dynamic only)", _MIN_EXPERT_PRECISIONS)
     kv_low_watermark: Optional[float] = _flag(None, "dynamic: demote experts while free KV blocks are below this "
@@ -157,9 +163,16 @@ class EngineConfig:
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),
-                              ("expert_precision", _EXPERT_PRECISIONS)):
+                              ("expert_precision", _EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.quantized_gemm == "direct":
+            if not self.expert_precision.startswith("static-"):
+                raise ValueError("--quantized-gemm direct multiplies static lossy experts; it needs --expert-precision "
+                                 f"static-fp8/int8/int4 (got {self.expert_precision})")
+            if self.moe_backend not in ("auto", "triton"):
+                raise ValueError(f"--quantized-gemm direct runs the Triton MoE kernels; --moe-backend "
+                                 f"{self.moe_backend} cannot use it")
 
     def _check_dynamic(self) -> None:
         dynamic = self.expert_precision == "dynamic"

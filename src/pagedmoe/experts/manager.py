@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import logging
 from typing import Optional, Sequence, Union
@@ -30,7 +31,8 @@ def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: s
 def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[int], None],
                    device: torch.device, dtype: torch.dtype, buffers: str = "auto",
                    num_compressed_experts: Union[int, Sequence[int], None] = None,
-                   quantized_precision: Optional[str] = None, host_compression: str = "none") -> ExpertStore:
+                   quantized_precision: Optional[str] = None, host_compression: str = "none",
+                   quantized_gemm: str = "dequant") -> ExpertStore:
     """Create the expert table and store for `model` and route its MoE layers through them.
 
     placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
@@ -42,7 +44,9 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     tier are held on the device in that lossy format instead and dequantised into the compute area (the
     static `--expert-precision static-*` modes: every expert, with no resident or compressed ones).
     `host_compression` "lossless": the host tier is held losslessly compressed (ExpertStore.finalize
-    encodes it) and decoded on the device after each copy.
+    encodes it) and decoded on the device after each copy. `quantized_gemm` "direct" (static lossy
+    experts, every expert of every layer quantized): forwards of up to TRITON_MAX_TOKENS tokens skip the
+    dequantisation and the MoE GEMMs read the quantized weights (kernels/fused_moe.py::fused_moe_quantized).
     """
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
@@ -92,8 +96,15 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
                         stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression)
     model.expert_store = store
+    if quantized_gemm == "direct":
+        if quantized_precision is None or any(table.ids(l, "quantized") != list(range(dims.num_experts))
+                                              for l in range(len(moes))):
+            raise ValueError("--quantized-gemm direct needs every expert of every layer quantized (--expert-precision "
+                             "static-fp8/int8/int4)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--quantized-gemm direct runs Triton kernels: it needs a CUDA device")
     if paged:
-        pager = ExpertPager(store)
+        pager = ExpertPager(store, direct_quantized=quantized_gemm == "direct")
         model.pager = pager
         for moe in moes:
             moe.weights_provider = pager.weights

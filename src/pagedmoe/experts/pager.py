@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from pagedmoe.experts.cost_model import ring_wait_layers
@@ -52,8 +54,12 @@ class PagerStats:
 
 
 class ExpertPager:
-    def __init__(self, store: ExpertStore, timing: bool = True) -> None:
+    def __init__(self, store: ExpertStore, timing: bool = True, direct_quantized: bool = False) -> None:
         self.store = store
+        # --quantized-gemm direct: forwards of few tokens leave the quantized experts as they are and the
+        # MoE layer multiplies them directly (weights() hands it the QuantizedLayer); set per forward.
+        self.direct_quantized = direct_quantized
+        self._direct = False
         self.num_layers = store.table.num_layers
         self.cuda = store.device.type == "cuda"
         self.stats = PagerStats()
@@ -143,7 +149,11 @@ class ExpertPager:
         return [(p0, p0 + k, dst[e0:e0 + k].reshape(-1)[:k * n] if k > 1 else dst[e0, :n]) for p0, e0, k in runs]
 
     # -- called by the model ----------------------------------------------------------------------
-    def begin_forward(self) -> None:
+    def begin_forward(self, num_tokens: Optional[int] = None) -> None:
+        """A forward of `num_tokens` tokens starts (None: unknown, so the experts are dequantised)."""
+        from pagedmoe.models.layers.moe import TRITON_MAX_TOKENS
+
+        self._direct = self.direct_quantized and num_tokens is not None and num_tokens <= TRITON_MAX_TOKENS
         self._plan()
         self._issued = [False] * self.num_layers
         if self.ring:
@@ -177,6 +187,8 @@ class ExpertPager:
                 self.want[layer].record()
                 self._pending_timing.append(layer)
             torch.cuda.current_stream().wait_event(self.loaded[layer])
+        if self._direct:
+            return self.store.quantized[layer]
         return self.store.views(layer)
 
     def after_experts(self, layer: int) -> None:
@@ -238,7 +250,7 @@ class ExpertPager:
             self._decode(view, [(0, 1, row)])
         if self._decodes[layer]:
             self._decode(self._compressed(layer), self._decodes[layer])
-        if self._dequantized_per_layer[layer]:
+        if self._dequantized_per_layer[layer] and not self._direct:
             # NOTE: sync-free: on CUDA one Triton launch per weight kind (kernels/dequant.py), on CPU the
             # PyTorch reference.
             self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
@@ -286,11 +298,13 @@ class ExpertPager:
         self.stats.bytes_h2d += h2d
         self.stats.bytes_d2d += d2d
         self.stats.bytes_decoded += self._decoded_per_layer[layer]
-        self.stats.bytes_dequantized += self._dequantized_per_layer[layer]
+        if not self._direct:
+            self.stats.bytes_dequantized += self._dequantized_per_layer[layer]
         self.stats.layers_loaded += 1
 
     def account_replay(self) -> None:
         """A CUDA-graph replay moved every layer's experts without running this Python code."""
+        self._direct = self.direct_quantized  # graphs hold decode steps, far below TRITON_MAX_TOKENS
         self._plan()
         for layer in range(self.num_layers):
             self._account(layer)

@@ -144,13 +144,13 @@ def get_model(path: str, hf_config, load_format: str, max_position: int, device:
               dtype: torch.dtype, seed: int = 0, placement: str = "resident",
               num_gpu_experts: Optional[int] = None, expert_buffers: str = "auto",
               num_compressed_experts=None, quantized_precision: Optional[str] = None,
-              host_compression: str = "none") -> MoEForCausalLM:
+              host_compression: str = "none", quantized_gemm: str = "dequant") -> MoEForCausalLM:
     """Backbone on `device`; experts where the placement puts them (experts/manager.py)."""
     from pagedmoe.experts.manager import attach_experts
 
     model = build_model(hf_config, max_position, device, dtype)
     attach_experts(model, placement, num_gpu_experts, device, dtype, expert_buffers, num_compressed_experts,
-                   quantized_precision, host_compression)
+                   quantized_precision, host_compression, quantized_gemm)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         model.expert_store.init_random(seed)

@@ -164,7 +164,7 @@ class MoEForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         pager = self.pager
         if pager is not None:
-            pager.begin_forward()
+            pager.begin_forward(input_ids.shape[0])
         for layer in self.model.layers:
             if pager is not None and layer.is_moe:
                 pager.before_layer(layer.ffn.moe_idx)

@@ -262,8 +262,13 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = self.route(x)
         if self.on_route is not None:
             self.on_route(self.moe_idx, topk_ids)
-        w13, w2 = self.expert_weights()
-        out = self.experts_fn(x, w13, w2, topk_weights, topk_ids)
+        weights = self.expert_weights()
+        if isinstance(weights, tuple):
+            out = self.experts_fn(x, *weights, topk_weights, topk_ids)
+        else:  # --quantized-gemm direct: the layer's QuantizedLayer, every expert quantized in id order
+            from pagedmoe.kernels.fused_moe import fused_moe_quantized
+
+            out = fused_moe_quantized(x, weights.w13, weights.w2, self.num_experts, topk_weights, topk_ids)
         if self.on_experts_done is not None:
             self.on_experts_done(self.moe_idx)
         if self.shared_expert_name is not None:
