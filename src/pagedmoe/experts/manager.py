@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import functools
-import os
-
 import logging
+import os
 from typing import Optional, Sequence, Union
 
 import torch

@@ -232,9 +232,10 @@ class FusedMoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.experts_fn: Callable = experts_auto
         # The expert subsystem (experts/) sets these. weights_provider(moe_idx) returns the
-        # (w13 [E, 2I, H], w2 [E, H, I]) tensors the GEMMs read; on_experts_done(moe_idx) is told
+        # (w13 [E, 2I, H], w2 [E, H, I]) tensors the GEMMs read, or under --quantized-gemm direct the
+        # layer's QuantizedLayer (every expert quantized, in id order); on_experts_done(moe_idx) is told
         # when the GEMMs reading them are issued (the pager may then reuse the buffer).
-        self.weights_provider: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = None
+        self.weights_provider: Optional[Callable[[int], object]] = None
         self.on_experts_done: Optional[Callable[[int], None]] = None
         # Hook for the activity table: called with the router's top-k ids (device tensor, no sync).
         self.on_route: Optional[Callable[[int, torch.Tensor], None]] = None
@@ -253,7 +254,7 @@ class FusedMoE(nn.Module):
                                      self.n_group, self.topk_group, self.renormalize,
                                      self.routed_scaling_factor)
 
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_weights(self):
         if self.weights_provider is None:
             raise RuntimeError("expert weights are not attached (no expert store)")
         return self.weights_provider(self.moe_idx)
