@@ -10,7 +10,9 @@ calls of at most BUDGET seconds each (the device tool's limit is 10 minutes a ca
     run(command="python benchmarks/run_lanes.py --calls 2 --call 2 --pcie-gpus <as call 1 printed>")
     python benchmarks/run_lanes.py --gpus 4 --calls 2 --pcie-gpus 0,1,2,3 --dry-run   # CPU: the schedule only
 
-Scheduling: longest stage first, onto the (call, GPU) bin with the least work so far. Stages marked
+Scheduling: stages marked [owed] (not yet measured) first, each group longest first, onto the (call, GPU)
+bin with the least work so far that still has room in the call's budget; stages no bin has room for are
+named, for a later call (--stages ...). Stages marked
 [pcie] (expert streaming over PCIe, accelerate offload) only go to GPUs that keep >= 90% of their solo
 host->device rate while every GPU copies at once (benchmarks/h2d_probe.py), so their numbers are not
 shared-link numbers; each point also records the rate its own copies ran at. Serve stages get their
