@@ -264,3 +264,38 @@ def test_quantized_experts_refuse_bad_stacks():
     q2 = _stack([quantize(torch.randn(32, 8).to(DEVICE), "int8") for _ in range(2)])
     with pytest.raises(ValueError, match="do not hold 3 experts"):
         fm.fused_moe_quantized(x, q13, q2, 3, w, ids)
+
+
+@pytest.mark.parametrize("T,E,A,H,I", [(6, 6, 2, 72, 40), (2, 5, 3, 200, 136)])
+def test_mixed_precision_layer_equals_the_assembled_one(T, E, A, H, I):
+    """fused_moe_mixed on a layer with exact, int8 and int4 experts (and fp8 on the GPU) equals fused_moe on
+    the layer assembled with the quantized experts dequantized, bit for bit; an expert in no part's slots
+    would be a bug, so every expert is in exactly one."""
+    from pagedmoe.codecs.quant import dequantize, quantize
+    from pagedmoe.experts.quantized import _stack
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    g = torch.Generator().manual_seed(E * H + T)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=g) * I ** -0.5
+    groups = {"exact": [0, 3], "int8": [1, 4], "int4": [2] + ([5] if E > 5 else [])}
+    if torch.cuda.is_available():
+        groups["fp8"], groups["int8"] = [4], [1]
+    full13, full2 = w13.to(DEVICE, dtype).clone(), w2.to(DEVICE, dtype).clone()
+    parts = []
+    for prec, ids in groups.items():
+        slots = torch.full((E,), -1, dtype=torch.int32)
+        slots[ids] = torch.arange(len(ids), dtype=torch.int32)
+        if prec == "exact":
+            parts.append((w13[ids].to(DEVICE, dtype), w2[ids].to(DEVICE, dtype), slots.to(DEVICE)))
+            continue
+        q13 = _stack([quantize(w13[e].to(DEVICE), prec) for e in ids])
+        q2 = _stack([quantize(w2[e].to(DEVICE), prec) for e in ids])
+        full13[ids] = dequantize(q13, dtype).view(len(ids), 2 * I, H)
+        full2[ids] = dequantize(q2, dtype).view(len(ids), H, I)
+        parts.append((q13, q2, slots.to(DEVICE)))
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g).to(DEVICE), dim=-1), A, dim=-1)
+    ref = fm.fused_moe(x, full13, full2, weights, ids)
+    got = fm.fused_moe_mixed(x, parts, E, weights, ids)
+    assert torch.equal(got, ref)

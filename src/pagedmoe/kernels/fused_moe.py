@@ -68,13 +68,13 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, ws_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, ws_ptr, slot_ptr,
     num_slots, num_blocks, N, K, k_per_split,
     stride_a, stride_we, stride_wn, stride_os, stride_om, stride_se, stride_sn,
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 128,
+    QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 128, USE_SLOTS: tl.constexpr = False,
 ):
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ w[e, n, k-range]^T) for one block.
 
@@ -82,6 +82,8 @@ def fused_moe_kernel(
     split of K, for moe_sum_kernel to add up. QUANT (see _weight_tile): w holds quantized values (int4:
     bytes, stride_wn counted in bytes) and ws_ptr their float32 scales (stride_se per expert, stride_sn
     per output row); the tiles are dequantized in registers, not through a bf16 copy in memory.
+    USE_SLOTS: w holds only some experts (one precision group of a mixed layer); slot_ptr [E] gives each
+    expert's index in w, or -1 for an expert of another group, whose blocks this launch skips.
     """
     pid = tl.program_id(0)
     pid_m = pid % num_blocks
@@ -90,6 +92,10 @@ def fused_moe_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:  # past the last used block (the grid is sized by a bound, not by the routing)
         return
+    if USE_SLOTS:
+        expert = tl.load(slot_ptr + expert)
+        if expert < 0:  # another precision group's expert: its own launch computes these rows
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + offs_m)
@@ -303,8 +309,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Returns out [T, H] in x's dtype.
     """
     T, A, E, H, I = check_moe_args(x, w13, w2, topk_weights, topk_ids)
-    return _fused_moe(x, _ExpertWeights.of(w13), _ExpertWeights.of(w2), topk_weights, topk_ids, T, A, E, H, I,
-                      out, config, overrides)
+    return _fused_moe(x, [(_ExpertWeights.of(w13), _ExpertWeights.of(w2), None)], topk_weights, topk_ids,
+                      T, A, E, H, I, out, config, overrides)
 
 
 def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights: torch.Tensor,
@@ -339,12 +345,55 @@ def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights
     if q13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
         raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}: block_k {cfg.block_k} / block_k2 "
                          f"{cfg.block_k2} must divide it")
-    return _fused_moe(x, _ExpertWeights.quantized(q13, E), _ExpertWeights.quantized(q2, E), topk_weights,
-                      topk_ids, T, A, E, H, I, out, cfg, {})
+    return _fused_moe(x, [(_ExpertWeights.quantized(q13, E), _ExpertWeights.quantized(q2, E), None)],
+                      topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
 
 
-def _fused_moe(x, w13: _ExpertWeights, w2: _ExpertWeights, topk_weights, topk_ids, T, A, E, H, I, out, config,
-               overrides) -> torch.Tensor:
+def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    *, out: torch.Tensor | None = None, config: FusedMoEConfig | None = None) -> torch.Tensor:
+    """A layer whose experts are held at several precisions (--expert-precision dynamic). parts: one
+    (w13, w2, slots) per group: float expert views w13 [n, 2I, H] / w2 [n, H, I] (exact experts, any
+    expert stride), or QuantizedTensor stacks as fused_moe_quantized takes them; slots int32 [E] on the
+    device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
+    routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
+    bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
+    from pagedmoe.codecs.quant import QuantizedTensor
+
+    check_float(x, "x", 2)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    T, A = topk_ids.shape
+    E, H = num_experts, x.shape[1]
+    if not parts:
+        raise ValueError("fused_moe_mixed needs at least one part")
+    first13, first2, _ = parts[0]
+    I = first2.shape[1] if isinstance(first2, QuantizedTensor) else first2.shape[2]
+    cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    groups = []
+    for w13, w2, slots in parts:
+        if slots.dtype != torch.int32 or tuple(slots.shape) != (E,) or slots.device != x.device:
+            raise ValueError(f"slots must be int32 [{E}] on {x.device}, got {slots.dtype} {tuple(slots.shape)}")
+        if isinstance(w13, QuantizedTensor):
+            n = w13.shape[0] // (2 * I)
+            if w13.shape[1] != H or tuple(w2.shape) != (n * H, I) or w13.precision != w2.precision:
+                raise ValueError(f"quantized part {w13.shape} / {w2.shape} does not fit H={H}, I={I}")
+            if w13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
+                raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}")
+            groups.append((_ExpertWeights.quantized(w13, n), _ExpertWeights.quantized(w2, n), slots))
+        else:
+            check_float(w13, "w13", 3)
+            check_float(w2, "w2", 3)
+            if w13.dtype != x.dtype or tuple(w13.shape[1:]) != (2 * I, H) or tuple(w2.shape[1:]) != (H, I):
+                raise ValueError(f"exact part {tuple(w13.shape)} / {tuple(w2.shape)} does not fit H={H}, I={I} "
+                                 f"in {x.dtype}")
+            groups.append((_ExpertWeights.of(w13), _ExpertWeights.of(w2), slots))
+    return _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
+
+
+def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, overrides) -> torch.Tensor:
+    """groups: [(w13, w2, slots)], one per precision group of the layer; slots (int32 [E]: each expert's
+    index in the group's weights, -1 elsewhere) is None for a group holding every expert by id. Every
+    slot's rows of h and y are written by its expert's group's launches; one moe_sum adds them up."""
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
@@ -361,14 +410,17 @@ def _fused_moe(x, w13: _ExpertWeights, w2: _ExpertWeights, topk_weights, topk_id
     precision = dot_precision(x.dtype)
 
     h = torch.empty((N, I), dtype=x.dtype, device=x.device)
-    fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
-        x, w13.data, h, sorted_slots, block_expert, x if w13.scales is None else w13.scales,
-        N, num_blocks, I, H, H,
-        x.stride(0), w13.stride_e, w13.stride_n, 0, h.stride(0), w13.stride_se, w13.stride_sn,
-        TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-        QUANT=w13.quant, GROUP=INT4_GROUP, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    for w13, _, slots in groups:
+        fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
+            x, w13.data, h, sorted_slots, block_expert, x if w13.scales is None else w13.scales,
+            block_expert if slots is None else slots,
+            N, num_blocks, I, H, H,
+            x.stride(0), w13.stride_e, w13.stride_n, 0, h.stride(0), w13.stride_se, w13.stride_sn,
+            TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+            QUANT=w13.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
 
     n_tiles2 = triton.cdiv(H, cfg.block_n2)
     splits = cfg.split_k or choose_split_k(
@@ -379,15 +431,18 @@ def _fused_moe(x, w13: _ExpertWeights, w2: _ExpertWeights, topk_weights, topk_id
     # block writes its y row: moe_sum_kernel reads only rows written here (invalid slots are masked).
     y_dtype = torch.float32 if splits > 1 else x.dtype
     y = torch.empty((splits, N, H), dtype=y_dtype, device=x.device)
-    fused_moe_kernel[(num_blocks * n_tiles2, splits)](
-        h, w2.data, y, sorted_slots, block_expert, x if w2.scales is None else w2.scales,
-        N, num_blocks, H, I, k_per_split,
-        h.stride(0), w2.stride_e, w2.stride_n, y.stride(0), y.stride(1), w2.stride_se, w2.stride_sn,
-        TOP_K=1, GATED=False, SWAP_AB=cfg.swap_ab,
-        EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
-        QUANT=w2.quant, GROUP=INT4_GROUP, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
-    )
+    for _, w2, slots in groups:
+        fused_moe_kernel[(num_blocks * n_tiles2, splits)](
+            h, w2.data, y, sorted_slots, block_expert, x if w2.scales is None else w2.scales,
+            block_expert if slots is None else slots,
+            N, num_blocks, H, I, k_per_split,
+            h.stride(0), w2.stride_e, w2.stride_n, y.stride(0), y.stride(1), w2.stride_se, w2.stride_sn,
+            TOP_K=1, GATED=False, SWAP_AB=cfg.swap_ab,
+            EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
+            QUANT=w2.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, num_warps=cfg.num_warps2,
+            num_stages=cfg.num_stages2,
+        )
 
     moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
         y, topk_weights, topk_ids, out,
