@@ -88,9 +88,9 @@ class EngineConfig:
                                            "dequantised each step (paged); dynamic: each expert at its own "
                                            "precision, demoted under KV-cache pressure and promoted back",
                                   _EXPERT_PRECISIONS)
-    quantized_gemm: str = _flag("dequant", "static lossy experts (--expert-precision static-*): dequant (each step "
-                                           "dequantise every expert into the compute buffer, then bf16 GEMMs) or "
-                                           "direct (steps of up to 512 tokens multiply the quantized weights, "
+    quantized_gemm: str = _flag("dequant", "lossy experts (--expert-precision static-* or dynamic): dequant (each "
+                                           "step write every expert into the compute buffer, then bf16 GEMMs) or "
+                                           "direct (steps of up to 512 tokens multiply the experts where they are, "
                                            "dequantising tiles in registers; longer prefill chunks dequantise)",
                                 _QUANTIZED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
@@ -167,9 +167,9 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.quantized_gemm == "direct":
-            if not self.expert_precision.startswith("static-"):
-                raise ValueError("--quantized-gemm direct multiplies static lossy experts; it needs --expert-precision "
-                                 f"static-fp8/int8/int4 (got {self.expert_precision})")
+            if not (self.expert_precision.startswith("static-") or self.expert_precision == "dynamic"):
+                raise ValueError("--quantized-gemm direct multiplies lossy experts; it needs --expert-precision "
+                                 f"static-fp8/int8/int4 or dynamic (got {self.expert_precision})")
             if self.moe_backend not in ("auto", "triton"):
                 raise ValueError(f"--quantized-gemm direct runs the Triton MoE kernels; --moe-backend "
                                  f"{self.moe_backend} cannot use it")

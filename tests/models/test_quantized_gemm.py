@@ -64,6 +64,62 @@ def test_direct_quantized_gemm_equals_dequantising_gpu(tmp_path, precision):
     _check_equal(tmp_path, precision)
 
 
+DYNAMIC_SCRIPT = r"""
+import json, os, sys
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, os.path.join(sys.argv[2], "kernels"))
+import torch
+if not torch.cuda.is_available():
+    from triton_interp import fix_interpreter_index
+    fix_interpreter_index()
+from tiny_models import greedy_logits
+from pagedmoe import LLM
+
+path = sys.argv[1]
+L, E = 2, 8
+pmap = [["bf16", "int8", "int4", "bf16", "int8", "int4", "bf16", "int8"], ["int8"] * 7 + ["bf16"]]
+stats = os.path.join(path, "stats.json")
+with open(stats, "w") as f:
+    json.dump({"total": [[0.0] * E] * L, "ema": [[0.0] * E] * L, "decay": 0.99, "precision_map": pmap}, f)
+out = {}
+for gemm in ("dequant", "direct"):
+    llm = LLM(path, device="cuda" if torch.cuda.is_available() else "cpu", max_model_len=96,
+              expert_precision="dynamic", expert_stats=stats, kv_low_watermark=0.0, kv_high_watermark=1.0,
+              moe_backend="triton", quantized_gemm=gemm)
+    cap, _ = greedy_logits(llm, (9, 21, 4), max_tokens=4, seed=7)
+    torch.save([c.cpu() for c in cap], os.path.join(path, gemm + ".pt"))
+    s = llm.engine.get_stats()
+    out[gemm] = {"dequantized": s["expert_bytes_dequantized"], "counts": s["precision_counts"]}
+print(json.dumps(out))
+"""
+
+
+def _check_dynamic_equal(tmp_path):
+    make_tiny_checkpoint("mixtral", tmp_path, seed=52, num_hidden_layers=2)
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1")
+    proc = subprocess.run([sys.executable, "-c", DYNAMIC_SCRIPT, str(tmp_path), str(TESTS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref, got = torch.load(tmp_path / "dequant.pt"), torch.load(tmp_path / "direct.pt")
+    assert len(ref) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(ref, got))
+    for gemm in ("dequant", "direct"):   # the held map: mixed layers, nothing moved
+        assert {k: v for k, v in res[gemm]["counts"].items() if v} == {"bf16": 4, "int8": 10, "int4": 2}
+    assert res["dequant"]["dequantized"] > 0 and res["direct"]["dequantized"] == 0
+
+
+def test_direct_gemm_on_mixed_dynamic_layers_equals_filling_the_buffer(tmp_path):
+    """--expert-precision dynamic with layers mixing exact, int8 and int4 experts (a held map): the direct
+    path (fused_moe_mixed on the published version, no buffer fill) gives the filling path's logits."""
+    _check_dynamic_equal(tmp_path)
+
+
+@pytest.mark.gpu
+def test_direct_gemm_on_mixed_dynamic_layers_gpu(tmp_path):
+    _check_dynamic_equal(tmp_path)
+
+
 def test_direct_quantized_gemm_refuses_what_it_cannot_do():
     from pagedmoe.config import EngineConfig
 

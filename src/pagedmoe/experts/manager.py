@@ -96,10 +96,12 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
                         stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression)
     model.expert_store = store
     if quantized_gemm == "direct":
-        if quantized_precision is None or any(table.ids(l, "quantized") != list(range(dims.num_experts))
-                                              for l in range(len(moes))):
+        # static: every expert of every layer quantized, in id order; dynamic (no quantized_precision here:
+        # ExpertStore.enable_dynamic follows) reads each layer's published version instead
+        if not paged or quantized_precision is not None and any(
+                table.ids(l, "quantized") != list(range(dims.num_experts)) for l in range(len(moes))):
             raise ValueError("--quantized-gemm direct needs every expert of every layer quantized (--expert-precision "
-                             "static-fp8/int8/int4)")
+                             "static-fp8/int8/int4) or dynamic precision")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--quantized-gemm direct runs Triton kernels: it needs a CUDA device")
     if paged:

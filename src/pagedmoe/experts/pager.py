@@ -188,7 +188,10 @@ class ExpertPager:
                 self._pending_timing.append(layer)
             torch.cuda.current_stream().wait_event(self.loaded[layer])
         if self._direct:
-            return self.store.quantized[layer]
+            dyn, store = self.store.dynamic, self.store
+            if dyn is not None:  # NOTE: the published version; a publish happens only between steps
+                return dyn.versions[layer].parts(store.hidden, store.inter, store.table.num_experts)
+            return store.quantized[layer]
         return self.store.views(layer)
 
     def after_experts(self, layer: int) -> None:
@@ -238,7 +241,8 @@ class ExpertPager:
         dyn = self.store.dynamic
         if dyn is not None:
             # NOTE: read the published version once: a publish happens only between steps.
-            dyn.versions[layer].fill(self.store.buffers.packed(layer))
+            if not self._direct:  # direct: the MoE layer reads the version's parts (weights())
+                dyn.versions[layer].fill(self.store.buffers.packed(layer))
             return
         for dst, src, from_host in self._copies[layer]:
             if not (from_host and self._skip_host):
@@ -286,6 +290,9 @@ class ExpertPager:
 
     def _account(self, layer: int) -> None:
         dyn = self.store.dynamic
+        if dyn is not None and self._direct:
+            self.stats.layers_loaded += 1
+            return
         if dyn is not None:
             v = dyn.versions[layer]
             elem = torch.empty(0, dtype=self.store.dtype).element_size()

@@ -233,7 +233,8 @@ class FusedMoE(nn.Module):
         self.experts_fn: Callable = experts_auto
         # The expert subsystem (experts/) sets these. weights_provider(moe_idx) returns the
         # (w13 [E, 2I, H], w2 [E, H, I]) tensors the GEMMs read, or under --quantized-gemm direct the
-        # layer's QuantizedLayer (every expert quantized, in id order); on_experts_done(moe_idx) is told
+        # layer's QuantizedLayer (static: every expert quantized, in id order) or a list of per-precision
+        # parts (dynamic: LayerVersion.parts); on_experts_done(moe_idx) is told
         # when the GEMMs reading them are issued (the pager may then reuse the buffer).
         self.weights_provider: Optional[Callable[[int], object]] = None
         self.on_experts_done: Optional[Callable[[int], None]] = None
@@ -266,7 +267,11 @@ class FusedMoE(nn.Module):
         weights = self.expert_weights()
         if isinstance(weights, tuple):
             out = self.experts_fn(x, *weights, topk_weights, topk_ids)
-        else:  # --quantized-gemm direct: the layer's QuantizedLayer, every expert quantized in id order
+        elif isinstance(weights, list):  # --quantized-gemm direct, dynamic: (w13, w2, slots) per precision
+            from pagedmoe.kernels.fused_moe import fused_moe_mixed
+
+            out = fused_moe_mixed(x, weights, self.num_experts, topk_weights, topk_ids)
+        else:  # --quantized-gemm direct, static: the layer's QuantizedLayer, every expert quantized in id order
             from pagedmoe.kernels.fused_moe import fused_moe_quantized
 
             out = fused_moe_quantized(x, weights.w13, weights.w2, self.num_experts, topk_weights, topk_ids)
