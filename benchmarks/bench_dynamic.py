@@ -9,6 +9,8 @@ bf16, eager (dynamic precision runs eager: CUDA graphs would bake old expert ver
    needs; its plan's budget B (weights + activations + KV) is the budget of every other run.
 2. dynamic: `--expert-precision dynamic --gpu-memory-gb B` (min int4, default watermarks), same burst.
    Records the precision map at the end and at the step with the fewest free KV blocks (peak).
+2b. dynamic_direct: the same with `--quantized-gemm direct` (decode steps multiply each layer's published
+   version in place: no double-buffer rewrite per step).
 Burst: BENCH_DYNAMIC_REQS requests (default 32) of 2048 random prompt tokens + 256 output tokens
 (ignore_eos), all submitted at once: static exact preempts, dynamic does not.
 
@@ -249,6 +251,16 @@ def main() -> int:
                           "peak_counts": counts(peak_map)}
     dump()
     free_engine(e)
+    # 2b. the same burst with --quantized-gemm direct: decode steps multiply the published versions in place
+    # instead of rewriting the double buffer every step (copies of exact experts, dequantisation of the rest)
+    if torch.cuda.is_available():  # the direct GEMMs are Triton kernels (CUDA only outside the test suite)
+        e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB, quantized_gemm="direct")
+        r = run_burst(e, ids, watch_maps=True)
+        final_map = r.pop("final_map")
+        r.pop("peak_map", None)
+        results["dynamic_direct"] = {"start_s": start_s, **r, "final_counts": counts(final_map)}
+        dump()
+        free_engine(e)
     # 3./4. steady workload: controller active, then the map it converged to held static
     steady_ids = prompts(e_vocab, STEADY_REQS, seed=2)
     e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB)
@@ -278,11 +290,11 @@ def main() -> int:
     print(f"\nQwen3-30B-A3B shape, {LAYERS} layers, budget {results['budget_gib']:.2f} GiB, "
           f"{results['seconds']:.0f} s total; JSON {path}")
     print(f"burst: {REQS} x ({PROMPT} + {OUTPUT}) tokens at once")
-    print(f"{'run':<14}{'KV blocks':>10}{'preempt':>9}{'out tok/s':>11}{'wall s':>8}{'tick s':>8}  precision at end")
-    for name in ("static_exact", "dynamic"):
+    print(f"{'run':<15}{'KV blocks':>10}{'preempt':>9}{'out tok/s':>11}{'wall s':>8}{'tick s':>8}  precision at end")
+    for name in [n for n in ("static_exact", "dynamic", "dynamic_direct") if n in results]:
         r = results[name]
         prec = r.get("final_counts") or {"bf16 (resident)": "all"}
-        print(f"{name:<14}{r['num_kv_blocks']:>10}{r['num_preemptions']:>9}{r['output_throughput']:>11.1f}"
+        print(f"{name:<15}{r['num_kv_blocks']:>10}{r['num_preemptions']:>9}{r['output_throughput']:>11.1f}"
               f"{r['wall_s']:>8.2f}{r['tick_s']:>8.3f}  {prec}")
     print(f"steady: {INFLIGHT} in flight, {STEADY_REQS} requests; window = 2nd half of the constant-in-flight phase")
     print(f"{'run':<15}{'KV blocks':>10}{'win steps':>10}{'win s':>8}{'out tok/s':>11}{'preempt':>8}"
