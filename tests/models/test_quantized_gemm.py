@@ -16,18 +16,19 @@ import torch
 from tiny_models import make_tiny_checkpoint
 
 TESTS = Path(__file__).resolve().parents[1]
-SCRIPT = r"""
+# Both scripts get the tests folder in TESTS_DIR (tiny_models, and the interpreter fix the kernel tests use).
+PRELUDE = r"""
 import json, os, sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, sys.argv[3])
-sys.path.insert(0, os.path.join(sys.argv[3], "kernels"))
+sys.path[:0] = [os.environ["TESTS_DIR"], os.path.join(os.environ["TESTS_DIR"], "kernels")]
 import torch
 if not torch.cuda.is_available():
-    from triton_interp import fix_interpreter_index  # the interpreter's indexing fix the kernel tests use
+    from triton_interp import fix_interpreter_index
     fix_interpreter_index()
 from tiny_models import greedy_logits
 from pagedmoe import LLM
-
+"""
+SCRIPT = PRELUDE + r"""
 path, precision = sys.argv[1], sys.argv[2]
 out = {}
 for gemm in ("dequant", "direct"):
@@ -42,8 +43,8 @@ print(json.dumps(out))
 
 def _check_equal(tmp_path, precision):
     make_tiny_checkpoint("mixtral", tmp_path, seed=51, num_hidden_layers=2)
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), precision, str(TESTS)], env=env,
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1", TESTS_DIR=str(TESTS))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), precision], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dequantized = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -64,18 +65,7 @@ def test_direct_quantized_gemm_equals_dequantising_gpu(tmp_path, precision):
     _check_equal(tmp_path, precision)
 
 
-DYNAMIC_SCRIPT = r"""
-import json, os, sys
-os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, sys.argv[2])
-sys.path.insert(0, os.path.join(sys.argv[2], "kernels"))
-import torch
-if not torch.cuda.is_available():
-    from triton_interp import fix_interpreter_index
-    fix_interpreter_index()
-from tiny_models import greedy_logits
-from pagedmoe import LLM
-
+DYNAMIC_SCRIPT = PRELUDE + r"""
 path = sys.argv[1]
 L, E = 2, 8
 pmap = [["bf16", "int8", "int4", "bf16", "int8", "int4", "bf16", "int8"], ["int8"] * 7 + ["bf16"]]
@@ -97,8 +87,8 @@ print(json.dumps(out))
 
 def _check_dynamic_equal(tmp_path):
     make_tiny_checkpoint("mixtral", tmp_path, seed=52, num_hidden_layers=2)
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1")
-    proc = subprocess.run([sys.executable, "-c", DYNAMIC_SCRIPT, str(tmp_path), str(TESTS)], env=env,
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1", TESTS_DIR=str(TESTS))
+    proc = subprocess.run([sys.executable, "-c", DYNAMIC_SCRIPT, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
