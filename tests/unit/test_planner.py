@@ -278,17 +278,10 @@ def test_hardware_profile_json(tmp_path):
     assert slow.estimate.decode.pcie_s == pytest.approx(MIXTRAL.all_expert_bytes / 25e9)
 
 
-def test_plan_cli_mixtral(tmp_path, capsys):
-    from pagedmoe.cli import main
-
-    out_json = tmp_path / "plan.json"
-    rc = main(["plan", str(CONFIGS / "mixtral-8x7b"), "--gpu-memory-gb", "24", "64", "139", "weights+4",
-               "--json", str(out_json)])
-    text = capsys.readouterr().out
-    assert rc == 0, text
+def test_plan_cli_mixtral(plan_report):
+    text, report = plan_report(CONFIGS / "mixtral-8x7b", "--gpu-memory-gb", "24", "64", "139", "weights+4")
     assert text.count("out tok/s") == 4 and "does not fit (needs 89.43 GiB)" in text
     assert "*>auto: resident" in text and "*>auto: N=0 " in text and "paged N=0 (cpu-moe)" in text
-    report = json.loads(out_json.read_text())
     b24, b64, b139, bw4 = report["budgets"]
     assert b24["budget_bytes"] == 24 * GiB and bw4["budget_bytes"] == MIXTRAL.weight_bytes + 4 * GiB
     rows = {r["label"]: r for r in b139["rows"]}

@@ -1,6 +1,5 @@
 """`pagedmoe plan --num-gpus N`: experts split evenly over N GPUs (expert parallel), backbone replicated;
 the full-size DeepSeek-V3 / GLM-4.5 configs; numbers checked by hand."""
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -81,16 +80,11 @@ def test_bad_num_gpus(v3):
         replace(v3, num_gpus=257)
 
 
-def test_plan_cli_num_gpus(tmp_path, capsys):
+def test_plan_cli_num_gpus(plan_report, capsys):
     from pagedmoe.cli import main
 
-    out_json = tmp_path / "plan.json"
-    rc = main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "1", "8",
-               "--json", str(out_json)])
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    text, report = plan_report(CONFIGS / "deepseek-v3", "--gpu-memory-gb", "130", "--num-gpus", "1", "8")
     assert "8 x H200, expert parallel: 32 of 256 experts per layer" in text and "a2a" in text
-    report = json.loads(out_json.read_text())
     one, eight = report["budgets"]
     assert (one["num_gpus"], eight["num_gpus"], eight["experts_per_gpu"]) == (1, 8, 32)
     auto1 = next(r for r in one["rows"] if r["auto"])

@@ -159,7 +159,7 @@ class LLMEngine:
             if n + comp > dims.num_experts:
                 raise ValueError(f"--num-gpu-experts {n} + --num-compressed-experts {comp} exceeds the model's "
                                  f"{dims.num_experts} experts per layer")
-            self._check_fixed_host_tier(dims, spec, (dims.num_experts - n - comp) * num_moe)
+            self._check_fixed_host_tier(dims, spec, n, comp)
             return "paged", [n] * num_moe, [comp] * num_moe
         if placement == "resident":
             return "resident", None, None
@@ -209,19 +209,25 @@ class LLMEngine:
             return "resident", None, None
         return "paged", per_layer, comp if any(comp) else None
 
-    def _check_fixed_host_tier(self, dims, spec, num_host: int) -> None:
+    def _check_fixed_host_tier(self, dims, spec, num_gpu: int, num_comp: int) -> None:
         """A placement fixed by the flags (--num-gpu-experts, --cpu-moe) skips the planner's search, not its
         host limit: refuse it before pinning more host memory than the machine has."""
         from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
         from pagedmoe.experts.model_shape import ModelShape
+        from pagedmoe.experts.placement import Placement
+        from pagedmoe.experts.planner import host_tier_bytes
 
+        num_moe = dims.num_layers - len(spec.dense_layers)
+        num_host = (dims.num_experts - num_gpu - num_comp) * num_moe
         limit = self._host_budget() if num_host > 0 else None
         if limit is None:
             return
-        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
-        one = ModelShape.from_model_dims(dims, spec, dtype_bytes).expert_bytes
-        ratio = LOSSLESS_PLANNING_RATIO if self.host_compression == "lossless" else 1.0
-        need = int(num_host * one * ratio)
+        shape = ModelShape.from_model_dims(dims, spec, torch.empty(0, dtype=self.dtype).element_size())
+        placement = Placement.uniform(num_moe, dims.num_experts, num_gpu, num_comp,
+                                      LOSSLESS_PLANNING_RATIO if num_comp else 0.0)
+        buffers = "plain" if self.device.type != "cuda" or self.config.expert_buffers == "plain" else "vmm"
+        need = host_tier_bytes(shape, placement, buffers,
+                               LOSSLESS_PLANNING_RATIO if self.host_compression == "lossless" else 0.0)
         if need > limit:
             raise ValueError(f"the host tier of this placement ({num_host} experts, {need / GiB:.2f} GiB) does not "
                              f"fit the host memory limit of {limit / GiB:.2f} GiB: keep more experts on the GPU "

@@ -58,7 +58,10 @@ class ExpertPager:
         self.store = store
         # --quantized-gemm direct: forwards of few tokens leave the quantized experts as they are and the
         # MoE layer multiplies them directly (weights() hands it the QuantizedLayer); set per forward.
+        from pagedmoe.models.layers.moe import TRITON_MAX_TOKENS
+
         self.direct_quantized = direct_quantized
+        self._direct_max_tokens = TRITON_MAX_TOKENS  # larger forwards dequantise for grouped_mm
         self._direct = False
         self.num_layers = store.table.num_layers
         self.cuda = store.device.type == "cuda"
@@ -151,9 +154,8 @@ class ExpertPager:
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
         """A forward of `num_tokens` tokens starts (None: unknown, so the experts are dequantised)."""
-        from pagedmoe.models.layers.moe import TRITON_MAX_TOKENS
-
-        self._direct = self.direct_quantized and num_tokens is not None and num_tokens <= TRITON_MAX_TOKENS
+        self._direct = (self.direct_quantized and num_tokens is not None
+                        and num_tokens <= self._direct_max_tokens)
         self._plan()
         self._issued = [False] * self.num_layers
         if self.ring:
@@ -188,10 +190,10 @@ class ExpertPager:
                 self._pending_timing.append(layer)
             torch.cuda.current_stream().wait_event(self.loaded[layer])
         if self._direct:
-            dyn, store = self.store.dynamic, self.store
+            dyn = self.store.dynamic
             if dyn is not None:  # NOTE: the published version; a publish happens only between steps
-                return dyn.versions[layer].parts(store.hidden, store.inter, store.table.num_experts)
-            return store.quantized[layer]
+                return dyn.versions[layer].parts
+            return self.store.quantized[layer]
         return self.store.views(layer)
 
     def after_experts(self, layer: int) -> None:

@@ -179,12 +179,27 @@ class PlanInputs:
         return -(-self.max_model_len // self.block_size)
 
 
+def _slot_bytes(shape: ModelShape, placement: Placement, buffers: str) -> int:
+    """One expert row as the store lays it out: padded to the VMM mapping granularity when streamed experts
+    land in VMM buffers (experts/layout.py), else to 16 bytes."""
+    vmm = buffers in ("vmm", "vmm-ring")
+    return _round_up(shape.expert_bytes, VMM_GRANULARITY_BYTES if not placement.is_resident and vmm else 16)
+
+
+def host_tier_bytes(shape: ModelShape, placement: Placement, buffers: str = "vmm",
+                    host_compression_ratio: float = 0.0) -> int:
+    """Pinned host memory the placement's host tier takes: one padded row per host expert, or each expert's
+    compressed bytes under --host-compression lossless."""
+    one = (int(shape.expert_bytes * host_compression_ratio) if host_compression_ratio
+           else _slot_bytes(shape, placement, buffers))
+    return placement.total_host * one
+
+
 def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     shape = inputs.shape
     streamed = not placement.is_resident
     vmm = inputs.buffers in ("vmm", "vmm-ring")
-    align = VMM_GRANULARITY_BYTES if streamed and vmm else 16
-    slot = _round_up(shape.expert_bytes, align)
+    slot = _slot_bytes(shape, placement, inputs.buffers)
     if not streamed:
         buffer_slots = 0
     elif vmm:
@@ -204,7 +219,7 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
         "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,
         "compressed_expert_bytes": placement.total_compressed * compressed_one,
         "buffer_bytes": buffer_slots * slot + staging,
-        "host_tier_bytes": placement.total_host * (host_one if hr else slot),
+        "host_tier_bytes": host_tier_bytes(shape, placement, inputs.buffers, hr),
         "traffic": StepTraffic(
             # Copies move an expert's weights, not its slot padding.
             h2d_bytes=placement.total_host * host_one,

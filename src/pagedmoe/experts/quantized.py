@@ -110,7 +110,9 @@ class LayerVersion:
     Immutable once published: a change builds a new LayerVersion and swaps the reference."""
 
     def __init__(self, exact_ids: Sequence[int], exact_rows: Optional[torch.Tensor],
-                 groups: dict[str, QuantizedLayer]) -> None:
+                 groups: dict[str, QuantizedLayer], hidden: int, inter: int, num_experts: int) -> None:
+        from pagedmoe.experts.layout import expert_views
+
         self.exact_ids, self.exact_rows, self.groups = list(exact_ids), exact_rows, groups
         self.precision = {e: "bf16" for e in self.exact_ids}
         for p, g in groups.items():
@@ -118,33 +120,26 @@ class LayerVersion:
         self._index = None
         if self.exact_ids:
             self._index = torch.tensor(self.exact_ids, dtype=torch.long, device=exact_rows.device)
-        self._parts = None
+
+        def slots(ids, device):
+            s = torch.full((num_experts,), -1, dtype=torch.int32)
+            s[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
+            return s.to(device)
+
+        # (w13, w2, slots) per precision group, as kernels/fused_moe.py::fused_moe_mixed reads the layer under
+        # --quantized-gemm direct: the exact rows' views and each lossy stack, with each expert's index in its
+        # group (-1 elsewhere). NOTE: built here, with the version (on the builder's side stream), not inside
+        # a forward: the slot maps' host->device copies would stall a layer.
+        self.parts = []
+        if self.exact_ids:
+            self.parts.append((*expert_views(exact_rows, hidden, inter), slots(self.exact_ids, exact_rows.device)))
+        for g in groups.values():
+            self.parts.append((g.w13, g.w2, slots(g.expert_ids, g.device)))
 
     @property
     def nbytes(self) -> int:
         rows = self.exact_rows.numel() * self.exact_rows.element_size() if self.exact_ids else 0
         return rows + sum(g.nbytes for g in self.groups.values())
-
-    def parts(self, hidden: int, inter: int, num_experts: int) -> list:
-        """(w13, w2, slots) per precision group, as kernels/fused_moe.py::fused_moe_mixed reads the layer under
-        --quantized-gemm direct: the exact rows' views and each lossy stack, with each expert's index in its
-        group (-1 elsewhere). Built on first use (between steps), then reused: the version never changes."""
-        if self._parts is None:
-            from pagedmoe.experts.layout import expert_views
-
-            def slots(ids, device):
-                s = torch.full((num_experts,), -1, dtype=torch.int32)
-                s[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
-                return s.to(device)
-
-            parts = []
-            if self.exact_ids:
-                w13, w2 = expert_views(self.exact_rows, hidden, inter)
-                parts.append((w13, w2, slots(self.exact_ids, self.exact_rows.device)))
-            for g in self.groups.values():
-                parts.append((g.w13, g.w2, slots(g.expert_ids, g.device)))
-            self._parts = parts
-        return self._parts
 
     def fill(self, packed: torch.Tensor) -> None:
         """Write every expert of the layer into the compute buffer packed [E, stride]. Sync-free."""
@@ -293,7 +288,7 @@ class DynamicExperts:
                 parts13.append(w13)
                 parts2.append(w2)
             groups[p] = QuantizedLayer(p, H, I, ids, _stack(parts13), _stack(parts2))
-        return LayerVersion(exact_ids, exact_rows, groups)
+        return LayerVersion(exact_ids, exact_rows, groups, H, I, E)
 
     def _quantize_expert(self, layer: int, e: int, p: str) -> tuple[QuantizedTensor, QuantizedTensor]:
         H, I = self.hidden, self.inter

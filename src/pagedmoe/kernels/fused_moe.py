@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_checks import check_float, check_index, check_same_device, dot_precision, next_pow2
+from ._attention_checks import check_float, check_index, check_same_device, dot_precision
 from .device_info import sm_count
 from .moe_align import moe_align
 from pagedmoe.codecs.quant import INT4_GROUP
@@ -313,6 +313,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                       T, A, E, H, I, out, config, overrides)
 
 
+def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, H: int) -> None:
+    check_float(x, "x", 2)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    if x.shape[1] != H or topk_ids.shape[0] != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)} do not fit experts of hidden size {H}")
+
+
+def _quantized_pair(q13, q2, n: int, H: int, I: int, cfg: FusedMoEConfig) -> tuple[_ExpertWeights, _ExpertWeights]:
+    """n experts' quantized stacks q13 [n * 2I, H], q2 [n * H, I] checked, as the kernel reads them."""
+    if q13.precision != q2.precision or q13.precision not in ("fp8", "int8", "int4"):
+        raise ValueError(f"quantized experts must share one of fp8/int8/int4, got {q13.precision}, {q2.precision}")
+    if tuple(q13.shape) != (n * 2 * I, H) or tuple(q2.shape) != (n * H, I):
+        raise ValueError(f"stacks {q13.shape} / {q2.shape} do not hold {n} experts' [2I, H] / [H, I] weights "
+                         f"(H={H}, I={I})")
+    for qt in (q13, q2):
+        if not qt.data.is_contiguous() or not qt.scales.is_contiguous() or qt.scales.dtype != torch.float32:
+            raise ValueError("quantized data and float32 scales must be contiguous")
+    if q13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
+        raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}: block_k {cfg.block_k} / block_k2 "
+                         f"{cfg.block_k2} must divide it")
+    return _ExpertWeights.quantized(q13, n), _ExpertWeights.quantized(q2, n)
+
+
 def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
                         config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
@@ -322,31 +347,16 @@ def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights
     weights it multiplies are the ones kernels/dequant.py would write, so with the same tiles the result
     equals fused_moe on those dequantized weights bit for bit."""
     E = num_experts
-    if q13.precision != q2.precision or q13.precision not in ("fp8", "int8", "int4"):
-        raise ValueError(f"quantized experts must share one of fp8/int8/int4, got {q13.precision}, {q2.precision}")
     if E < 1 or q13.shape[0] % (2 * E) or q2.shape[0] % E:
         raise ValueError(f"stacks {q13.shape} / {q2.shape} do not hold {E} experts' [2I, H] / [H, I] weights")
     I, H = q13.shape[0] // (2 * E), q13.shape[1]
-    if tuple(q2.shape) != (E * H, I):
-        raise ValueError(f"w2 stack {q2.shape} does not match w13 {q13.shape} for {E} experts (expected {(E * H, I)})")
-    for qt in (q13, q2):
-        if not qt.data.is_contiguous() or not qt.scales.is_contiguous() or qt.scales.dtype != torch.float32:
-            raise ValueError("quantized data and float32 scales must be contiguous")
-    check_float(x, "x", 2)
-    check_float(topk_weights, "topk_weights", 2)
-    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    _check_routing(x, topk_weights, topk_ids, H)
     check_same_device(x=x, w13=q13.data, w2=q2.data, topk_weights=topk_weights, topk_ids=topk_ids)
-    if x.shape[1] != H or topk_ids.shape[0] != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
-                         f"{tuple(topk_weights.shape)} do not fit experts of hidden size {H}")
     T, A = topk_ids.shape
     cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    if q13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
-        raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}: block_k {cfg.block_k} / block_k2 "
-                         f"{cfg.block_k2} must divide it")
-    return _fused_moe(x, [(_ExpertWeights.quantized(q13, E), _ExpertWeights.quantized(q2, E), None)],
-                      topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
+    return _fused_moe(x, [(*_quantized_pair(q13, q2, E, H, I, cfg), None)], topk_weights, topk_ids,
+                      T, A, E, H, I, out, cfg, {})
 
 
 def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -359,14 +369,12 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
     from pagedmoe.codecs.quant import QuantizedTensor
 
-    check_float(x, "x", 2)
-    check_float(topk_weights, "topk_weights", 2)
-    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
-    T, A = topk_ids.shape
-    E, H = num_experts, x.shape[1]
     if not parts:
         raise ValueError("fused_moe_mixed needs at least one part")
-    first13, first2, _ = parts[0]
+    E, H = num_experts, x.shape[1]
+    _check_routing(x, topk_weights, topk_ids, H)
+    T, A = topk_ids.shape
+    first2 = parts[0][1]
     I = first2.shape[1] if isinstance(first2, QuantizedTensor) else first2.shape[2]
     cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
     groups = []
@@ -374,19 +382,14 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
         if slots.dtype != torch.int32 or tuple(slots.shape) != (E,) or slots.device != x.device:
             raise ValueError(f"slots must be int32 [{E}] on {x.device}, got {slots.dtype} {tuple(slots.shape)}")
         if isinstance(w13, QuantizedTensor):
-            n = w13.shape[0] // (2 * I)
-            if w13.shape[1] != H or tuple(w2.shape) != (n * H, I) or w13.precision != w2.precision:
-                raise ValueError(f"quantized part {w13.shape} / {w2.shape} does not fit H={H}, I={I}")
-            if w13.precision == "int4" and (INT4_GROUP % cfg.block_k or INT4_GROUP % cfg.block_k2):
-                raise ValueError(f"int4 tiles must lie in one group of {INT4_GROUP}")
-            groups.append((_ExpertWeights.quantized(w13, n), _ExpertWeights.quantized(w2, n), slots))
-        else:
-            check_float(w13, "w13", 3)
-            check_float(w2, "w2", 3)
-            if w13.dtype != x.dtype or tuple(w13.shape[1:]) != (2 * I, H) or tuple(w2.shape[1:]) != (H, I):
-                raise ValueError(f"exact part {tuple(w13.shape)} / {tuple(w2.shape)} does not fit H={H}, I={I} "
-                                 f"in {x.dtype}")
-            groups.append((_ExpertWeights.of(w13), _ExpertWeights.of(w2), slots))
+            groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
+            continue
+        check_float(w13, "w13", 3)
+        check_float(w2, "w2", 3)
+        if w13.dtype != x.dtype or tuple(w13.shape[1:]) != (2 * I, H) or tuple(w2.shape[1:]) != (H, I):
+            raise ValueError(f"exact part {tuple(w13.shape)} / {tuple(w2.shape)} does not fit H={H}, I={I} "
+                             f"in {x.dtype}")
+        groups.append((_ExpertWeights.of(w13), _ExpertWeights.of(w2), slots))
     return _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
 
 
