@@ -19,10 +19,10 @@ TESTS = Path(__file__).resolve().parents[1]
 # Both scripts get the tests folder in TESTS_DIR (tiny_models, and the interpreter fix the kernel tests use).
 PRELUDE = r"""
 import json, os, sys
-os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path[:0] = [os.environ["TESTS_DIR"], os.path.join(os.environ["TESTS_DIR"], "kernels")]
 import torch
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # the interpreter, chosen before any kernel is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     from triton_interp import fix_interpreter_index
     fix_interpreter_index()
 from tiny_models import greedy_logits

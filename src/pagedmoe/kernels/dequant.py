@@ -59,7 +59,8 @@ def dequant_kernel(
         q = nibble.to(tl.float32) - 8.0
         s = tl.load(scale_ptr + row_off * scale_stride + (ks // GROUP)[None, :], mask=mask, other=0.0)
     else:
-        q = tl.load(data_ptr + row_off * data_stride + ks[None, :], mask=mask, other=0).to(tl.float32)
+        # no `other`: an int constant does not cast to fp8 when compiled; masked lanes are never stored
+        q = tl.load(data_ptr + row_off * data_stride + ks[None, :], mask=mask).to(tl.float32)
         s = tl.load(scale_ptr + rows.to(tl.int64) * scale_stride, mask=rmask, other=0.0)[:, None]
     val = (q * s).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     base = tl.load(base_ptr + rows // N, mask=rmask, other=0)

@@ -56,7 +56,8 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr
     else:
         if QUANT == 1:
             s = tl.load(s_ptrs, mask=n_mask, other=0.0)
-            q = tl.load(w_ptrs, mask=mask, other=0).to(tl.float32)
+            # no `other` (an int constant does not cast to fp8 when compiled): masked lanes zeroed after
+            q = tl.where(mask, tl.load(w_ptrs, mask=mask).to(tl.float32), 0.0)
         else:
             s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
             byte = tl.load(w_ptrs, mask=mask, other=0)  # w_ptrs address the byte of each K position
