@@ -30,7 +30,7 @@ if not CUDA:  # a CPU smoke run of the script's logic (tiny shapes, Triton inter
 
 from pagedmoe.codecs.quant import dequantize  # noqa: E402
 from pagedmoe.experts.quantized import QuantizedLayer  # noqa: E402
-from pagedmoe.kernels.dequant import dequantize_into  # noqa: E402
+from pagedmoe.kernels.dequant import LAUNCH_SHAPES, dequantize_into  # noqa: E402
 
 from timing import time_eager  # noqa: E402
 
@@ -85,7 +85,7 @@ def main() -> None:
         refs = [dequantize(lay.w13, dtype) for lay in layers[:1]]
         bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
         grid = itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (False, True)) if CUDA else \
-            [(16, 256, 4, False), (16, 256, 4, True)]
+            sorted({(16, 256, 4, False), (16, 256, 4, True), LAUNCH_SHAPES[precision]})  # the default among them
         for br, bk, nw, paired in grid:
             if br * bk > 65536 or paired and precision != "int4":
                 continue
@@ -148,7 +148,7 @@ def main() -> None:
         if r["exact"] and (r["precision"] not in best or r["us_per_layer"] < best[r["precision"]]["us_per_layer"]):
             best[r["precision"]] = r
     default = {r["precision"]: r for r in results if "gemm_tokens" not in r
-               and (r["block_r"], r["block_k"], r["num_warps"], r["paired"]) == (16, 256, 4, False)}
+               and (r["block_r"], r["block_k"], r["num_warps"], r["paired"]) == LAUNCH_SHAPES[r["precision"]]}
     print("\nprecision  default us  best us  best (BLOCK_R, BLOCK_K, warps, paired)  best / floor")
     for p, r in best.items():
         print(f"{p:9s} {default[p]['us_per_layer']:10.1f} {r['us_per_layer']:8.1f}  "

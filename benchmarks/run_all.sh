@@ -18,7 +18,8 @@
 #
 # Sweep workload (env, defaults in brackets): SWEEP_INPUT_LEN [1024], SWEEP_OUTPUT_LEN [1024],
 # SWEEP_STEADY_STEPS [64], SWEEP_NUM_PROMPTS [256, a cap on the batch], SWEEP_PLACEMENTS ["resident paged"],
-# SWEEP_MAX_MODEL_LEN [2048], SWEEP_EXTRA [more engine flags, e.g. --dtype bfloat16 for a CPU dry run].
+# SWEEP_MAX_MODEL_LEN [2048], SWEEP_MAX_BATCHED [8192: at 16384 the prefill activations (4.25 GiB) leave resident
+# Mixtral no KV at weights + 4], SWEEP_EXTRA [more engine flags, e.g. --dtype bfloat16 for a CPU dry run].
 # A paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s
 # (docs/planner.md), so 1024 output tokens cannot finish inside one device call: each point fills the KV cache
 # with as many sequences as 1024 in / 1024 out keeps in flight, times SWEEP_STEADY_STEPS decode steps with the
@@ -35,27 +36,27 @@ STAGE_TIMEOUT=${STAGE_TIMEOUT:-560}
 M=${MIXTRAL_MODEL:-benchmarks/configs/mixtral-8x7b}   # overridable for a dry run of the script on CPU
 Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 
-# stage -> "expected device time [pcie] [owed] | what it reproduces": [pcie] streams experts (or offloads) over
+# stage -> "expected device time [pcie] | what it reproduces": [pcie] streams experts (or offloads) over
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
-  [gputests]="~1 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
+  [gputests]="~1 min [owed] | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
   [issue4]="~6 min | fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh, its GPU tests left to the gputests stage)"
   [hf]="~2 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
-  [hf-offload]="~5 min [pcie] [owed] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
-  [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
-  [dequant]="~1 min [owed] | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
+  [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
+  [codec]="~1 min [owed] | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
+  [dequant]="~1 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~2 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
-  [dynamic]="~3 min [owed] | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
+  [dynamic]="~3 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
   [serve-paged]="~3.5 min [pcie] | serving table, paged N=64 row"
   [glm-air]="~7 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
-  [sweep-mixtral-24-paged]="~4 min [pcie] [owed] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
-  [sweep-mixtral-24-paged+host-lossless]="~3.5 min [pcie] [owed] | the same with the host tier held compressed"
-  [sweep-mixtral-64-paged]="~4.5 min [pcie] [owed] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
-  [sweep-mixtral-64-paged+host-lossless]="~3.5 min [pcie] [owed] | the same with the host tier held compressed"
+  [sweep-mixtral-24-paged]="~4 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
+  [sweep-mixtral-24-paged+host-lossless]="~3.5 min [pcie] | the same with the host tier held compressed"
+  [sweep-mixtral-64-paged]="~4.5 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
+  [sweep-mixtral-64-paged+host-lossless]="~3.5 min [pcie] | the same with the host tier held compressed"
   [sweep-mixtral-w4-resident,paged,paged+lossless]="~4.5 min [pcie] [owed] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
   [sweep-mixtral-139-resident]="~1.5 min | sweep Mixtral-8x7B at 139 GiB"
-  [sweep-qwen3-24-paged,paged+host-lossless]="~5 min [pcie] [owed] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
+  [sweep-qwen3-24-paged,paged+host-lossless]="~5 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
   [sweep-qwen3-64-resident,paged,paged+lossless]="~4.5 min [pcie] [owed] | sweep Qwen3-30B-A3B at 64 GiB"
   [sweep-qwen3-w4-resident,paged,paged+lossless]="~5 min [pcie] [owed] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~2 min | sweep Qwen3-30B-A3B at 139 GiB"
@@ -102,7 +103,7 @@ sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output fold
     --num-prompts "${SWEEP_NUM_PROMPTS:-256}" --input-len "${SWEEP_INPUT_LEN:-1024}" \
     --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-64}" \
     --max-model-len "${SWEEP_MAX_MODEL_LEN:-2048}" --max-num-seqs 256 \
-    --max-num-batched-tokens 16384 --output-dir "$3" > "$3/sweep.log" 2>&1
+    --max-num-batched-tokens "${SWEEP_MAX_BATCHED:-8192}" --output-dir "$3" > "$3/sweep.log" 2>&1
   local rc=$?
   grep -E "^\[sweep\]|rror" "$3/sweep.log" | tail -20
   # the table and the files written come last in the log; without them the stage was cut short

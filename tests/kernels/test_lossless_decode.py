@@ -71,6 +71,32 @@ def test_interpreter_all_patterns_and_part_range():
     assert torch.equal(bits(out), bits(x[1:3]))
 
 
+def check_rows_with_stride(device):
+    """Parts land in the rows of a buffer padded past the part size (an expert compute buffer whose rows
+    are rounded up to the VMM granularity): one launch, the padding and the rows outside untouched."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 1000, generator=g) * 0.02).bfloat16().to(device)  # 1000: no multiple of the block
+    ct = encode(x, num_parts=5, layout=LosslessLayout(16, 8, 12))
+    buf = torch.full((6, 1024 + 40), float("nan"), dtype=torch.bfloat16, device=device)
+    lossless_decode(ct, buf[2:5, 3:1003], parts=(1, 4))
+    assert torch.equal(bits(buf[2:5, 3:1003]), bits(x[1:4]))
+    rest = buf.clone()
+    rest[2:5, 3:1003] = float("nan")
+    assert rest.isnan().all()  # nothing written outside the three rows' parts
+    with pytest.raises(ValueError, match="one row per part"):
+        lossless_decode(ct, buf[2:5, 3:1002], parts=(1, 4))  # rows shorter than a part
+
+
+@cpu_only
+def test_interpreter_rows_with_stride():
+    check_rows_with_stride("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_rows_with_stride():
+    check_rows_with_stride("cuda")
+
+
 @pytest.mark.skipif(not CAN_RUN, reason="needs a GPU or the Triton interpreter")
 def test_launcher_checks_arguments():
     x = (torch.randn(2, 100) * 0.02).bfloat16().to(DEVICE)

@@ -138,6 +138,20 @@ def test_compressed_tier_logits_bit_identical_to_resident(bf16_ckpt):
     assert store.device_bytes == store.resident_bytes + store.compressed_bytes + store.buffer_bytes
 
 
+def test_compressed_tier_into_padded_rows(bf16_ckpt, monkeypatch):
+    """Buffer rows longer than an expert (VMM rounds them up to 2 MiB): each layer's compressed experts still
+    decode in one launch, each into its own row, and the logits stay those of resident placement."""
+    import pagedmoe.experts.manager as manager
+
+    ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
+    monkeypatch.setattr(manager, "STRIDE_ALIGN_BYTES", 8192)
+    got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", num_gpu_experts=1, num_compressed_experts=5)
+    store = engine.expert_store
+    assert store.stride > store.expert_numel  # rows are padded
+    assert all(len(runs) == 1 for runs in engine.pager._decodes)  # one decode per layer
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def test_table_places_three_tiers():
     from pagedmoe.experts.table import ExpertKey, ExpertTable
 

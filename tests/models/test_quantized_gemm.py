@@ -119,3 +119,22 @@ def test_direct_quantized_gemm_refuses_what_it_cannot_do():
         EngineConfig(quantized_gemm="direct", expert_precision="static-int8", moe_backend="grouped_mm")
     with pytest.raises(ValueError, match="quantized_gemm must be one of"):
         EngineConfig(quantized_gemm="fast")
+
+
+def test_quantized_gemm_auto_resolves_where_direct_measured_faster():
+    from pagedmoe.config import EngineConfig
+
+    def resolved(device, **kw):
+        return EngineConfig(model="m", **kw).resolved_quantized_gemm(device)
+
+    assert EngineConfig(model="m").quantized_gemm == "auto"
+    assert resolved("cuda", expert_precision="static-fp8") == "direct"
+    assert resolved("cuda", expert_precision="static-int8") == "direct"
+    assert resolved("cuda", expert_precision="static-int4") == "dequant"   # nibble loads: slower from 16 tokens
+    assert resolved("cuda", expert_precision="dynamic") == "dequant"
+    assert resolved("cuda", expert_precision="static-int8", moe_backend="grouped_mm") == "dequant"
+    assert resolved("cpu", expert_precision="static-int8") == "dequant"
+    assert resolved("cuda", expert_precision="exact") == "dequant"         # nothing lossy: no effect
+    assert resolved("cpu", expert_precision="static-int4", quantized_gemm="direct", moe_backend="triton") == "direct"
+    with pytest.raises(ValueError, match="needs --expert-precision"):
+        EngineConfig(model="m", quantized_gemm="direct")

@@ -179,7 +179,7 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
 def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int, output_len: int, hw) -> dict:
     """The planner's figures for the placement this engine holds, on this workload (pure Python model)."""
     from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.table import COMPRESSED, RESIDENT
+    from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT
 
     store, c = engine.expert_store, engine.config
     table = store.table
@@ -193,16 +193,20 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
         placement = Placement(E, gpu, comp, ratio)
         buffers = ("plain" if not getattr(store.buffers, "maps_resident", False)
                    else "vmm-ring" if getattr(store.buffers, "ring", False) else "vmm")
+    n_host = sum(table.count(layer, HOST) for layer in range(L)) if store.paged else 0
+    host_ratio = (store.host_bytes / (n_host * shape.expert_bytes)
+                  if store.paged and store.host_compression == "lossless" and n_host else 0.0)
     return model_placement(shape, placement, buffers, budget_bytes, engine.plan.activation_bytes,
                            engine.max_model_len, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                           num_prompts, input_len, output_len, hw)
+                           num_prompts, input_len, output_len, hw, host_ratio)
 
 
 def model_placement(shape, placement, buffers: str, budget_bytes: int, activation_bytes: int, max_model_len: int,
                     block_size: int, max_num_seqs: int, max_num_batched_tokens: int, num_prompts: int,
-                    input_len: int, output_len: int, hw) -> dict:
+                    input_len: int, output_len: int, hw, host_compression_ratio: float = 0.0) -> dict:
     """The planner's figures for one placement on one workload: what `modelled` reports for an engine, and
-    `--remodel` recomputes from a stored point."""
+    `--remodel` recomputes from a stored point. host_compression_ratio: the host tier's bytes over bf16
+    (--host-compression lossless; 0: raw), which sets its PCIe traffic and adds its decode."""
     from pagedmoe.experts.planner import PlacementBudgetError, PlanInputs, plan_placement
 
     # The engine gives the KV cache at most what max_num_seqs full-length sequences can use: so does the model.
@@ -210,7 +214,8 @@ def model_placement(shape, placement, buffers: str, budget_bytes: int, activatio
     try:
         inputs = PlanInputs(shape, budget_bytes, activation_bytes, max_model_len, block_size,
                             (input_len, output_len), min(max_num_seqs, num_prompts), max_num_batched_tokens,
-                            hw, max_kv_blocks=useful_blocks, buffers=buffers)
+                            hw, max_kv_blocks=useful_blocks, buffers=buffers,
+                            host_compression_ratio=host_compression_ratio)
         plan = plan_placement(inputs, placement)
     except PlacementBudgetError as e:
         return {"fits": False, "placement": placement.label(), "min_budget_gib": _needs_gib(e), "error": str(e)}
@@ -248,9 +253,12 @@ def remodel(point: dict, config: dict, hw) -> dict:
     else:  # paged by flags: no planner split was stored
         return point
     activation_bytes = int(round(point["memory_gib"]["activations"] * GiB))
+    n_host = sum(n for tier, n in point.get("experts", {}).items() if tier.startswith("host/"))
+    host_ratio = (point["memory_gib"]["host_tier"] * GiB / (n_host * shape.expert_bytes)
+                  if point.get("engine_flags", {}).get("host_compression") == "lossless" and n_host else 0.0)
     m = model_placement(shape, placement, buffers, point["budget_bytes"], activation_bytes,
                         eng["max_model_len"], eng["block_size"], eng["max_num_seqs"], eng["max_num_batched_tokens"],
-                        point["num_requests"], config["input_len"], config["output_len"], hw)
+                        point["num_requests"], config["input_len"], config["output_len"], hw, host_ratio)
     out = {**point, "modelled": m}
     if m.get("fits"):
         out["fraction_of_modelled_throughput"] = point["output_tokens_per_second"] / m["output_throughput"]

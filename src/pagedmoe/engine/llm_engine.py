@@ -83,7 +83,8 @@ class LLMEngine:
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
                                "plain" if dynamic else config.expert_buffers, num_compressed,
                                quantized_precision=config.quantized_precision(),
-                               host_compression=self.host_compression, quantized_gemm=config.quantized_gemm)
+                               host_compression=self.host_compression,
+                               quantized_gemm=config.resolved_quantized_gemm(self.device.type))
         self.expert_store = self.model.expert_store
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
             self.expert_store.enable_dynamic(config.min_expert_precision or "int4")

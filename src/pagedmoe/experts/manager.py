@@ -19,6 +19,9 @@ PLACEMENTS = ("resident", "paged", "auto")
 # default layout on N(0, 0.02) weights (docs/benchmarks.md, "Lossless codec"); trained weights are close.
 LOSSLESS_PLANNING_RATIO = 0.683
 
+# Expert rows without VMM start every 16 bytes (vectorised loads); VMM rounds them up to its granularity.
+STRIDE_ALIGN_BYTES = 16
+
 
 def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: str) -> list[int]:
     out = list(counts) if isinstance(counts, (list, tuple)) else [counts or 0] * num_layers
@@ -78,7 +81,7 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
             quant = [range(n + c, E) for n, c in zip(counts, comp)]
         table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)], quant,
                     quantized_precision or "int8")
-    factory, align = None, 16
+    factory, align = None, STRIDE_ALIGN_BYTES
     if paged and buffers in ("auto", "vmm", "vmm-ring") and device.type == "cuda":
         from pagedmoe.experts import vmm
 

@@ -11,9 +11,9 @@ On CUDA the copies run on a dedicated copy stream and are ordered by events, wit
 
 Compressed-tier experts (experts/store.py) are decoded into their buffer rows in the same slot of the
 copy stream, by the Triton decoder (kernels/lossless_decode.py): one launch per run of consecutive
-experts whose buffer rows are contiguous (a whole layer with the first-N placement and unpadded
-rows), else one per expert. The decoder reads only device memory and never syncs, so it overlaps
-compute like the H2D copies do.
+expert ids (a whole layer with the first-N placement), each part into its buffer row, whatever the rows'
+padding (VMM rows are rounded up to 2 MiB: Qwen3-30B-A3B's 9 MiB experts sit 10 MiB apart). The decoder
+reads only device memory and never syncs, so it overlaps compute like the H2D copies do.
 
 With ring buffers (`--expert-buffers vmm-ring`, experts/vmm.py) streamed rows rotate through one ring
 of S rows instead of two per-layer slots: layer j's copy waits only for the layer that last used its ring
@@ -137,7 +137,8 @@ class ExpertPager:
         return copies
 
     def _layer_decodes(self, layer: int) -> list[tuple[int, int, torch.Tensor]]:
-        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each."""
+        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each,
+        into the run's rows [k, expert_numel] (row padding up to the stride is skipped by the decoder)."""
         store = self.store
         ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
         if not ids:
@@ -145,11 +146,11 @@ class ExpertPager:
         dst, n = store.buffers.packed(layer), store.expert_numel
         runs: list[list[int]] = []  # [first part, first expert, count]
         for part, e in enumerate(ids):
-            if runs and store.stride == n and e == runs[-1][1] + runs[-1][2]:
+            if runs and e == runs[-1][1] + runs[-1][2]:
                 runs[-1][2] += 1
             else:
                 runs.append([part, e, 1])
-        return [(p0, p0 + k, dst[e0:e0 + k].reshape(-1)[:k * n] if k > 1 else dst[e0, :n]) for p0, e0, k in runs]
+        return [(p0, p0 + k, dst[e0:e0 + k, :n]) for p0, e0, k in runs]
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
@@ -272,7 +273,7 @@ class ExpertPager:
 
             rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
             for p0, p1, dst in runs:
-                dst.copy_(rows[p0:p1].reshape(-1))
+                dst.copy_(rows[p0:p1].reshape(dst.shape))
 
     def _compressed(self, layer: int):
         ct = self.store.compressed[layer]

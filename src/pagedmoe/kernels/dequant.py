@@ -68,12 +68,18 @@ def dequant_kernel(
     tl.store(out_ptr + dst, val, mask=mask)
 
 
-def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor, block_r: int = 16,
-                    block_k: int = 256, num_warps: int = 4, paired: bool = False) -> None:
+# (BLOCK_R, BLOCK_K, num_warps, paired) per precision: the fastest exact launch shape of
+# benchmarks/bench_dequant.py on the H200 (Qwen3-30B-A3B's 128 experts, commit 5e371e3): 0.77 / 0.83 / 0.72 of
+# the HBM floor for int8 / fp8 / int4 (16 x 256 unpaired gave int4 0.27 and fp8 0.60).
+LAUNCH_SHAPES = {"int8": (16, 256, 4, False), "fp8": (16, 1024, 4, False), "int4": (16, 512, 4, True)}
+
+
+def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor, block_r: int | None = None,
+                    block_k: int | None = None, num_warps: int | None = None, paired: bool | None = None) -> None:
     """Dequantise qt ([n*N, K] stacked) into `out` (a contiguous packed buffer, any float dtype) at the
-    element offsets `bases` (int64 [n], on out's device): one launch, no host sync. `paired` (int4, block_k
-    a multiple of 128): each byte loaded once and split, one scale load per group (bit-identical;
-    benchmarks/bench_dequant.py times both)."""
+    element offsets `bases` (int64 [n], on out's device): one launch, no host sync. The launch shape
+    defaults to LAUNCH_SHAPES[precision]; any shape writes the same bits. `paired` (int4, block_k a multiple
+    of 128): each byte loaded once and split, one scale load per group."""
     N_total, K = qt.shape
     n = bases.numel()
     if qt.precision not in ("fp8", "int8", "int4"):
@@ -85,6 +91,9 @@ def dequantize_into(qt: QuantizedTensor, out: torch.Tensor, bases: torch.Tensor,
     if qt.data.device != out.device or not qt.data.is_contiguous() or not qt.scales.is_contiguous():
         raise ValueError("the quantized data and scales must be contiguous, on out's device")
     int4 = qt.precision == "int4"
+    shape = LAUNCH_SHAPES[qt.precision]
+    block_r, block_k, num_warps, paired = (shape[i] if v is None else v
+                                           for i, v in enumerate((block_r, block_k, num_warps, paired)))
     if int4 and qt.data.shape != (N_total, (K + 1) // 2) or int4 and qt.scales.shape[1] != -(-K // INT4_GROUP):
         raise ValueError(f"int4 data {tuple(qt.data.shape)} / scales {tuple(qt.scales.shape)} do not match {qt.shape}")
     if not int4 and (qt.data.shape != (N_total, K) or qt.scales.shape != (N_total, 1)):

@@ -72,9 +72,10 @@ def lossless_decode_kernel(
     lane_bits_ptr,  # *uint8 or *int16 [num_blocks, LANES]
     raw_ptr,  # *uint8 [numel]
     lut_ptr,  # *int16 or *int32 [2**SHORT_BITS (+ 2**MAX_LEN)]
-    out_ptr,  # *bf16 [numel of the decoded part range]
+    out_ptr,  # *bf16: part p0 + i starts at out_ptr + i * out_part_stride
     block_start,  # first block decoded by program 0
-    out_start,  # element index that lands at out_ptr[0]
+    part_start,  # p0, the first part decoded
+    out_part_stride,  # elements between the starts of consecutive parts in out (>= part_size)
     part_size,
     blocks_per_part,
     LANES: tl.constexpr,
@@ -99,7 +100,7 @@ def lossless_decode_kernel(
     nxt = tl.load(wptr + 1).to(tl.uint32, bitcast=True)
     nn = tl.load(wptr + 2).to(tl.uint32, bitcast=True)
     rptr = raw_ptr + elem0
-    optr = out_ptr + (elem0 - out_start)
+    optr = out_ptr + (part - part_start).to(tl.int64) * out_part_stride + bip.to(tl.int64) * (LANES * K)
     if n_valid == LANES * K:
         _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
                     LANES, K, MAX_LEN, SHORT_BITS, False, UNROLL)
@@ -126,10 +127,9 @@ def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
 def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int, int] | None = None,
                     short_bits: int | None = None, num_warps: int = 4, unroll: int = 2,
                     table_dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Decodes ct (or its parts [p0, p1)) into out, a contiguous bf16 tensor on ct's device.
-
-    out may be a view into a larger buffer (an expert compute buffer); only its numel and
-    contiguity matter. Launches one kernel; no host sync. Performance knobs only (any value
+    """Decodes ct (or its parts [p0, p1)) into out, a bf16 tensor on ct's device: contiguous with
+    (p1 - p0) * part_size elements, or [p1 - p0, part_size] with unit last stride, one row per part (the
+    rows of an expert compute buffer padded past the expert's size). Launches one kernel; no host sync. Performance knobs only (any value
     decodes the same bits; defaults are the fastest measured on the H200): short_bits, the index
     width of the first decode table (default max_code_len: one table; smaller values add a second
     lookup for longer codes); num_warps; unroll, the step loop's unroll factor; table_dtype,
@@ -141,10 +141,16 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
         raise ValueError(f"parts {parts} out of range for {ct.num_parts} parts")
     if out.dtype != torch.bfloat16:
         raise TypeError(f"out must be bf16, got {out.dtype}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    if out.numel() != (p1 - p0) * part_size:
-        raise ValueError(f"out has {out.numel()} elements, parts [{p0}, {p1}) hold {(p1 - p0) * part_size}")
+    if out.is_contiguous():
+        if out.numel() != (p1 - p0) * part_size:
+            raise ValueError(f"out has {out.numel()} elements, parts [{p0}, {p1}) hold {(p1 - p0) * part_size}")
+        part_stride = part_size
+    elif (out.dim() == 2 and tuple(out.shape) == (p1 - p0, part_size) and out.stride(1) == 1
+          and out.stride(0) >= part_size):  # one row per part, rows further apart than a part
+        part_stride = out.stride(0)
+    else:
+        raise ValueError(f"out must be contiguous, or [{p1 - p0}, {part_size}] with unit last stride (one row "
+                         f"per part); got {tuple(out.shape)} with strides {out.stride()}")
     if out.device != ct.raw.device:
         raise ValueError(f"out is on device {out.device}, the compressed tensor on {ct.raw.device}")
     lay = ct.layout
@@ -154,7 +160,7 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
         return out
     lossless_decode_kernel[(num_blocks,)](
         ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(short_bits, table_dtype),
-        out, p0 * bpp, p0 * part_size, part_size, bpp,
+        out, p0 * bpp, p0, part_stride, part_size, bpp,
         LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=short_bits,
         UNROLL=unroll, num_warps=num_warps,
     )
