@@ -4,7 +4,8 @@
    (layer, expert, precision) measure ||f_q(x) - f(x)|| / ||f(x)|| over the expert's routed tokens;
    activity = the expert's share of the layer's routed tokens (add-one smoothed).
 2. For expert-memory budgets (fractions of bf16 expert bytes): static fp8/int8/int4 where they fit,
-   and dynamic at that budget (ladder bf16 -> fp8 -> int8 -> int4; lossless is not a dynamic tier yet).
+   and dynamic at that budget (ladder bf16 -> fp8 -> int8 -> int4: float32 compute, and the runtime's
+   lossless rung holds bf16 weights only).
 3. Run each scheme through the real `--expert-precision dynamic` runtime: static maps are built and
    published by DynamicExperts (experts dequantised into the paged compute buffers), dynamic maps are
    reached by the DynamicPrecisionManager's controller demoting under a byte target; then `pagedmoe
@@ -154,7 +155,7 @@ def main() -> int:
     costs = QualityCosts.from_counts(rel, counts)
     # Variant: costs already carry the expert's weight in its layer (activity 1 each).
     energy_costs = QualityCosts(energy, {k: 1.0 for k in energy})
-    # The runtime's ladder: bf16 -> fp8 -> int8 -> int4 (the lossless rung is not a dynamic tier yet).
+    # The runtime's ladder here: bf16 -> fp8 -> int8 -> int4 (its lossless rung needs bf16 weights; this runs float32).
     bpr = rung_bytes(store.hidden, store.inter, precisions=("bf16",) + LOSSY)
     bf16_total = bpr["bf16"] * len(keys)
     policy = PrecisionPolicy(bpr, costs)

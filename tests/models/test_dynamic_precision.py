@@ -167,3 +167,53 @@ def test_gpu_dynamic_exact_and_side_stream_publish(ckpt):
         pass
     rt.publish()
     assert not torch.equal(e.score(ids), ref)
+
+
+# -- the lossless rung (bf16 weights) ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral_dynamic_bf16")
+    make_tiny_checkpoint("mixtral", path, seed=8, num_hidden_layers=4, dtype=torch.bfloat16)
+    return path
+
+
+def test_lossless_rung_is_exact_and_demoted_to_first(bf16_ckpt, tmp_path):
+    """bf16 -> lossless is the first rung down (exact: logits stay bit-identical to resident placement); the
+    controller counts a lossless expert at the sampled compressed size, and the version holds the experts in
+    one CompressedTensor per run of consecutive ids."""
+    ids = list(range(3, 90))
+    ref = _llm(bf16_ckpt, dtype="bfloat16", expert_placement="resident").engine.score(ids)
+    pmap = [["bf16", "lossless", "lossless", "bf16", "lossless", "lossless", "lossless", "bf16"],
+            ["lossless"] * 8, ["bf16"] * 8, ["lossless"] + ["bf16"] * 7]
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"total": [[0.0] * 8] * 4, "ema": [[0.0] * 8] * 4, "decay": 0.99,
+                                 "precision_map": pmap}))
+    llm = _llm(bf16_ckpt, dtype="bfloat16", expert_precision="dynamic", expert_stats=str(stats),
+               kv_low_watermark=0.0, kv_high_watermark=1.0)
+    e = llm.engine
+    rt, mgr = e.expert_store.dynamic, e.precision
+    assert mgr.precision_map() == pmap and e.expert_store.table.precision_map() == [
+        [p if p == "bf16" else "bf16" for p in row] for row in pmap]     # compressed tier, exact: bf16
+    assert e.expert_store.table.count(1, "compressed") == 8
+    assert [(e0, ct.num_parts) for e0, ct in rt.versions[0].lossless] == [(1, 2), (4, 3)]
+    assert torch.equal(e.score(ids), ref)
+    bpr = rt.bytes_per_rung()
+    actual = max(ct.nbytes / ct.num_parts for v in rt.versions for _, ct in v.lossless)
+    assert actual <= bpr["lossless"] < 0.8 * bpr["bf16"]
+    # under pressure the first moves are exact ones: bf16 -> lossless before anything is quantised
+    fresh = _llm(bf16_ckpt, dtype="bfloat16", expert_precision="dynamic").engine.precision
+    assert set(fresh.assignment.values()) == {"bf16"}
+    fresh.demote_to(fresh.policy.total_bytes(fresh.assignment) - 3 * (bpr["bf16"] - bpr["lossless"]))
+    counts = fresh.precision_counts()
+    assert counts["lossless"] >= 3 and counts["fp8"] + counts["int8"] + counts["int4"] == 0
+
+
+def test_lossless_rung_not_offered_where_it_cannot_run(ckpt, bf16_ckpt):
+    # float32 weights: the codec holds bf16 only
+    assert "lossless" not in _llm(ckpt, expert_precision="dynamic").engine.expert_store.dynamic.bytes_per_rung()
+    rt = _llm(bf16_ckpt, dtype="bfloat16", expert_precision="dynamic").engine.expert_store.dynamic
+    assert "lossless" in rt.bytes_per_rung()
+    rt.lossless = False      # as under --quantized-gemm direct: the GEMMs read the version's parts, no fill
+    with pytest.raises(ValueError, match="lossless rung needs"):
+        rt.build({(0, 0): "lossless"})

@@ -79,15 +79,18 @@ class LLMEngine:
         # --host-compression auto is settled by the planner in _resolve_placement
         self.host_compression = "none" if config.host_compression == "auto" else config.host_compression
         placement, num_gpu_experts, num_compressed = self._resolve_placement()
+        self.quantized_gemm = config.resolved_quantized_gemm(self.device.type)
         self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
                                self.device, self.dtype, config.seed, placement, num_gpu_experts,
                                "plain" if dynamic else config.expert_buffers, num_compressed,
                                quantized_precision=config.quantized_precision(),
                                host_compression=self.host_compression,
-                               quantized_gemm=config.resolved_quantized_gemm(self.device.type))
+                               quantized_gemm=self.quantized_gemm)
         self.expert_store = self.model.expert_store
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
-            self.expert_store.enable_dynamic(config.min_expert_precision or "int4")
+            # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
+            self.expert_store.enable_dynamic(config.min_expert_precision or "int4",
+                                             lossless=self.quantized_gemm != "direct")
         self.pager = self.model.pager
         self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
         self.activity.attach(self.model)

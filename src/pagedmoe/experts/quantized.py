@@ -10,8 +10,9 @@ what dequantising each expert alone gives (codecs/quant.py::dequantize, the PyTo
 on CUDA kernels/dequant.py writes the rows directly, bit-identical to it). Bytes are exactly `quant.bytes_of` per weight (data + float32 scales).
 
 Dynamic precision (`--expert-precision dynamic`, end of file): each expert of a layer at its own rung;
-a LayerVersion holds the exact rows and one QuantizedLayer per lossy precision, DynamicExperts builds
-new versions from the host master and publishes them atomically.
+a LayerVersion holds the exact rows, the lossless experts (exponent-Huffman CompressedTensors, one per run
+of consecutive ids, decoded into their buffer rows) and one QuantizedLayer per lossy precision;
+DynamicExperts builds new versions from the host master and publishes them atomically.
 """
 from __future__ import annotations
 
@@ -106,15 +107,20 @@ def _stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 # -- dynamic precision: per-expert forms, mixed within a layer ---------------------------------------
 class LayerVersion:
     """One published state of a MoE layer under --expert-precision dynamic: its exact experts' rows
-    (`exact_rows` [n, 3*I*H], model dtype, on the device) and one QuantizedLayer per lossy precision.
-    Immutable once published: a change builds a new LayerVersion and swaps the reference."""
+    (`exact_rows` [n, 3*I*H], model dtype, on the device), its lossless experts (`lossless`: (first expert
+    id, CompressedTensor of k consecutive experts, one part each)) and one QuantizedLayer per lossy
+    precision. Immutable once published: a change builds a new LayerVersion and swaps the reference."""
 
     def __init__(self, exact_ids: Sequence[int], exact_rows: Optional[torch.Tensor],
-                 groups: dict[str, QuantizedLayer], hidden: int, inter: int, num_experts: int) -> None:
+                 groups: dict[str, QuantizedLayer], hidden: int, inter: int, num_experts: int,
+                 lossless: Sequence[tuple[int, object]] = ()) -> None:
         from pagedmoe.experts.layout import expert_views
 
         self.exact_ids, self.exact_rows, self.groups = list(exact_ids), exact_rows, groups
+        self.lossless = list(lossless)
         self.precision = {e: "bf16" for e in self.exact_ids}
+        for e0, ct in self.lossless:
+            self.precision.update({e: "lossless" for e in range(e0, e0 + ct.num_parts)})
         for p, g in groups.items():
             self.precision.update({e: p for e in g.expert_ids})
         self._index = None
@@ -129,7 +135,8 @@ class LayerVersion:
         # (w13, w2, slots) per precision group, as kernels/fused_moe.py::fused_moe_mixed reads the layer under
         # --quantized-gemm direct: the exact rows' views and each lossy stack, with each expert's index in its
         # group (-1 elsewhere). NOTE: built here, with the version (on the builder's side stream), not inside
-        # a forward: the slot maps' host->device copies would stall a layer.
+        # a forward: the slot maps' host->device copies would stall a layer. Lossless experts have no part
+        # (they are decoded by fill()): DynamicExperts offers that rung only when fill() runs every forward.
         self.parts = []
         if self.exact_ids:
             self.parts.append((*expert_views(exact_rows, hidden, inter), slots(self.exact_ids, exact_rows.device)))
@@ -139,13 +146,23 @@ class LayerVersion:
     @property
     def nbytes(self) -> int:
         rows = self.exact_rows.numel() * self.exact_rows.element_size() if self.exact_ids else 0
-        return rows + sum(g.nbytes for g in self.groups.values())
+        return rows + sum(g.nbytes for g in self.groups.values()) + sum(ct.nbytes for _, ct in self.lossless)
 
     def fill(self, packed: torch.Tensor) -> None:
         """Write every expert of the layer into the compute buffer packed [E, stride]. Sync-free."""
         if self.exact_ids:
             n = self.exact_rows.shape[1]
             packed[:, :n].index_copy_(0, self._index, self.exact_rows)
+        for e0, ct in self.lossless:
+            k, n = ct.num_parts, ct.part_size
+            if packed.is_cuda:  # one launch per run, each part into its row (rows may be longer than a part)
+                from pagedmoe.kernels.lossless_decode import lossless_decode
+
+                lossless_decode(ct, packed[e0:e0 + k, :n])
+            else:
+                from pagedmoe.codecs.lossless import decode_reference
+
+                packed[e0:e0 + k, :n].copy_(decode_reference(ct).view(k, n))
         for g in self.groups.values():
             g.dequantize_into(packed)
 
@@ -175,7 +192,12 @@ class DynamicExperts:
     # reached the host before the swap).
     """
 
-    def __init__(self, store, master: Sequence[torch.Tensor], min_precision: str = "int4") -> None:
+    # Lossless forms are encoded in runs of consecutive experts of at most this many bf16 bytes (bounds the
+    # encoder's temporaries; each run is one CompressedTensor and one decode launch).
+    LOSSLESS_RUN_BYTES = 256 << 20
+
+    def __init__(self, store, master: Sequence[torch.Tensor], min_precision: str = "int4",
+                 lossless: bool = True) -> None:
         self.store, self.master = store, list(master)
         self.num_layers, self.num_experts = store.table.num_layers, store.table.num_experts
         self.hidden, self.inter, self.numel = store.hidden, store.inter, store.expert_numel
@@ -190,14 +212,39 @@ class DynamicExperts:
         self.min_precision = min_precision
         self.offline: Optional[OfflineForms] = None   # forms written by `pagedmoe compress --precisions`
         self.offline_hits = 0
+        # The lossless rung (exact, ~0.68 of bf16): bf16 weights only, and only when every forward fills the
+        # compute buffer (not under --quantized-gemm direct, whose GEMMs read the version's parts).
+        self.lossless = lossless and self.dtype == torch.bfloat16
+        self._lossless_bytes: Optional[int] = None
 
     def bytes_per_rung(self) -> dict[str, int]:
         from pagedmoe.codecs.quant import LOSSY_PRECISIONS, expert_bytes
 
         elem = torch.empty(0, dtype=self.dtype).element_size()
         out = {"bf16": self.numel * elem}   # "bf16": the exact rung, in the model dtype
+        if self.lossless:
+            out["lossless"] = self.lossless_rung_bytes()
         out.update({p: expert_bytes(p, self.hidden, self.inter) for p in LOSSY_PRECISIONS})
         return out
+
+    def lossless_rung_bytes(self) -> int:
+        """Bytes the controller counts for one lossless expert: the largest compressed size among a few
+        experts encoded at start-up (first and last layer, first and last expert), plus 2%. Compressed
+        sizes are data dependent; the experts of one model are drawn alike, so the largest of the sample
+        with a margin bounds the rest (the runtime's own total, `device_bytes`, is exact)."""
+        if self._lossless_bytes is None:
+            from pagedmoe.codecs.lossless import encode
+
+            L, E, n = self.num_layers, self.num_experts, self.numel
+            sample = sorted({(0, 0), (0, E - 1), (L - 1, 0), (L - 1, E - 1)})
+            rows = torch.stack([self.master[l][e, :n] for l, e in sample]).to(self.device)
+            ct = encode(rows, num_parts=len(sample), checksum=False)
+            words = torch.diff(ct.part_word_offsets).max().item()
+            blocks = ct.blocks_per_part
+            per_part = (4 * (words + ct.layout.pad_words) + n + 8 * blocks + 16
+                        + ct.lane_bits.element_size() * blocks * ct.layout.lanes + 256)
+            self._lossless_bytes = int(per_part * 1.02)
+        return self._lossless_bytes
 
     def precision(self, layer: int, expert: int) -> str:
         return self.versions[layer].precision[expert]
@@ -243,7 +290,7 @@ class DynamicExperts:
 
     def publish(self) -> dict[tuple[int, int], dict[str, float]]:
         """Swap the built layers in; returns the measured relative weight error of each new lossy form."""
-        from pagedmoe.experts.table import QUANTIZED, RESIDENT
+        from pagedmoe.experts.table import COMPRESSED, QUANTIZED, RESIDENT
 
         if not self.ready():
             raise RuntimeError("publish() before the build finished")
@@ -251,7 +298,10 @@ class DynamicExperts:
             self.versions[layer] = version
             for e in range(self.num_experts):
                 p = version.precision[e]
-                self.store.table.set_entry(layer, e, RESIDENT if p == "bf16" else QUANTIZED, e, p)
+                if p == "lossless":  # the compressed tier: exact, so its precision stays bf16
+                    self.store.table.set_entry(layer, e, COMPRESSED, e, "bf16")
+                else:
+                    self.store.table.set_entry(layer, e, RESIDENT if p == "bf16" else QUANTIZED, e, p)
         measured: dict[tuple[int, int], dict[str, float]] = {}
         for key, p, err in self._errors:
             measured.setdefault(key, {})[p] = float(err)
@@ -271,8 +321,9 @@ class DynamicExperts:
                 exact_rows[i].copy_(src, non_blocking=True)
         else:
             exact_rows = None
+        lossless = self._build_lossless(layer, old, [e for e in range(E) if want[e] == "lossless"])
         groups = {}
-        for p in sorted({q for q in want if q != "bf16"}):
+        for p in sorted({q for q in want if q not in ("bf16", "lossless")}):
             ids = [e for e in range(E) if want[e] == p]
             prev = old.groups.get(p) if old is not None else None
             if prev is not None and prev.expert_ids == ids:
@@ -288,7 +339,35 @@ class DynamicExperts:
                 parts13.append(w13)
                 parts2.append(w2)
             groups[p] = QuantizedLayer(p, H, I, ids, _stack(parts13), _stack(parts2))
-        return LayerVersion(exact_ids, exact_rows, groups, H, I, E)
+        return LayerVersion(exact_ids, exact_rows, groups, H, I, E, lossless)
+
+    def _build_lossless(self, layer: int, old: Optional[LayerVersion], ids: list[int]) -> list[tuple[int, object]]:
+        """The layer's lossless experts as runs of consecutive ids (each at most LOSSLESS_RUN_BYTES of bf16),
+        one CompressedTensor per run, encoded on the device from the master rows; a run the old version
+        already holds is kept. The encoder reads its histogram on the host: a sync of the build (between
+        steps, not of a forward)."""
+        if ids and not self.lossless:
+            raise ValueError("the lossless rung needs bf16 weights and buffers filled every forward "
+                             "(not --quantized-gemm direct)")
+        from pagedmoe.codecs.lossless import encode
+
+        n = self.numel
+        per_run = max(1, self.LOSSLESS_RUN_BYTES // (2 * n))
+        runs: list[list[int]] = []   # [first id, count]
+        for e in ids:
+            if runs and e == runs[-1][0] + runs[-1][1] and runs[-1][1] < per_run:
+                runs[-1][1] += 1
+            else:
+                runs.append([e, 1])
+        kept = {(e0, ct.num_parts): ct for e0, ct in (old.lossless if old is not None else ())}
+        out = []
+        for e0, k in runs:
+            ct = kept.get((e0, k))
+            if ct is None:
+                rows = self.master[layer][e0:e0 + k, :n].to(self.device, non_blocking=True)
+                ct = encode(rows, num_parts=k, checksum=False)
+            out.append((e0, ct))
+        return out
 
     def _quantize_expert(self, layer: int, e: int, p: str) -> tuple[QuantizedTensor, QuantizedTensor]:
         H, I = self.hidden, self.inter

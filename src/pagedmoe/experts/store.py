@@ -357,16 +357,17 @@ class ExpertStore:
         (what the KV cache is sized around; the rest is lent from the KV cache: experts/controller.py)."""
         return self.dynamic_floor_bytes if self.dynamic is not None else 0
 
-    def enable_dynamic(self, min_precision: str):
+    def enable_dynamic(self, min_precision: str, lossless: bool = True):
         """--expert-precision dynamic: every expert paged from the host tier becomes the master of a
-        DynamicExperts (its device forms are built by the DynamicPrecisionManager)."""
+        DynamicExperts (its device forms are built by the DynamicPrecisionManager). `lossless`: offer the
+        lossless rung (bf16 weights, and compute buffers filled every forward)."""
         from pagedmoe.experts.quantized import DynamicExperts
 
         if not self.paged or self.buffers.maps_resident or any(
                 self.table.count(l, t) for l in range(self.table.num_layers) for t in (RESIDENT, COMPRESSED,
                                                                                      QUANTIZED)):
             raise ValueError("dynamic precision needs every expert in the host tier and plain compute buffers")
-        self.dynamic = DynamicExperts(self, self.host, min_precision)
+        self.dynamic = DynamicExperts(self, self.host, min_precision, lossless)
         self.dynamic_floor_bytes = len(self.dynamic.keys) * self.dynamic.bytes_per_rung()[min_precision]
         return self.dynamic
 
