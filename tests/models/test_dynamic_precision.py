@@ -217,3 +217,21 @@ def test_lossless_rung_not_offered_where_it_cannot_run(ckpt, bf16_ckpt):
     rt.lossless = False      # as under --quantized-gemm direct: the GEMMs read the version's parts, no fill
     with pytest.raises(ValueError, match="lossless rung needs"):
         rt.build({(0, 0): "lossless"})
+
+
+@pytest.mark.gpu
+def test_gpu_lossless_rung_is_exact(bf16_ckpt):
+    """On CUDA: experts published at the lossless rung (encoded on the side stream, decoded by the Triton
+    decoder into the double buffer) give the resident logits bit for bit."""
+    flags = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
+    ids = list(range(3, 90))
+    ref = _llm(bf16_ckpt, expert_placement="resident", **flags).engine.score(ids)
+    e = _llm(bf16_ckpt, expert_precision="dynamic", num_kv_blocks=4096, **flags).engine
+    rt = e.expert_store.dynamic
+    rt.build({(l, x): "lossless" for l in range(4) for x in range(8) if (l + x) % 3})
+    while not rt.ready():
+        pass
+    rt.publish()
+    assert sum(ct.num_parts for v in rt.versions for _, ct in v.lossless) == sum(
+        1 for l in range(4) for x in range(8) if (l + x) % 3)
+    assert torch.equal(e.score(ids), ref)

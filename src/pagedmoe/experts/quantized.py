@@ -366,6 +366,8 @@ class DynamicExperts:
             if ct is None:
                 rows = self.master[layer][e0:e0 + k, :n].to(self.device, non_blocking=True)
                 ct = encode(rows, num_parts=k, checksum=False)
+                if self.cuda:  # the decode table the fill's launch reads, built here rather than in a forward
+                    ct.decode_table(ct.layout.max_code_len, torch.int32)
             out.append((e0, ct))
         return out
 
