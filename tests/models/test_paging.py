@@ -341,9 +341,10 @@ def test_compressed_host_tier_logits_bit_identical_to_resident(bf16_ckpt, flags)
     got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", host_compression="lossless", **flags)
     assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
     store, stats = engine.expert_store, engine.get_stats()
-    comp = [ct for cts in store.host_compressed if cts for ct in cts]
+    comp = [ct for cts in store.host_compressed if cts for ct in cts]   # one group of experts per layer here
     n_host = sum(store.table.count(layer, "host") for layer in range(store.table.num_layers))
-    assert len(comp) == n_host and all(h is None for h in store.host)
+    assert sum(ct.num_parts for ct in comp) == n_host and all(h is None for h in store.host)
+    assert len(comp) == sum(1 for cts in store.host_compressed if cts)
     per_forward = sum(ct.stream.nbytes + ct.block_bit_offsets.nbytes + ct.lane_bits.nbytes + ct.raw.nbytes
                       for ct in comp)
     assert stats["expert_bytes_h2d"] == per_forward * engine.num_steps
@@ -352,6 +353,26 @@ def test_compressed_host_tier_logits_bit_identical_to_resident(bf16_ckpt, flags)
     assert store.host_bytes < raw and stats["expert_buffer_bytes"] > store.buffers.nbytes  # + staging
     with pytest.raises(RuntimeError, match="compressed in host memory"):
         store.row(0, store.table.ids(0, "host")[0])
+
+
+def test_compressed_host_tier_in_groups_into_padded_rows(bf16_ckpt, monkeypatch):
+    """A layer's compressed host experts move and decode in groups of consecutive experts (at most
+    HOST_GROUP_BYTES of bf16 each; one copy per array and one decode per group), into rows padded past the
+    expert: logits equal resident placement."""
+    import pagedmoe.experts.manager as manager
+    import pagedmoe.experts.store as store_mod
+
+    ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
+    monkeypatch.setattr(manager, "STRIDE_ALIGN_BYTES", 8192)
+    monkeypatch.setattr(store_mod, "host_group_experts", lambda expert_bytes: 3)
+    got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", host_compression="lossless", num_gpu_experts=1)
+    store = engine.expert_store
+    assert store.stride > store.expert_numel
+    assert all(g == [(1, 3), (4, 3), (7, 1)] for g in store.host_groups)        # 7 host experts per layer
+    assert [ct.num_parts for ct in store.host_compressed[0]] == [3, 3, 1]
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    stats = engine.get_stats()
+    assert stats["expert_bytes_decoded"] == 7 * len(store.host_groups) * store.expert_numel * 2 * engine.num_steps
 
 
 def test_host_compression_flags(bf16_ckpt):
@@ -436,9 +457,13 @@ def test_warm_ups_decode_valid_staging_with_a_compressed_host_tier(bf16_ckpt):
             pager.weights(layer)
             pager.after_experts(layer)
     assert pager.stats.as_dict() == stats
-    first = engine.expert_store.host_compressed[0][0]
-    view = engine.expert_store.host_staging[0][0]
-    assert torch.equal(view.raw, first.raw) and torch.equal(view.block_bit_offsets, first.block_bit_offsets)
+    store = engine.expert_store
+    view = store.host_staging[0][0]
+    # the slot holds a real group's arrays (the one with the most parts; the view reads their prefix)
+    nb = view.block_bit_offsets.numel()
+    assert any(torch.equal(view.raw, g.raw[:view.raw.numel()])
+               and torch.equal(view.block_bit_offsets, g.block_bit_offsets[:nb])
+               for cts in store.host_compressed if cts for g in cts)
 
 
 def test_compressing_the_host_tier_frees_the_raw_rows(bf16_ckpt, monkeypatch):

@@ -271,3 +271,10 @@ def test_part_decodes_alone_to_the_same_bits():
         assert torch.equal(decode_reference(part).view(torch.int16), x[p].view(torch.int16))
     with pytest.raises(IndexError):
         ct.part(4)
+    # parts(p0, p1): a run of parts as one tensor (a group of the compressed host tier)
+    for p0, p1 in ((0, 4), (1, 3), (2, 4)):
+        run = ct.parts(p0, p1)
+        assert run.num_parts == p1 - p0 and run.part_size == 5000
+        assert torch.equal(decode_reference(run).view(torch.int16).view(p1 - p0, -1), x[p0:p1].view(torch.int16))
+    with pytest.raises(IndexError):
+        ct.parts(2, 2)

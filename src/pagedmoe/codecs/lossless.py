@@ -132,21 +132,27 @@ class CompressedTensor:
                                 self.checksums)
 
     def part(self, p: int) -> "CompressedTensor":
-        """Part p alone, as a one-part tensor of part_size elements: its words of the stream (with the
-        pad words the decoder may read past them), its blocks with their bit offsets rebased to its first
-        word, its raw bytes. Shares the codebook; decodes to the same bits (copies, not views)."""
+        """Part p alone, as a one-part tensor of part_size elements (see parts)."""
         if not 0 <= p < self.num_parts:
             raise IndexError(f"part {p} of {self.num_parts}")
+        return self.parts(p, p + 1)
+
+    def parts(self, p0: int, p1: int) -> "CompressedTensor":
+        """Parts [p0, p1) alone, as a (p1 - p0)-part tensor of (p1 - p0) * part_size elements: their words of
+        the stream (with the pad words the decoder may read past them), their blocks with the bit offsets
+        rebased to the first word, their raw bytes. Shares the codebook; decodes to the same bits (copies,
+        not views)."""
+        if not 0 <= p0 < p1 <= self.num_parts:
+            raise IndexError(f"parts [{p0}, {p1}) of {self.num_parts}")
         w = self.part_word_offsets
-        w0, w1 = int(w[p]), int(w[p + 1])
+        w0, w1 = int(w[p0]), int(w[p1])
         pad = self.stream.numel() - int(w[-1])
         bpp, ps = self.blocks_per_part, self.part_size
-        blocks = slice(p * bpp, (p + 1) * bpp)
-        return CompressedTensor((ps,), 1, self.layout, self.code_lengths, self.fill_exponent,
-                                self.stream[w0:w1 + pad].clone(),
-                                torch.tensor([0, w1 - w0], dtype=w.dtype, device=w.device),
+        blocks = slice(p0 * bpp, p1 * bpp)
+        return CompressedTensor(((p1 - p0) * ps,), p1 - p0, self.layout, self.code_lengths, self.fill_exponent,
+                                self.stream[w0:w1 + pad].clone(), (w[p0:p1 + 1] - w0).clone(),
                                 self.block_bit_offsets[blocks] - 32 * w0, self.lane_bits[blocks].clone(),
-                                self.raw[p * ps:(p + 1) * ps].clone())
+                                self.raw[p0 * ps:p1 * ps].clone())
 
     def decode_table(self, short_bits: int | None = None, dtype: torch.dtype = torch.int16) -> torch.Tensor:
         """Decode table on this tensor's device (``huffman.decode_table``), built once, then cached."""

@@ -102,7 +102,7 @@ class ExpertPager:
         store = self.store
         # (destination row, source row, is_host) copies of each layer
         self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
-        # a compressed host tier: per expert, (host array, staging array) copies, its staging view, its row
+        # a compressed host tier: per group, (host array, staging array) copies, its staging view, its rows
         self._host_experts = [self._layer_host_experts(layer) for layer in range(self.num_layers)]
         self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h)
                                   + sum(src.numel() * src.element_size() for arrays, _, _ in he for src, _ in arrays),
@@ -111,7 +111,8 @@ class ExpertPager:
         # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
         self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
         elem = torch.empty(0, dtype=store.dtype).element_size()
-        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED) + len(self._host_experts[layer]))
+        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED)
+                                    + sum(view.num_parts for _, view, _ in self._host_experts[layer]))
                                    * store.expert_numel * elem for layer in range(self.num_layers)]
         self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
                                        for layer in range(self.num_layers)]
@@ -123,8 +124,9 @@ class ExpertPager:
             return []
         names = ("stream", "block_bit_offsets", "lane_bits", "raw")  # what the decoder reads
         dst, n = store.buffers.packed(layer), store.expert_numel
-        return [([(getattr(ct, name), getattr(view, name)) for name in names], view, dst[e, :n])
-                for ct, view, e in zip(cts, views, store.table.ids(layer, HOST))]
+        # a group of k consecutive experts decodes into their rows [k, n] (padded rows: a row stride)
+        return [([(getattr(ct, name), getattr(view, name)) for name in names], view, dst[e0:e0 + k, :n])
+                for ct, view, (e0, k) in zip(cts, views, store.host_groups[layer])]
 
     def _layer_copies(self, layer: int):
         store, table = self.store, self.store.table
@@ -250,11 +252,11 @@ class ExpertPager:
         for dst, src, from_host in self._copies[layer]:
             if not (from_host and self._skip_host):
                 dst.copy_(src, non_blocking=self.cuda)
-        for arrays, view, row in self._host_experts[layer]:
+        for arrays, view, rows in self._host_experts[layer]:
             if not self._skip_host:
                 for src, dst in arrays:
                     dst.copy_(src, non_blocking=self.cuda)
-            self._decode(view, [(0, 1, row)])
+            self._decode(view, [(0, view.num_parts, rows)])
         if self._decodes[layer]:
             self._decode(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer] and not self._direct:

@@ -10,6 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A compressed host tier (--host-compression lossless) moves and decodes a layer's host experts in groups of
+# consecutive experts of at most this many bf16 bytes: one copy per array and one decode launch per group,
+# into one of HOST_STAGING_SLOTS device staging slots of a group each (experts/store.py): the k-th group of
+# the model is copied into slot k % 2 and decoded from it. Copies and decodes run in turn on the one copy
+# stream; two slots keep a group's copy from depending on the decode just before it.
+HOST_GROUP_BYTES = 64 << 20
+HOST_STAGING_SLOTS = 2
+
+
+def host_group_experts(expert_bytes: int) -> int:
+    """Experts per group of a compressed host tier: at least one (Mixtral-8x7B's 336 MiB experts go alone;
+    Qwen3-30B-A3B's 9 MiB ones by 7, ~18 launches per layer rather than 128)."""
+    return max(1, HOST_GROUP_BYTES // max(1, expert_bytes))
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -81,6 +95,12 @@ class Placement:
     @property
     def total_host(self) -> int:
         return len(self.num_gpu_experts) * self.num_experts - self.total_gpu - self.total_compressed
+
+    @property
+    def max_host(self) -> int:
+        """The most host experts of any one layer."""
+        comp = self.num_compressed_experts or (0,) * len(self.num_gpu_experts)
+        return max((self.num_experts - g - c for g, c in zip(self.num_gpu_experts, comp)), default=0)
 
     @property
     def max_streamed(self) -> int:

@@ -32,7 +32,7 @@ from pagedmoe.engine.memory import GiB, BudgetError, KVBlocks
 from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload,
                                          ring_wait_layers)
 from pagedmoe.experts.model_shape import ModelShape
-from pagedmoe.experts.placement import Placement
+from pagedmoe.experts.placement import HOST_STAGING_SLOTS, Placement, host_group_experts
 
 # NOTE: must match experts/layout.py::VMM_GRANULARITY_BYTES (kept here so the planner needs no torch).
 VMM_GRANULARITY_BYTES = 2 << 20
@@ -209,11 +209,12 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
     compressed_one = int(shape.expert_bytes * placement.compression_ratio)
     backbone = shape.backbone_bytes if inputs.backbone_bytes is None else inputs.backbone_bytes
-    # A compressed host tier: its bytes cross PCIe into one of two device staging slots of one expert
-    # (experts/store.py), then the decoder writes bf16 into the compute row.
+    # A compressed host tier: its bytes cross PCIe into one of two device staging slots of a group of experts
+    # (experts/store.py), then the decoder writes bf16 into the compute rows.
     hr = inputs.host_compression_ratio
     host_one = int(shape.expert_bytes * hr) if hr else shape.expert_bytes
-    staging = 2 * host_one if hr and placement.total_host else 0
+    group = min(host_group_experts(shape.expert_bytes), placement.max_host)
+    staging = HOST_STAGING_SLOTS * group * host_one if hr and placement.total_host else 0
     decoded_host = placement.total_host if hr else 0
     return {
         "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,

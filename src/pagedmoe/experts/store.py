@@ -28,17 +28,12 @@ from typing import Optional
 import torch
 
 from pagedmoe.experts.layout import expert_stride, expert_views, row_part
+from pagedmoe.experts.placement import HOST_STAGING_SLOTS, host_group_experts
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, ExpertTable
 
 
 # the parts of an expert row each checkpoint tensor kind covers (experts/layout.py::row_part)
 _PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "up"), "w2": ("down",)}
-
-
-# Device staging slots of a compressed host tier (one expert each): the k-th host expert of the model is
-# copied into slot k % 2 and decoded from it. Copies and decodes run in turn on the one copy stream; two
-# slots keep an expert's copy from depending on the decode just before it.
-HOST_STAGING_SLOTS = 2
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -106,12 +101,14 @@ class ExpertStore:
         self._qstaged_parts: list[set] = [set() for _ in range(L)]
         self._host_staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
-        # --host-compression lossless: per layer, each host expert as a one-part CompressedTensor in pinned
-        # host memory (encoded at finalize), copied into one of HOST_STAGING_SLOTS device staging slots and
-        # decoded into its compute row by the pager.
+        # --host-compression lossless: per layer, its host experts in groups of consecutive ids (at most
+        # HOST_GROUP_BYTES of bf16 each), each group a CompressedTensor (one part per expert) in pinned host
+        # memory, copied into one of HOST_STAGING_SLOTS device staging slots and decoded into its compute
+        # rows by the pager in one launch.
         self.host_compression = host_compression
         self.host_compressed: list = [None] * L
-        self.host_staging: list = [None] * L        # per layer: the experts' device views into the slots
+        self.host_groups: list = [None] * L         # per layer: (first expert id, experts) of each group
+        self.host_staging: list = [None] * L        # per layer: the groups' device views into the slots
         self._host_staging_bytes = 0
         if host_compression != "none" and (not paged or dtype != torch.bfloat16):
             raise ValueError("--host-compression lossless needs paged placement and bf16 weights (--dtype "
@@ -252,27 +249,39 @@ class ExpertStore:
         self._host_staged_parts[layer] = set()
         ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
                     checksum=False)
-        self.host_compressed[layer] = _to_host([ct.part(i) for i in range(ct.num_parts)], self.device.type == "cuda")
+        # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
+        ids, most = self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel)  # bf16
+        groups: list[list[int]] = []     # [first slot, first expert id, count]
+        for slot, e in enumerate(ids):
+            if groups and e == groups[-1][1] + groups[-1][2] and groups[-1][2] < most:
+                groups[-1][2] += 1
+            else:
+                groups.append([slot, e, 1])
+        self.host_groups[layer] = [(e0, k) for _, e0, k in groups]
+        self.host_compressed[layer] = _to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
+                                               self.device.type == "cuda")
 
     def _build_host_staging(self) -> None:
-        """Once every host layer is encoded: the device staging slots and each expert's views into its slot."""
+        """Once every host layer is encoded: the device staging slots and each group's views into its slot."""
         from pagedmoe.codecs.lossless import CompressedTensor
 
-        experts = [ct for cts in self.host_compressed if cts for ct in cts]
+        experts = [ct for cts in self.host_compressed if cts for ct in cts]   # groups of experts
         if not experts:
             return
         names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
-        # NOTE: the k-th host expert of the model decodes from slot k % HOST_STAGING_SLOTS; its copies follow
-        # the decode of the expert before it in that slot on the same copy stream, so the slot is free.
+        # NOTE: the k-th host group of the model decodes from slot k % HOST_STAGING_SLOTS; its copies follow
+        # the decode of the group before it in that slot on the same copy stream, so the slot is free.
         staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in experts),
                                       dtype=getattr(experts[0], name).dtype, device=self.device) for name in names}
                    for _ in range(HOST_STAGING_SLOTS)]
         self._host_staging_bytes = sum(t.numel() * t.element_size() for st in staging for t in st.values())
         # NOTE: CUDA-graph warm-ups decode without copying (ExpertPager.no_host_copies): the slots must hold
-        # a real expert's arrays, or the decoder would follow garbage bit offsets out of its buffers.
+        # a real group's arrays, or the decoder would follow garbage bit offsets out of its buffers. The group
+        # with the most parts: every view's blocks are a prefix of its blocks, their offsets inside its stream.
+        fill = max(experts, key=lambda ct: (ct.num_parts, ct.stream.numel()))
         for slot in staging:
             for name in names:
-                src = getattr(experts[0], name).reshape(-1)
+                src = getattr(fill, name).reshape(-1)
                 slot[name][:src.numel()].copy_(src)
         k = 0
         for layer, cts in enumerate(self.host_compressed):
@@ -282,7 +291,7 @@ class ExpertStore:
             for ct in cts:
                 slot = staging[k % HOST_STAGING_SLOTS]
                 k += 1
-                view = CompressedTensor(ct.shape, 1, ct.layout, ct.code_lengths, ct.fill_exponent, **{
+                view = CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent, **{
                     name: slot[name][:getattr(ct, name).numel()].view(getattr(ct, name).shape) for name in names})
                 if self.device.type == "cuda":
                     from pagedmoe.kernels.lossless_decode import _launch_info
@@ -384,9 +393,9 @@ class ExpertStore:
 
 
 def _to_host(parts: list, pin: bool) -> list:
-    """One layer's one-part CompressedTensors with their arrays moved to host memory: one (pinned, when
-    `pin`) tensor per array kind for the whole layer, each part a view of it (a few registrations per
-    layer, not five per expert: Qwen3-30B-A3B has 6144 experts)."""
+    """One layer's CompressedTensors (its host groups) with their arrays moved to host memory: one (pinned,
+    when `pin`) tensor per array kind for the whole layer, each group a view of it (a few registrations per
+    layer, not five per group)."""
     from pagedmoe.codecs.lossless import CompressedTensor
 
     names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
@@ -400,5 +409,5 @@ def _to_host(parts: list, pin: bool) -> list:
         for d, a in zip(arrays, src):
             d[name] = host[off:off + a.numel()].view(a.shape)
             off += a.numel()
-    return [CompressedTensor(p.shape, 1, p.layout, p.code_lengths, p.fill_exponent, **d)
+    return [CompressedTensor(p.shape, p.num_parts, p.layout, p.code_lengths, p.fill_exponent, **d)
             for p, d in zip(parts, arrays)]
