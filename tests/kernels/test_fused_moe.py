@@ -224,7 +224,7 @@ QUANT_PRECISIONS = ["int8", "int4"] + (["fp8"] if torch.cuda.is_available() else
 
 
 @pytest.mark.parametrize("precision", QUANT_PRECISIONS)
-@pytest.mark.parametrize("T,E,A,H,I", [(5, 4, 2, 72, 40), (3, 3, 2, 200, 136)])
+@pytest.mark.parametrize("T,E,A,H,I", [(5, 4, 2, 72, 40), (3, 3, 2, 200, 136), (4, 3, 2, 71, 37)])
 def test_quantized_experts_equal_the_dequantized_ones(precision, T, E, A, H, I):
     """fused_moe_quantized dequantizes each weight tile in registers to the values kernels/dequant.py
     writes: with the same tiles its output equals fused_moe on the dequantized weights bit for bit

@@ -48,9 +48,10 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr
                  BLOCK_K: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] weight tile in like_ptr's dtype (the activations'). QUANT 0: as stored. 1 (fp8 /
     int8, one float32 scale per output channel): q * s. 2 (int4 stored v + 8, two per byte, a scale per
-    GROUP inputs; the tile lies in one group, starting at an even K): (nibble - 8) * s. Products in
-    float32, rounded once to nearest even: the values kernels/dequant.py writes, so the GEMM sees the
-    same weights as through a dequantized copy."""
+    GROUP inputs; the tile lies in one group, starting at an even K): w_ptrs / mask address the tile's
+    BLOCK_K / 2 bytes, each loaded once and split into its two nibbles, interleaved back into K order:
+    (nibble - 8) * s. Products in float32, rounded once to nearest even: the values kernels/dequant.py
+    writes, so the GEMM sees the same weights as through a dequantized copy."""
     if QUANT == 0:
         w = tl.load(w_ptrs, mask=mask, other=0.0)
     else:
@@ -60,9 +61,8 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr
             q = tl.where(mask, tl.load(w_ptrs, mask=mask).to(tl.float32), 0.0)
         else:
             s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
-            byte = tl.load(w_ptrs, mask=mask, other=0)  # w_ptrs address the byte of each K position
-            nibble = tl.where((tl.arange(0, BLOCK_K) % 2 == 0)[None, :], byte & 0xF, byte >> 4)
-            q = nibble.to(tl.float32) - 8.0
+            byte = tl.load(w_ptrs, mask=mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: each byte once
+            q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
         w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return w
 
@@ -113,8 +113,9 @@ def fused_moe_kernel(
 
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if QUANT == 2:  # two K positions per byte
-        wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + ((k_start + offs_k) // 2)[None, :]
+    offs_kh = tl.arange(0, BLOCK_K // 2)
+    if QUANT == 2:  # two K positions per byte: the tile's BLOCK_K / 2 bytes (k_start is even)
+        wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start // 2 + offs_kh)[None, :]
     else:
         wg_ptrs = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     wu_ptrs = wg_ptrs + N * stride_wn
@@ -132,7 +133,10 @@ def fused_moe_kernel(
         else:
             k_mask = (k0 + offs_k) < k_end
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
+        if QUANT == 2:  # by byte: the byte of K positions 2j, 2j + 1 loads when 2j is in range
+            w_mask = n_mask[:, None] & ((k0 + 2 * offs_kh) < k_end)[None, :]
+        else:
+            w_mask = n_mask[:, None] & k_mask[None, :]
         wg = _weight_tile(wg_ptrs, sg_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
         if SWAP_AB:
             acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
