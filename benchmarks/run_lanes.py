@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -137,6 +138,10 @@ def main() -> int:
         if gpus < 1:
             sys.exit("no GPU: give --gpus N with --dry-run to see the schedule")
     probe = None
+    if not args.dry_run:
+        # NOTE: a warm machine keeps /tmp between calls: start empty, so this call's archive holds only its
+        # own stages
+        shutil.rmtree(args.work, ignore_errors=True)
     if args.pcie_gpus is not None:
         pcie = [int(x) for x in args.pcie_gpus.split(",") if x != ""]
     elif args.dry_run:
