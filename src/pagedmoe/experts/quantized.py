@@ -244,6 +244,9 @@ class DynamicExperts:
             per_part = (4 * (words + ct.layout.pad_words) + n + 8 * blocks + 16
                         + ct.lane_bits.element_size() * blocks * ct.layout.lanes + 256)
             self._lossless_bytes = int(per_part * 1.02)
+            del rows, ct
+            if self.cuda:  # the encoder's temporaries: not kept reserved before the KV cache is sized
+                torch.cuda.empty_cache()
         return self._lossless_bytes
 
     def precision(self, layer: int, expert: int) -> str:
@@ -349,7 +352,7 @@ class DynamicExperts:
         if ids and not self.lossless:
             raise ValueError("the lossless rung needs bf16 weights and buffers filled every forward "
                              "(not --quantized-gemm direct)")
-        from pagedmoe.codecs.lossless import encode
+        from pagedmoe.codecs.lossless import LosslessLayout, encode
 
         n = self.numel
         per_run = max(1, self.LOSSLESS_RUN_BYTES // (2 * n))
@@ -365,7 +368,9 @@ class DynamicExperts:
             ct = kept.get((e0, k))
             if ct is None:
                 rows = self.master[layer][e0:e0 + k, :n].to(self.device, non_blocking=True)
-                ct = encode(rows, num_parts=k, checksum=False)
+                # packing in chunks of ~2M weights: ~160 MB of encoder temporaries beside the running forwards
+                ct = encode(rows, num_parts=k, checksum=False,
+                            chunk_blocks=max(1, (1 << 21) // LosslessLayout().block_elems))
                 if self.cuda:  # the decode table the fill's launch reads, built here rather than in a forward
                     ct.decode_table(ct.layout.max_code_len, torch.int32)
             out.append((e0, ct))
