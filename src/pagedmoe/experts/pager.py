@@ -9,11 +9,16 @@ On CUDA the copies run on a dedicated copy stream and are ordered by events, wit
 # recorded after that MoE before overwriting it. The first copy of a forward waits on a fork event
 # recorded on the compute stream, so a CUDA-graph capture sees the copy stream join and leave it.
 
-Compressed-tier experts (experts/store.py) are decoded into their buffer rows in the same slot of the
-copy stream, by the Triton decoder (kernels/lossless_decode.py): one launch per run of consecutive
-expert ids (a whole layer with the first-N placement), each part into its buffer row, whatever the rows'
-padding (VMM rows are rounded up to 2 MiB: Qwen3-30B-A3B's 9 MiB experts sit 10 MiB apart). The decoder
-reads only device memory and never syncs, so it overlaps compute like the H2D copies do.
+Compressed-tier experts (experts/store.py) are decoded into their buffer rows on a second side stream, the
+decode stream, which waits for the same free event and records decoded[l] (the compute stream waits for
+both): the SMs decode while the copy engine streams the host experts, instead of after them. Quantized
+experts are dequantised there too. A compressed *host* tier's decodes stay on the copy stream, after the
+copies they read; dynamic precision fills from device memory only and keeps the copy stream. The decode
+stream joins a forward (waits on the fork) only when a layer first uses it: a stream that joined a
+CUDA-graph capture must be joined back before the capture ends. The decoder is the Triton kernel
+(kernels/lossless_decode.py): one launch per run of consecutive expert ids (a whole layer with the first-N
+placement), each part into its buffer row, whatever the rows' padding (VMM rows are rounded up to 2 MiB:
+Qwen3-30B-A3B's 9 MiB experts sit 10 MiB apart). The decoder reads only device memory and never syncs.
 
 With ring buffers (`--expert-buffers vmm-ring`, experts/vmm.py) streamed rows rotate through one ring
 of S rows instead of two per-layer slots: layer j's copy waits only for the layer that last used its ring
@@ -78,14 +83,20 @@ class ExpertPager:
             self._issue_first = [j for j, m in enumerate(self._wait_layer) if m < 0]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(store.device)
+            # GPU-tier fills that need no host bytes (lossless decodes, dequantisation) run on their own
+            # stream, beside the copy engine's H2D copies instead of after them.
+            self.decode_stream = torch.cuda.Stream(store.device)
             ev = (lambda: torch.cuda.Event(enable_timing=self.timing))
             self.loaded = [ev() for _ in range(self.num_layers)]
+            self.decoded = [ev() for _ in range(self.num_layers)]
             self.copy_start = [ev() for _ in range(self.num_layers)]
             self.want = [ev() for _ in range(self.num_layers)]
             self.free = [torch.cuda.Event() for _ in range(self.num_layers if self.ring else 2)]
             self.fork = torch.cuda.Event()
         self._issued: list[bool] = [False] * self.num_layers
-        self._pending_timing: list[int] = []
+        self._on_decode_stream: list[bool] = [False] * self.num_layers   # this forward, per layer
+        self._decode_forked = False
+        self._pending_timing: list[tuple[int, bool]] = []
         self._skip_host = False
 
     def refresh(self) -> None:
@@ -161,6 +172,10 @@ class ExpertPager:
                         and num_tokens <= self._direct_max_tokens)
         self._plan()
         self._issued = [False] * self.num_layers
+        self._on_decode_stream = [False] * self.num_layers
+        # NOTE: the decode stream joins the forward (waits on the fork) only when a layer first uses it: a
+        # stream that joined a CUDA-graph capture must be joined back before it ends.
+        self._decode_forked = False
         if self.ring:
             # NOTE: every copy of the forward follows the fork: the previous forward's reads are done.
             self.fork.record()
@@ -190,8 +205,10 @@ class ExpertPager:
         if self.cuda:
             if self.timing and not torch.cuda.is_current_stream_capturing():
                 self.want[layer].record()
-                self._pending_timing.append(layer)
+                self._pending_timing.append((layer, self._on_decode_stream[layer]))
             torch.cuda.current_stream().wait_event(self.loaded[layer])
+            if self._on_decode_stream[layer]:
+                torch.cuda.current_stream().wait_event(self.decoded[layer])
         if self._direct:
             dyn = self.store.dynamic
             if dyn is not None:  # NOTE: the published version; a publish happens only between steps
@@ -227,22 +244,39 @@ class ExpertPager:
         if not (self._skip_host or (self.cuda and torch.cuda.is_current_stream_capturing())):
             self._account(layer)
         if not self.cuda:
-            self._fill(layer)
+            self._fill_copies(layer)
+            self._fill_on_device(layer)
             return
         with torch.cuda.stream(self.copy_stream):
-            if not self.ring:
-                self.copy_stream.wait_event(self.free[layer % 2])
-            elif self._wait_layer[layer] >= 0:
-                self.copy_stream.wait_event(self.free[self._wait_layer[layer]])
+            self._wait_free(self.copy_stream, layer)
             if self.timing and not torch.cuda.is_current_stream_capturing():
                 self.copy_start[layer].record()
-            self._fill(layer)
+            self._fill_copies(layer)
             self.loaded[layer].record()
+        if self.store.dynamic is None and self._device_work(layer):
+            if not self._decode_forked:
+                self.decode_stream.wait_event(self.fork)
+                self._decode_forked = True
+            with torch.cuda.stream(self.decode_stream):
+                self._wait_free(self.decode_stream, layer)
+                self._fill_on_device(layer)
+                self.decoded[layer].record()
+            self._on_decode_stream[layer] = True
 
-    def _fill(self, layer: int) -> None:
-        """Put layer `layer`'s non-resident experts into its compute buffer: copies from the host tier
-        (and resident rows for the plain double buffer), lossless decodes, dequantisation. On CUDA this
-        runs on the copy stream; on CPU synchronously."""
+    def _wait_free(self, stream, layer: int) -> None:
+        """`stream` may write layer `layer`'s buffer rows once the MoE that last read them is done."""
+        if not self.ring:
+            stream.wait_event(self.free[layer % 2])
+        elif self._wait_layer[layer] >= 0:
+            stream.wait_event(self.free[self._wait_layer[layer]])
+
+    def _device_work(self, layer: int) -> bool:
+        return bool(self._decodes[layer]) or bool(self._dequantized_per_layer[layer] and not self._direct)
+
+    def _fill_copies(self, layer: int) -> None:
+        """The part of layer `layer`'s fill that reads host memory (on CUDA, the copy stream): copies from the
+        host tier (and resident rows for the plain double buffer), a compressed host tier's copies and their
+        decodes; under dynamic precision the whole fill (device work only). On CPU synchronously."""
         dyn = self.store.dynamic
         if dyn is not None:
             # NOTE: read the published version once: a publish happens only between steps.
@@ -257,6 +291,12 @@ class ExpertPager:
                 for src, dst in arrays:
                     dst.copy_(src, non_blocking=self.cuda)
             self._decode(view, [(0, view.num_parts, rows)])
+
+    def _fill_on_device(self, layer: int) -> None:
+        """The part of the fill from GPU tiers (on CUDA, the decode stream, beside the copies): lossless
+        decodes of the compressed tier, dequantisation of the quantized one."""
+        if self.store.dynamic is not None:
+            return
         if self._decodes[layer]:
             self._decode(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer] and not self._direct:
@@ -301,9 +341,11 @@ class ExpertPager:
         if dyn is not None:
             v = dyn.versions[layer]
             elem = torch.empty(0, dtype=self.store.dtype).element_size()
-            n_exact = len(v.exact_ids)
-            self.stats.bytes_d2d += n_exact * self.store.expert_numel * elem
-            self.stats.bytes_dequantized += (self.store.table.num_experts - n_exact) * self.store.expert_numel * elem
+            n_exact, n_lossless = len(v.exact_ids), sum(ct.num_parts for _, ct in v.lossless)
+            one = self.store.expert_numel * elem
+            self.stats.bytes_d2d += n_exact * one
+            self.stats.bytes_decoded += n_lossless * one
+            self.stats.bytes_dequantized += (self.store.table.num_experts - n_exact - n_lossless) * one
             self.stats.layers_loaded += 1
             return
         h2d, d2d = self._bytes_per_layer[layer]
@@ -341,9 +383,11 @@ class ExpertPager:
         self.stats.steps += 1
         if not self._pending_timing:
             return
-        for layer in self._pending_timing:
+        for layer, decoded in self._pending_timing:
             self.stats.copy_s += self.copy_start[layer].elapsed_time(self.loaded[layer]) / 1e3
             waited = self.want[layer].elapsed_time(self.loaded[layer]) / 1e3
+            if decoded:
+                waited = max(waited, self.want[layer].elapsed_time(self.decoded[layer]) / 1e3)
             self.stats.wait_s += max(0.0, waited)
         self._pending_timing.clear()
 
