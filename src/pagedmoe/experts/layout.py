@@ -25,6 +25,19 @@ def expert_stride(hidden: int, inter: int, elem_bytes: int, align_bytes: int = 1
     return row_bytes // elem_bytes
 
 
+def consecutive_runs(ids, max_len: int = 0) -> list[tuple[int, int, int]]:
+    """Sorted expert ids cut into runs of consecutive ids (at most `max_len` each, when > 0), as (index in
+    `ids` of the run's first, its first id, its length): the rows [first, first + length) of a packed buffer,
+    one decode launch each."""
+    runs: list[list[int]] = []
+    for i, e in enumerate(ids):
+        if runs and e == runs[-1][1] + runs[-1][2] and (max_len <= 0 or runs[-1][2] < max_len):
+            runs[-1][2] += 1
+        else:
+            runs.append([i, e, 1])
+    return [(i, e, k) for i, e, k in runs]
+
+
 def expert_views(packed: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [E, 2I, H], w2 [E, H, I]) views into packed [E, stride]."""
     E, stride = packed.shape

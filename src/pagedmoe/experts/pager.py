@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.experts.cost_model import ring_wait_layers
+from pagedmoe.experts.layout import consecutive_runs
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT
 
@@ -95,7 +96,6 @@ class ExpertPager:
             self.fork = torch.cuda.Event()
         self._issued: list[bool] = [False] * self.num_layers
         self._on_decode_stream: list[bool] = [False] * self.num_layers   # this forward, per layer
-        self._decode_forked = False
         self._pending_timing: list[tuple[int, bool]] = []
         self._skip_host = False
 
@@ -157,13 +157,7 @@ class ExpertPager:
         if not ids:
             return []
         dst, n = store.buffers.packed(layer), store.expert_numel
-        runs: list[list[int]] = []  # [first part, first expert, count]
-        for part, e in enumerate(ids):
-            if runs and e == runs[-1][1] + runs[-1][2]:
-                runs[-1][2] += 1
-            else:
-                runs.append([part, e, 1])
-        return [(p0, p0 + k, dst[e0:e0 + k, :n]) for p0, e0, k in runs]
+        return [(p0, p0 + k, dst[e0:e0 + k, :n]) for p0, e0, k in consecutive_runs(ids)]
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
@@ -173,9 +167,6 @@ class ExpertPager:
         self._plan()
         self._issued = [False] * self.num_layers
         self._on_decode_stream = [False] * self.num_layers
-        # NOTE: the decode stream joins the forward (waits on the fork) only when a layer first uses it: a
-        # stream that joined a CUDA-graph capture must be joined back before it ends.
-        self._decode_forked = False
         if self.ring:
             # NOTE: every copy of the forward follows the fork: the previous forward's reads are done.
             self.fork.record()
@@ -245,7 +236,8 @@ class ExpertPager:
             self._account(layer)
         if not self.cuda:
             self._fill_copies(layer)
-            self._fill_on_device(layer)
+            if self._device_work(layer):
+                self._fill_on_device(layer)
             return
         with torch.cuda.stream(self.copy_stream):
             self._wait_free(self.copy_stream, layer)
@@ -253,10 +245,11 @@ class ExpertPager:
                 self.copy_start[layer].record()
             self._fill_copies(layer)
             self.loaded[layer].record()
-        if self.store.dynamic is None and self._device_work(layer):
-            if not self._decode_forked:
+        if self._device_work(layer):
+            # NOTE: the decode stream joins the forward (waits on the fork) only when a layer first uses it:
+            # a stream that joined a CUDA-graph capture must be joined back before the capture ends.
+            if not any(self._on_decode_stream):
                 self.decode_stream.wait_event(self.fork)
-                self._decode_forked = True
             with torch.cuda.stream(self.decode_stream):
                 self._wait_free(self.decode_stream, layer)
                 self._fill_on_device(layer)
@@ -271,7 +264,9 @@ class ExpertPager:
             stream.wait_event(self.free[self._wait_layer[layer]])
 
     def _device_work(self, layer: int) -> bool:
-        return bool(self._decodes[layer]) or bool(self._dequantized_per_layer[layer] and not self._direct)
+        """Whether the layer's fill reads GPU tiers (dynamic precision fills from its versions instead)."""
+        return self.store.dynamic is None and (
+            bool(self._decodes[layer]) or bool(self._dequantized_per_layer[layer] and not self._direct))
 
     def _fill_copies(self, layer: int) -> None:
         """The part of layer `layer`'s fill that reads host memory (on CUDA, the copy stream): copies from the
@@ -290,32 +285,21 @@ class ExpertPager:
             if not self._skip_host:
                 for src, dst in arrays:
                     dst.copy_(src, non_blocking=self.cuda)
-            self._decode(view, [(0, view.num_parts, rows)])
+            from pagedmoe.kernels.lossless_decode import decode_runs
+
+            decode_runs(view, [(0, view.num_parts, rows)])
 
     def _fill_on_device(self, layer: int) -> None:
         """The part of the fill from GPU tiers (on CUDA, the decode stream, beside the copies): lossless
         decodes of the compressed tier, dequantisation of the quantized one."""
-        if self.store.dynamic is not None:
-            return
         if self._decodes[layer]:
-            self._decode(self._compressed(layer), self._decodes[layer])
+            from pagedmoe.kernels.lossless_decode import decode_runs
+
+            decode_runs(self._compressed(layer), self._decodes[layer])
         if self._dequantized_per_layer[layer] and not self._direct:
             # NOTE: sync-free: on CUDA one Triton launch per weight kind (kernels/dequant.py), on CPU the
             # PyTorch reference.
             self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
-
-    def _decode(self, ct, runs: list[tuple[int, int, torch.Tensor]]) -> None:
-        if self.cuda:
-            from pagedmoe.kernels.lossless_decode import lossless_decode
-
-            for p0, p1, dst in runs:
-                lossless_decode(ct, dst, parts=(p0, p1))
-        else:
-            from pagedmoe.codecs.lossless import decode_reference
-
-            rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
-            for p0, p1, dst in runs:
-                dst.copy_(rows[p0:p1].reshape(dst.shape))
 
     def _compressed(self, layer: int):
         ct = self.store.compressed[layer]

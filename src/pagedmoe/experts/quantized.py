@@ -153,16 +153,11 @@ class LayerVersion:
         if self.exact_ids:
             n = self.exact_rows.shape[1]
             packed[:, :n].index_copy_(0, self._index, self.exact_rows)
-        for e0, ct in self.lossless:
-            k, n = ct.num_parts, ct.part_size
-            if packed.is_cuda:  # one launch per run, each part into its row (rows may be longer than a part)
-                from pagedmoe.kernels.lossless_decode import lossless_decode
+        if self.lossless:  # one launch per run, each part into its row (rows may be longer than a part)
+            from pagedmoe.kernels.lossless_decode import decode_runs
 
-                lossless_decode(ct, packed[e0:e0 + k, :n])
-            else:
-                from pagedmoe.codecs.lossless import decode_reference
-
-                packed[e0:e0 + k, :n].copy_(decode_reference(ct).view(k, n))
+            for e0, ct in self.lossless:
+                decode_runs(ct, [(0, ct.num_parts, packed[e0:e0 + ct.num_parts, :ct.part_size])])
         for g in self.groups.values():
             g.dequantize_into(packed)
 
@@ -239,11 +234,7 @@ class DynamicExperts:
             sample = sorted({(0, 0), (0, E - 1), (L - 1, 0), (L - 1, E - 1)})
             rows = torch.stack([self.master[l][e, :n] for l, e in sample]).to(self.device)
             ct = encode(rows, num_parts=len(sample), checksum=False)
-            words = torch.diff(ct.part_word_offsets).max().item()
-            blocks = ct.blocks_per_part
-            per_part = (4 * (words + ct.layout.pad_words) + n + 8 * blocks + 16
-                        + ct.lane_bits.element_size() * blocks * ct.layout.lanes + 256)
-            self._lossless_bytes = int(per_part * 1.02)
+            self._lossless_bytes = int(max(ct.part(i).nbytes for i in range(ct.num_parts)) * 1.02)
             del rows, ct
             if self.cuda:  # the encoder's temporaries: not kept reserved before the KV cache is sized
                 torch.cuda.empty_cache()
@@ -354,25 +345,22 @@ class DynamicExperts:
                              "(not --quantized-gemm direct)")
         from pagedmoe.codecs.lossless import LosslessLayout, encode
 
+        from pagedmoe.experts.layout import consecutive_runs
+
         n = self.numel
-        per_run = max(1, self.LOSSLESS_RUN_BYTES // (2 * n))
-        runs: list[list[int]] = []   # [first id, count]
-        for e in ids:
-            if runs and e == runs[-1][0] + runs[-1][1] and runs[-1][1] < per_run:
-                runs[-1][1] += 1
-            else:
-                runs.append([e, 1])
         kept = {(e0, ct.num_parts): ct for e0, ct in (old.lossless if old is not None else ())}
         out = []
-        for e0, k in runs:
+        for _, e0, k in consecutive_runs(ids, max(1, self.LOSSLESS_RUN_BYTES // (2 * n))):
             ct = kept.get((e0, k))
             if ct is None:
                 rows = self.master[layer][e0:e0 + k, :n].to(self.device, non_blocking=True)
                 # packing in chunks of ~2M weights: ~160 MB of encoder temporaries beside the running forwards
                 ct = encode(rows, num_parts=k, checksum=False,
                             chunk_blocks=max(1, (1 << 21) // LosslessLayout().block_elems))
-                if self.cuda:  # the decode table the fill's launch reads, built here rather than in a forward
-                    ct.decode_table(ct.layout.max_code_len, torch.int32)
+                if self.cuda:  # the fill's launch touches no host state
+                    from pagedmoe.kernels.lossless_decode import prepare_launch
+
+                    prepare_launch(ct)
             out.append((e0, ct))
         return out
 

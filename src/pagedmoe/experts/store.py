@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from pagedmoe.experts.layout import expert_stride, expert_views, row_part
+from pagedmoe.experts.layout import consecutive_runs, expert_stride, expert_views, row_part
 from pagedmoe.experts.placement import HOST_STAGING_SLOTS, host_group_experts
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, ExpertTable
 
@@ -198,12 +198,9 @@ class ExpertStore:
         # with one kernel launch. Checksums guard files, not device memory: skipped.
         ct = self.compressed[layer] = encode(staged.to(self.device), num_parts=staged.shape[0], checksum=False)
         if self.device.type == "cuda":
-            from pagedmoe.kernels.lossless_decode import _launch_info
+            from pagedmoe.kernels.lossless_decode import prepare_launch
 
-            # NOTE: build the decode table and check the arrays now: both touch the host, which the
-            # pager's decodes inside a CUDA-graph capture must not do.
-            _launch_info(ct)
-            ct.decode_table(None, torch.int32)
+            prepare_launch(ct)  # NOTE: host work, before any CUDA-graph capture
         self._staging[layer] = None
         self._staged_parts[layer] = set()
 
@@ -250,13 +247,7 @@ class ExpertStore:
         ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
                     checksum=False)
         # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
-        ids, most = self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel)  # bf16
-        groups: list[list[int]] = []     # [first slot, first expert id, count]
-        for slot, e in enumerate(ids):
-            if groups and e == groups[-1][1] + groups[-1][2] and groups[-1][2] < most:
-                groups[-1][2] += 1
-            else:
-                groups.append([slot, e, 1])
+        groups = consecutive_runs(self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel))
         self.host_groups[layer] = [(e0, k) for _, e0, k in groups]
         self.host_compressed[layer] = _to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
                                                self.device.type == "cuda")
@@ -294,10 +285,9 @@ class ExpertStore:
                 view = CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent, **{
                     name: slot[name][:getattr(ct, name).numel()].view(getattr(ct, name).shape) for name in names})
                 if self.device.type == "cuda":
-                    from pagedmoe.kernels.lossless_decode import _launch_info
+                    from pagedmoe.kernels.lossless_decode import prepare_launch
 
-                    _launch_info(view)  # NOTE: host work before any CUDA-graph capture (see _encode)
-                    view.decode_table(None, torch.int32)
+                    prepare_launch(view)  # NOTE: host work, before any CUDA-graph capture
                 views.append(view)
             self.host_staging[layer] = views
 

@@ -124,6 +124,27 @@ def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
     return info
 
 
+def prepare_launch(ct: CompressedTensor) -> None:
+    """Check ct's arrays and build its default decode table now: both touch the host, which a decode
+    inside a CUDA-graph capture (or a forward) must not do."""
+    _launch_info(ct)
+    ct.decode_table(None, torch.int32)
+
+
+def decode_runs(ct: CompressedTensor, runs) -> None:
+    """Decode parts of ct into rows: runs of (p0, p1, rows [p1 - p0, part_size] or a contiguous range of that
+    many elements). On CUDA one launch per run; on the CPU the PyTorch reference decodes ct once."""
+    if ct.device.type == "cuda":
+        for p0, p1, dst in runs:
+            lossless_decode(ct, dst, parts=(p0, p1))
+        return
+    from pagedmoe.codecs.lossless import decode_reference
+
+    rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
+    for p0, p1, dst in runs:
+        dst.copy_(rows[p0:p1].reshape(dst.shape))
+
+
 def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int, int] | None = None,
                     short_bits: int | None = None, num_warps: int = 4, unroll: int = 2,
                     table_dtype: torch.dtype = torch.int32) -> torch.Tensor:
