@@ -19,10 +19,11 @@ Controller cost (target <= 4%), like for like: a steady workload keeps BENCH_DYN
 (default 4 x in flight) in all; the first wave's output lengths are spread 1..OUTPUT so completions
 stay staggered. The window is the second half of the constant-in-flight phase (from half of the
 requests that finish before the last submission until the last submission); the run stops there.
-3. steady_dynamic: the controller active (default watermarks) at budget B.
-4. steady_held: the map the controller held at the window's end, loaded from an `--expert-stats` file
-   with watermarks 0 / 1 (the controller never moves), same workload, same budget.
-cost = held window tok/s / dynamic window tok/s - 1. `tick_s`: host time inside the controller.
+3. steady: the controller active (default watermarks) at budget B. The window is cut into 8 slices
+   (by completions) in ABBA order: in "held" slices the controller's tick is a no-op, so the placement
+   it has is held static, in the same engine on the same workload (two engines measured one after the
+   other differed by up to 4% with no move in either window: run-to-run noise, not the controller).
+cost = held slices' tok/s / controller slices' tok/s - 1. `tick_s`: host time inside the controller.
 
 A CPU smoke run of the script's logic (not a measurement):
 BENCH_DYNAMIC_CONFIG=src/pagedmoe/default_model BENCH_DYNAMIC_LAYERS=4 BENCH_DYNAMIC_REQS=8 \
@@ -125,13 +126,21 @@ def run_burst(engine, ids, watch_maps: bool = False) -> dict:
     return res
 
 
+# Slices of the steady window, controller on (True) or held (False): ABBA order, so a linear drift
+# in the GPU's or the host's speed weighs on both modes alike.
+SLICES = (True, False, False, True, True, False, False, True)
+
+
 def run_steady(engine, ids) -> dict:
-    """INFLIGHT requests in flight, a new one whenever one finishes, until all STEADY_REQS are submitted;
-    times the window (second half of that phase) and stops at its end."""
+    """INFLIGHT requests in flight, a new one whenever one finishes, until all STEADY_REQS are submitted.
+    The window (second half of that phase) is cut into len(SLICES) slices by completions; in the
+    held slices the controller's tick is replaced by a no-op (the placement it has is held static).
+    Times both modes in one engine and stops at the window's end."""
     from pagedmoe import SamplingParams
 
     mgr = getattr(engine, "precision", None)
     tick_s = time_ticks(engine)
+    active_tick = mgr.tick if mgr is not None else None
     n_in = min(INFLIGHT, len(ids))
     # The first wave's lengths are spread so completions (and new prefills) stay staggered.
     lengths = [max(1, (i + 1) * OUTPUT // n_in) for i in range(n_in)] + [OUTPUT] * (len(ids) - n_in)
@@ -151,15 +160,24 @@ def run_steady(engine, ids) -> dict:
                 "moves": (s.get("precision_demotions", 0), s.get("precision_promotions", 0)),
                 "counts": mgr.precision_counts() if mgr is not None else None}
 
+    def set_mode(on: bool):
+        if mgr is not None:
+            mgr.tick = active_tick if on else (lambda: [])
+
     for _ in range(n_in):
         submit()
     # window: from half the completions of the constant-in-flight phase to the last submission
-    start_at = (len(ids) - n_in) // 2
+    start_at, end_at = (len(ids) - n_in) // 2, len(ids) - n_in
+    bounds = [start_at + i * (end_at - start_at) // len(SLICES) for i in range(len(SLICES) + 1)]
+    snaps: list = []
     steps = out_tokens = 0
-    t0, w0, w1 = time.perf_counter(), None, None
-    while submitted < len(ids) or (w1 is None and engine.has_unfinished_requests()):
-        if w0 is None and finished >= start_at:
-            w0 = snapshot()
+    t0 = time.perf_counter()
+    while submitted < len(ids) or (len(snaps) < len(bounds) and engine.has_unfinished_requests()):
+        while len(snaps) < len(bounds) and finished >= bounds[len(snaps)]:
+            snaps.append(snapshot())
+            set_mode(SLICES[len(snaps) - 1] if len(snaps) <= len(SLICES) else True)
+        if len(snaps) == len(bounds):
+            break
         outs = engine.step()
         steps += 1
         out_tokens += len(outs)
@@ -168,12 +186,10 @@ def run_steady(engine, ids) -> dict:
                 finished += 1
                 if submitted < len(ids):
                     submit()
-        if submitted == len(ids) and w0 is not None:
-            w1 = snapshot()
-            break
-    if w1 is None:      # (tiny runs) the window never opened before the last submission
-        w0 = w0 or snapshot()
-        w1 = snapshot()
+    set_mode(True)
+    while len(snaps) < len(bounds):  # (tiny runs) the window closed before its slices filled
+        snaps.append(snapshot())
+    w0, w1 = snaps[0], snaps[-1]
     wall = w1["t"] - w0["t"]
     res = {"total_s": w1["t"] - t0, "window_s": wall, "window_steps": w1["steps"] - w0["steps"],
            "window_output_tokens": w1["out"] - w0["out"], "window_finished": w1["finished"] - w0["finished"],
@@ -185,6 +201,19 @@ def run_steady(engine, ids) -> dict:
            "num_kv_blocks": engine.get_stats()["num_kv_blocks"]}
     res["window_tick_ms_per_step"] = 1e3 * res["window_tick_s"] / max(res["window_steps"], 1)
     res["window_tick_share"] = res["window_tick_s"] / max(wall, 1e-9)
+    # per mode: the slices' sums (held slices: the placement at the slice's start, held static)
+    res["slices"] = []
+    for on, a, b in zip(SLICES, snaps, snaps[1:]):
+        res["slices"].append({"controller": on, "s": b["t"] - a["t"], "steps": b["steps"] - a["steps"],
+                              "output_tokens": b["out"] - a["out"],
+                              "moves": b["moves"][0] + b["moves"][1] - a["moves"][0] - a["moves"][1]})
+    for on, name in ((True, "dynamic"), (False, "held")):
+        sl = [x for x in res["slices"] if x["controller"] == on]
+        secs, toks = sum(x["s"] for x in sl), sum(x["output_tokens"] for x in sl)
+        res[f"{name}_s"], res[f"{name}_output_tokens"] = secs, toks
+        res[f"{name}_steps"], res[f"{name}_moves"] = sum(x["steps"] for x in sl), sum(x["moves"] for x in sl)
+        res[f"{name}_output_throughput"] = toks / max(secs, 1e-9)
+    res["controller_cost"] = res["held_output_throughput"] / max(res["dynamic_output_throughput"], 1e-9) - 1
     if mgr is not None:
         res["final_map"] = mgr.precision_map()
     return res
@@ -261,31 +290,16 @@ def main() -> int:
         results["dynamic_direct"] = {"start_s": start_s, **r, "final_counts": counts(final_map)}
         dump()
         free_engine(e)
-    # 3./4. steady workload: controller active, then the map it converged to held static
+    # 3. steady workload, controller on and held in alternating slices of one engine's window
     steady_ids = prompts(e_vocab, STEADY_REQS, seed=2)
     e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB)
     r = run_steady(e, steady_ids)
-    steady_map = r.pop("final_map")
-    results["steady_dynamic"] = {"start_s": start_s, **r}
-    dump()
-    free_engine(e)
-    stats = Path(tempfile.mkdtemp()) / "steady_held.json"
-    L, E = len(steady_map), len(steady_map[0])
-    stats.write_text(json.dumps({"total": [[0.0] * E] * L, "ema": [[0.0] * E] * L, "decay": 0.99,
-                                 "precision_map": steady_map}))
-    e, start_s = make(model, expert_precision="dynamic", gpu_memory_gb=budget / GiB, expert_stats=str(stats),
-                      kv_low_watermark=0.0, kv_high_watermark=1.0)
-    held_counts = e.precision.precision_counts()
-    r = run_steady(e, steady_ids)
-    r.pop("final_map", None)
-    results["steady_held"] = {"start_s": start_s, **r, "held_counts": held_counts,
-                              "held_is_converged_map": held_counts == results["steady_dynamic"]["counts_window_end"]}
-    dump()
-    free_engine(e)
+    r["final_counts"] = counts(r.pop("final_map"))
+    results["steady"] = {"start_s": start_s, **r}
+    results["controller_cost"] = r["controller_cost"]
     results["seconds"] = time.perf_counter() - t_all
-    sd, sh = results["steady_dynamic"], results["steady_held"]
-    results["controller_cost"] = sh["window_output_throughput"] / sd["window_output_throughput"] - 1
     dump()
+    free_engine(e)
 
     print(f"\nQwen3-30B-A3B shape, {LAYERS} layers, budget {results['budget_gib']:.2f} GiB, "
           f"{results['seconds']:.0f} s total; JSON {path}")
@@ -296,18 +310,19 @@ def main() -> int:
         prec = r.get("final_counts") or {"bf16 (resident)": "all"}
         print(f"{name:<15}{r['num_kv_blocks']:>10}{r['num_preemptions']:>9}{r['output_throughput']:>11.1f}"
               f"{r['wall_s']:>8.2f}{r['tick_s']:>8.3f}  {prec}")
-    print(f"steady: {INFLIGHT} in flight, {STEADY_REQS} requests; window = 2nd half of the constant-in-flight phase")
-    print(f"{'run':<15}{'KV blocks':>10}{'win steps':>10}{'win s':>8}{'out tok/s':>11}{'preempt':>8}"
-          f"{'moves':>7}{'tick ms/step':>13}{'tick share':>11}  precision")
-    for name in ("steady_dynamic", "steady_held"):
-        r = results[name]
-        moves = r["window_demotions"] + r["window_promotions"]
-        print(f"{name:<15}{r['num_kv_blocks']:>10}{r['window_steps']:>10}{r['window_s']:>8.2f}"
-              f"{r['window_output_throughput']:>11.1f}{r['window_preemptions']:>8}{moves:>7}"
-              f"{r['window_tick_ms_per_step']:>13.3f}{100 * r['window_tick_share']:>10.1f}%  "
-              f"{r.get('held_counts') or r['counts_window_end']}")
-    print(f"controller cost: {100 * results['controller_cost']:+.1f}% (held window tok/s over dynamic window tok/s "
-          f"- 1; target <= 4%; negative: dynamic faster); held map == converged map: {sh['held_is_converged_map']}")
+    st = results["steady"]
+    print(f"steady: {INFLIGHT} in flight, {STEADY_REQS} requests; window = 2nd half of the constant-in-flight phase, "
+          f"{st['num_kv_blocks']} KV blocks, {st['window_preemptions']} preemptions, tick "
+          f"{st['window_tick_ms_per_step']:.3f} ms/step, precision {st['counts_window_end']}")
+    print(f"{'slice':>6}{'controller':>11}{'steps':>7}{'s':>7}{'out tok/s':>11}{'moves':>7}")
+    for i, x in enumerate(st["slices"]):
+        print(f"{i:>6}{'on' if x['controller'] else 'held':>11}{x['steps']:>7}{x['s']:>7.2f}"
+              f"{x['output_tokens'] / max(x['s'], 1e-9):>11.1f}{x['moves']:>7}")
+    for name in ("dynamic", "held"):
+        print(f"{name:>17}{st[name + '_steps']:>7}{st[name + '_s']:>7.2f}{st[name + '_output_throughput']:>11.1f}"
+              f"{st[name + '_moves']:>7}")
+    print(f"controller cost: {100 * results['controller_cost']:+.1f}% (held slices' tok/s over the controller's "
+          f"slices' tok/s - 1; target <= 4%; negative: dynamic faster)")
     return 0
 
 

@@ -178,11 +178,12 @@ class EngineConfig:
 
     def resolved_quantized_gemm(self, device_type: str) -> str:
         """--quantized-gemm with auto settled: direct where benchmarks/bench_dequant.py measured it faster at
-        every batch (static fp8 / int8 on CUDA with the Triton MoE kernels; int4's nibble loads made direct
-        slower from 16 tokens, and dynamic layers mix int4 in), dequant elsewhere."""
+        every batch from 1 to 256 tokens (static fp8 / int8 / int4 on CUDA with the Triton MoE kernels; at
+        58408ed 2.0-2.5x, 1.4-2.5x and 1.1-1.45x per MoE layer), dequant elsewhere (dynamic layers: the
+        burst ran slower with direct, benchmarks/bench_dynamic.py)."""
         if self.quantized_gemm != "auto":
             return self.quantized_gemm
-        fast = self.expert_precision in ("static-fp8", "static-int8") and self.moe_backend in ("auto", "triton")
+        fast = self.expert_precision.startswith("static-") and self.moe_backend in ("auto", "triton")
         return "direct" if fast and device_type == "cuda" else "dequant"
 
     def _check_dynamic(self) -> None:
