@@ -202,6 +202,30 @@ def test_corruption_in_memory_names_the_part(field):
         verify(ct, "w1")
 
 
+@pytest.mark.parametrize("stage_bytes", [1 << 27, 1000, 7])
+def test_checksums_follow_the_format_whatever_the_staging_chunk(monkeypatch, stage_bytes):
+    """crc32 per part as docs/formats.md defines it, written out here; compute_checksums reads the arrays
+    in chunks (staged through pinned buffers on a GPU) that cut across parts and arrays."""
+    import zlib
+
+    from pagedmoe.codecs import lossless
+
+    monkeypatch.setattr(lossless, "_STAGE_BYTES", stage_bytes)
+    x = (torch.randn(3, 7001) * 0.02).bfloat16()
+    ct = encode(x, num_parts=3, layout=LosslessLayout(64, 8, 12), checksum=False)
+    assert ct.lane_bits.dtype == torch.uint8
+    bpp, pwo = ct.blocks_per_part, ct.part_word_offsets.tolist()
+    want = []
+    for p in range(3):
+        data = (bytes(ct.code_lengths.numpy().astype(np.uint8)) + bytes([ct.fill_exponent])
+                + ct.block_bit_offsets[p * bpp:(p + 1) * bpp].numpy().astype("<i8").tobytes()
+                + ct.lane_bits[p * bpp:(p + 1) * bpp].numpy().tobytes()  # uint8 here (K * L <= 255)
+                + ct.stream[pwo[p]:pwo[p + 1]].numpy().astype("<i4").tobytes()
+                + ct.raw[p * 7001:(p + 1) * 7001].numpy().tobytes())
+        want.append(zlib.crc32(data))
+    assert lossless.compute_checksums(ct) == tuple(want)
+
+
 def test_file_roundtrip_and_corruption(tmp_path):
     x = (torch.randn(4, 3000) * 0.02).bfloat16()
     c = {"model.layers.0.mlp.experts.w1": encode(x, num_parts=4, layout=LosslessLayout(32, 8, 12)),

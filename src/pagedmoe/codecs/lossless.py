@@ -18,6 +18,7 @@ lane independently; a block's output offset is a closed-form function of its ind
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -295,28 +296,75 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, layout: LosslessLayout = Loss
 # checksums
 
 
-def _part_buffers(ct: CompressedTensor, cpu: dict, p: int) -> list:
-    """The stored bytes that belong to part p (what its crc32 covers), as numpy views."""
-    pwo = cpu["part_word_offsets"]
-    bpp, P = ct.blocks_per_part, ct.part_size
-    head = np.concatenate([ct.code_lengths.numpy(), np.array([ct.fill_exponent], np.uint8)])
-    return [head, cpu["block_bit_offsets"][p * bpp : (p + 1) * bpp], cpu["lane_bits"][p * bpp : (p + 1) * bpp],
-            cpu["stream"][pwo[p] : pwo[p + 1]], cpu["raw"][p * P : (p + 1) * P]]
+_STAGE_BYTES = 128 << 20  # pinned staging for device->host copies (pageable ones ran at 1.5 GB/s on the H200 host)
+
+
+@functools.lru_cache(maxsize=1)
+def _pinned_stages() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two pinned host buffers, made on first use and kept: copies into one overlap the crc of the other."""
+    return tuple(torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+
+
+def _part_spans(ct: CompressedTensor, pwo) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Per stored array, in checksum order, the byte range [start, end) of each part."""
+    bpp, P, parts = ct.blocks_per_part, ct.part_size, range(ct.num_parts)
+    row = ct.layout.lanes * ct.lane_bits.element_size()
+    return [("block_bit_offsets", [(p * bpp * 8, (p + 1) * bpp * 8) for p in parts]),
+            ("lane_bits", [(p * bpp * row, (p + 1) * bpp * row) for p in parts]),
+            ("stream", [(int(pwo[p]) * 4, int(pwo[p + 1]) * 4) for p in parts]),
+            ("raw", [(p * P, (p + 1) * P) for p in parts])]
+
+
+def _byte_chunks(t: torch.Tensor):
+    """(offset, numpy uint8 view) of t's bytes in order, _STAGE_BYTES at a time: views of t on the CPU;
+    on CUDA copies through pinned buffers, the next chunk's copy running while the caller reads this one."""
+    flat = t.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    starts = list(range(0, n, _STAGE_BYTES))
+    if flat.device.type != "cuda":
+        host = flat.numpy()
+        for a in starts:
+            yield a, host[a:a + _STAGE_BYTES]
+        return
+    stages = _pinned_stages()
+
+    def start_copy(i):
+        a = starts[i]
+        buf = stages[i % 2][:min(n, a + _STAGE_BYTES) - a]
+        buf.copy_(flat[a:a + buf.numel()], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return buf, ev
+
+    pending = start_copy(0) if starts else None
+    for i, a in enumerate(starts):
+        buf, ev = pending
+        ev.synchronize()
+        if i + 1 < len(starts):
+            pending = start_copy(i + 1)   # the other buffer: its last reader finished with the previous chunk
+        yield a, buf.numpy()
 
 
 def compute_checksums(ct: CompressedTensor, max_workers: int = 16) -> tuple[int, ...]:
-    """crc32 per part over its stored bytes (codebook, offsets, lane lengths, codes, raw bytes)."""
-    names = ("part_word_offsets", "block_bit_offsets", "lane_bits", "stream", "raw")
-    cpu = {n: getattr(ct, n).cpu().numpy() for n in names}
+    """crc32 per part over its stored bytes (codebook, offsets, lane lengths, codes, raw bytes).
+    Parts run in parallel threads (zlib releases the GIL); arrays on a GPU are read through pinned
+    staging buffers, a chunk at a time."""
+    head = np.concatenate([ct.code_lengths.numpy(), np.array([ct.fill_exponent], np.uint8)])
+    crcs = [zlib.crc32(head)] * ct.num_parts
+    spans = _part_spans(ct, ct.part_word_offsets.cpu().numpy())
 
-    def crc(p: int) -> int:
-        c = 0
-        for buf in _part_buffers(ct, cpu, p):
-            c = zlib.crc32(np.ascontiguousarray(buf).view(np.uint8), c)
-        return c
+    def update(p: int, buf: np.ndarray) -> None:
+        crcs[p] = zlib.crc32(buf, crcs[p])
 
     with ThreadPoolExecutor(min(max_workers, max(1, ct.num_parts))) as pool:
-        return tuple(pool.map(crc, range(ct.num_parts)))
+        for name, ranges in spans:
+            for off, chunk in _byte_chunks(getattr(ct, name)):
+                end = off + chunk.size
+                jobs = [pool.submit(update, p, chunk[max(s, off) - off:min(e, end) - off])
+                        for p, (s, e) in enumerate(ranges) if s < end and e > off]
+                for j in jobs:
+                    j.result()    # one chunk at a time: the staging buffer is reused two chunks later
+    return tuple(crcs)
 
 
 def verify(ct: CompressedTensor, name: str = "tensor") -> None:

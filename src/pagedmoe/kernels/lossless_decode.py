@@ -18,34 +18,22 @@ The PyTorch reference is ``pagedmoe.codecs.lossless.decode_reference``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from pagedmoe.codecs.lossless import CompressedTensor
 
-TABLE_DTYPE = torch.int16  # decode-table entries: int16 measured 4% faster than int32 on the H200 (58408ed)
-
-
-def _has_ptx() -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1"
-
 
 @triton.jit
 def _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
                 LANES: tl.constexpr, K: tl.constexpr, MAX_LEN: tl.constexpr,
-                SHORT_BITS: tl.constexpr, MASKED: tl.constexpr, UNROLL: tl.constexpr, FUNNEL: tl.constexpr):
+                SHORT_BITS: tl.constexpr, MASKED: tl.constexpr, UNROLL: tl.constexpr):
     # wptr: per-lane pointer to the word holding cur (a pointer, not an index: one 64-bit add
     # per step instead of index arithmetic and an address computation)
     for k in tl.range(K, loop_unroll_factor=UNROLL):
-        if FUNNEL:  # one funnel-shift instruction: upper word of (cur:nxt) << off
-            win = tl.inline_asm_elementwise("shf.l.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r",
-                                            [nxt, cur, off], dtype=tl.uint32, is_pure=True, pack=1)
-        else:  # the same with 64-bit shifts (the interpreter has no PTX)
-            win = (((cur.to(tl.uint64) << 32) | nxt.to(tl.uint64)) << off.to(tl.uint64)) >> 32
-            win = win.to(tl.uint32)
+        win = (((cur.to(tl.uint64) << 32) | nxt.to(tl.uint64)) << off.to(tl.uint64)) >> 32
+        win = win.to(tl.uint32)
         e = tl.load(lut_ptr + (win >> (32 - SHORT_BITS)).to(tl.int32)).to(tl.int32)
         if SHORT_BITS < MAX_LEN:
             # rare codes longer than SHORT_BITS: second table indexed by the full MAX_LEN bits
@@ -95,7 +83,6 @@ def lossless_decode_kernel(
     MAX_LEN: tl.constexpr,
     SHORT_BITS: tl.constexpr,
     UNROLL: tl.constexpr,
-    FUNNEL: tl.constexpr,
 ):
     blk = block_start + tl.program_id(0)
     part = blk // blocks_per_part
@@ -116,10 +103,10 @@ def lossless_decode_kernel(
     optr = out_ptr + (part - part_start).to(tl.int64) * out_part_stride + bip.to(tl.int64) * (LANES * K)
     if n_valid == LANES * K:
         _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
-                    LANES, K, MAX_LEN, SHORT_BITS, False, UNROLL, FUNNEL)
+                    LANES, K, MAX_LEN, SHORT_BITS, False, UNROLL)
     else:
         _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
-                    LANES, K, MAX_LEN, SHORT_BITS, True, 1, FUNNEL)
+                    LANES, K, MAX_LEN, SHORT_BITS, True, 1)
 
 
 def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
@@ -141,7 +128,7 @@ def prepare_launch(ct: CompressedTensor) -> None:
     """Check ct's arrays and build its default decode table now: both touch the host, which a decode
     inside a CUDA-graph capture (or a forward) must not do."""
     _launch_info(ct)
-    ct.decode_table(None, TABLE_DTYPE)
+    ct.decode_table(None, torch.int32)
 
 
 def decode_runs(ct: CompressedTensor, runs) -> None:
@@ -160,15 +147,14 @@ def decode_runs(ct: CompressedTensor, runs) -> None:
 
 def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int, int] | None = None,
                     short_bits: int | None = None, num_warps: int = 4, unroll: int = 2,
-                    table_dtype: torch.dtype = TABLE_DTYPE, funnel: bool | None = None) -> torch.Tensor:
+                    table_dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """Decodes ct (or its parts [p0, p1)) into out, a bf16 tensor on ct's device: contiguous with
     (p1 - p0) * part_size elements, or [p1 - p0, part_size] with unit last stride, one row per part (the
     rows of an expert compute buffer padded past the expert's size). Launches one kernel; no host sync. Performance knobs only (any value
     decodes the same bits; defaults are the fastest measured on the H200): short_bits, the index
     width of the first decode table (default max_code_len: one table; smaller values add a second
     lookup for longer codes); num_warps; unroll, the step loop's unroll factor; table_dtype,
-    int16 or int32 decode-table entries; funnel, the bit window by one PTX funnel shift instead of
-    64-bit shifts (default: on, except under the Triton interpreter, which has no PTX).
+    int16 or int32 decode-table entries.
     """
     part_size, bpp = _launch_info(ct)
     p0, p1 = (0, ct.num_parts) if parts is None else parts
@@ -197,6 +183,6 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
         ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(short_bits, table_dtype),
         out, p0 * bpp, p0, part_stride, part_size, bpp,
         LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=short_bits,
-        UNROLL=unroll, FUNNEL=_has_ptx() if funnel is None else funnel, num_warps=num_warps,
+        UNROLL=unroll, num_warps=num_warps,
     )
     return out
