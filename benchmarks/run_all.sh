@@ -39,14 +39,14 @@ Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 # stage -> "expected device time [pcie] | what it reproduces": [pcie] streams experts (or offloads) over
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
-  [gputests]="~1.2 min [owed] | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
+  [gputests]="~1.2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
   [issue4]="~6 min | fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh, its GPU tests left to the gputests stage)"
   [hf]="~0.7 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
   [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
-  [codec]="~0.7 min [owed] | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
+  [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
   [dequant]="~2.2 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~0.5 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
-  [dynamic]="~2.7 min [owed] | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
+  [dynamic]="~2.7 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
   [serve-paged]="~3.5 min [pcie] | serving table, paged N=64 row"
   [glm-air]="~7 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
@@ -54,11 +54,11 @@ declare -A STAGES=(
   [sweep-mixtral-24-paged+host-lossless]="~2.7 min [pcie] | the same with the host tier held compressed"
   [sweep-mixtral-64-paged]="~3.7 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
   [sweep-mixtral-64-paged+host-lossless]="~3.3 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-w4-resident,paged,paged+lossless]="~2 min [pcie] [owed] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
+  [sweep-mixtral-w4-resident,paged,paged+lossless]="~2 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
   [sweep-mixtral-139-resident]="~1.5 min | sweep Mixtral-8x7B at 139 GiB"
   [sweep-qwen3-24-paged,paged+host-lossless]="~5 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
-  [sweep-qwen3-64-resident,paged,paged+lossless]="~3.3 min [pcie] [owed] | sweep Qwen3-30B-A3B at 64 GiB"
-  [sweep-qwen3-w4-resident,paged,paged+lossless]="~4.3 min [pcie] [owed] | sweep Qwen3-30B-A3B at weights + 4 GiB"
+  [sweep-qwen3-64-resident,paged,paged+lossless]="~3.3 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
+  [sweep-qwen3-w4-resident,paged,paged+lossless]="~4.3 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~0.8 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
 ORDER=(gputests issue4 hf hf-offload codec dequant attention dynamic serve-resident serve-paged glm-air
@@ -136,7 +136,7 @@ run_stage() {  # $1 = stage
           | tee "$d/hf_offload_${gib}.log" | tail -2 || rc=$?
       done ;;
     codec)
-      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --out "$d" > "$d/bench_codec.log" 2>&1 \
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --numel 268435456 --out "$d" > "$d/bench_codec.log" 2>&1 \
         || rc=$?
       tail -30 "$d/bench_codec.log" ;;
     dequant)
