@@ -22,8 +22,10 @@ fi
 if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
   FUSED_MOE_MAX_S=${FUSED_MOE_MAX_S:-50} timeout 150 python benchmarks/bench_fused_moe.py > "$OUT/bench_fused_moe.log" 2>&1
   tail -22 "$OUT/bench_fused_moe.log" | tee -a "$S"
-  timeout 90 python benchmarks/bench_codec.py --quick --out "$OUT" > "$OUT/bench_codec.log" 2>&1
-  tail -12 "$OUT/bench_codec.log" | tee -a "$S"
+  if [ -z "${SKIP_CODEC:-}" ]; then  # run_all.sh's codec stage runs the full codec bench
+    timeout 90 python benchmarks/bench_codec.py --quick --out "$OUT" > "$OUT/bench_codec.log" 2>&1
+    tail -12 "$OUT/bench_codec.log" | tee -a "$S"
+  fi
 fi
 for BACKEND in $MOE; do
   timeout 150 python -m pagedmoe.cli bench latency $M --load-format dummy --batch-size 1 16 64 256 \

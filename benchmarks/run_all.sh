@@ -17,7 +17,8 @@
 # Per-step timeouts: STAGE_TIMEOUT for a whole stage; gpu_issue4.sh and bench_serve.sh keep their own.
 #
 # Sweep workload (env, defaults in brackets): SWEEP_INPUT_LEN [1024], SWEEP_OUTPUT_LEN [1024],
-# SWEEP_STEADY_STEPS [64], SWEEP_NUM_PROMPTS [256, a cap on the batch], SWEEP_PLACEMENTS ["resident paged"],
+# SWEEP_STEADY_STEPS [32; 64 before fb49156: the
+# PCIe-bound points then took 1-2 minutes of decode steps each], SWEEP_NUM_PROMPTS [256, a cap on the batch], SWEEP_PLACEMENTS ["resident paged"],
 # SWEEP_MAX_MODEL_LEN [2048], SWEEP_MAX_BATCHED [8192: at 16384 the prefill activations (4.25 GiB) leave resident
 # Mixtral no KV at weights + 4], SWEEP_EXTRA [more engine flags, e.g. --dtype bfloat16 for a CPU dry run].
 # A paged step that streams all of Mixtral's experts over PCIe takes ~1.7 s
@@ -40,25 +41,25 @@ Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
   [gputests]="~1.2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
-  [issue4]="~6 min | fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh, its GPU tests left to the gputests stage)"
+  [issue4]="~5 min | fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh, its GPU tests left to the gputests stage)"
   [hf]="~0.7 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
   [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
   [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
-  [dequant]="~2.2 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
+  [dequant]="~1.2 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~0.5 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
   [dynamic]="~2.7 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
   [serve-paged]="~3.5 min [pcie] | serving table, paged N=64 row"
   [glm-air]="~7 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
-  [sweep-mixtral-24-paged]="~3.3 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
-  [sweep-mixtral-24-paged+host-lossless]="~2.7 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-64-paged]="~3.7 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
-  [sweep-mixtral-64-paged+host-lossless]="~3.3 min [pcie] | the same with the host tier held compressed"
+  [sweep-mixtral-24-paged]="~2.5 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
+  [sweep-mixtral-24-paged+host-lossless]="~2.1 min [pcie] | the same with the host tier held compressed"
+  [sweep-mixtral-64-paged]="~2.8 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
+  [sweep-mixtral-64-paged+host-lossless]="~2.7 min [pcie] | the same with the host tier held compressed"
   [sweep-mixtral-w4-resident,paged,paged+lossless]="~2 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
   [sweep-mixtral-139-resident]="~1.5 min | sweep Mixtral-8x7B at 139 GiB"
-  [sweep-qwen3-24-paged,paged+host-lossless]="~5 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
-  [sweep-qwen3-64-resident,paged,paged+lossless]="~3.3 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
-  [sweep-qwen3-w4-resident,paged,paged+lossless]="~4.3 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
+  [sweep-qwen3-24-paged,paged+host-lossless]="~4 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
+  [sweep-qwen3-64-resident,paged,paged+lossless]="~2.8 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
+  [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.6 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~0.8 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
 ORDER=(gputests issue4 hf hf-offload codec dequant attention dynamic serve-resident serve-paged glm-air
@@ -101,7 +102,7 @@ sweep() {  # $1 = model folder, $2 = budgets (space separated), $3 = output fold
   timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep "$1" --load-format dummy \
     --budgets $2 --placements $4 $HOST_FLAG ${SWEEP_EXTRA:-} \
     --num-prompts "${SWEEP_NUM_PROMPTS:-256}" --input-len "${SWEEP_INPUT_LEN:-1024}" \
-    --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-64}" \
+    --output-len "${SWEEP_OUTPUT_LEN:-1024}" --steady-decode-steps "${SWEEP_STEADY_STEPS:-32}" \
     --max-model-len "${SWEEP_MAX_MODEL_LEN:-2048}" --max-num-seqs 256 \
     --max-num-batched-tokens "${SWEEP_MAX_BATCHED:-8192}" --output-dir "$3" > "$3/sweep.log" 2>&1
   local rc=$?
@@ -122,7 +123,7 @@ run_stage() {  # $1 = stage
       timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pytest -q -n 8 -m gpu tests > "$d/pytest.log" 2>&1 || rc=$?
       tail -15 "$d/pytest.log" ;;
     issue4)
-      SKIP_TESTS=1 OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 \
+      SKIP_TESTS=1 SKIP_CODEC=1 OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 \
         || rc=$?
       sed -n '/=== summary ===/,$p' "$d/run.log" ;;
     hf)

@@ -1,5 +1,6 @@
 """benchmarks/run_lanes.py: run_all.sh's stage list parses, and the schedule places every stage exactly once,
 PCIe-bound stages only on the GPUs allowed them, the same way in every call."""
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +18,17 @@ def test_run_all_stages_parse():
     assert all(s.minutes > 0 for s in stages)
     assert {s.name for s in stages if s.pcie} >= {"glm-air", "sweep-mixtral-24-paged", "hf-offload"}
     assert not any(s.pcie for s in stages if s.name in ("codec", "gputests", "sweep-qwen3-139-resident"))
-    assert {s.name for s in stages if s.owed} >= {"gputests", "sweep-mixtral-w4-resident,paged,paged+lossless"}
-    assert not any(s.owed for s in stages if s.name in ("glm-air", "hf-offload", "sweep-mixtral-64-paged"))
+    # [owed] marks what docs/benchmarks.md lacks, so the set changes with the results: parsed, not fixed here
+    text = subprocess.run(["bash", str(run_lanes.RUN_ALL), "list"], capture_output=True, text=True).stdout
+    marked = {line.split()[0] for line in text.splitlines() if "[owed]" in line.split("|")[0]}
+    assert {s.name for s in stages if s.owed} == marked
+
+
+def test_owed_stages_are_scheduled_first():
+    stages = [run_lanes.Stage("a", 5.0, False, False), run_lanes.Stage("b", 1.0, False, True),
+              run_lanes.Stage("c", 3.0, False, False)]
+    bins, left_out = run_lanes.schedule(stages, 1, 1, [0], budget_min=4.0)
+    assert [s.name for s in bins[0][0]] == ["b", "c"] and [s.name for s in left_out] == ["a"]
 
 
 @pytest.mark.parametrize("gpus,calls,pcie", [(4, 2, [0, 1, 2, 3]), (8, 1, [0, 2, 4, 6]), (1, 3, [0]), (2, 2, [1])])
