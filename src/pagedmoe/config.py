@@ -92,7 +92,7 @@ class EngineConfig:
                                         "step write every expert into the compute buffer, then bf16 GEMMs), "
                                         "direct (steps of up to 512 tokens multiply the experts where they are, "
                                         "dequantising tiles in registers; longer prefill chunks dequantise) or "
-                                        "auto (direct for static-fp8/int8 on CUDA, where it measured 2.2-3.7x "
+                                        "auto (direct for static fp8/int8/int4 on CUDA, where it measured 1.1-2.5x "
                                         "faster per MoE layer; dequant otherwise)",
                                 _QUANTIZED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
