@@ -207,8 +207,8 @@ def main():
                 if not ok:
                     res["failures"].append(f"variant {v} not bit-exact")
                 fn = lambda i: lossless_decode(cts[i % 2], outs[i % 2], **kw)  # noqa: E731
-                ts = cuda_time(fn, 24)[4:]
-                tb = cuda_time_back_to_back(fn, 10, 7)[1:]
+                ts = cuda_time(fn, 24)[4:] if DEV == "cuda" else cuda_time(fn, 2)
+                tb = cuda_time_back_to_back(fn, 10, 7)[1:] if DEV == "cuda" else cuda_time_back_to_back(fn, 1, 2)
                 t, tc = statistics.median(tb), statistics.median(ts)
                 v.update(decode_s=t, decode_tb_s=2 * n / t / 1e12, spread=(max(tb) - min(tb)) / t,
                          per_call_s=tc, per_call_tb_s=2 * n / tc / 1e12, hbm_floor_tb_s=2 * n / floor / 1e12)
@@ -231,7 +231,7 @@ def main():
         kw = dict(short_bits=best["short_bits"], num_warps=best["num_warps"], unroll=best["unroll"],
                   table_dtype=getattr(torch, best["table"]))
         res["size_sweep"] = []
-        for m in (1 << 20, 4 << 20, 16 << 20, 64 << 20):
+        for m in (1 << 20, 4 << 20, 16 << 20, 64 << 20) if DEV == "cuda" else (1 << 20,):
             m = min(m, n)
             copies = max(2, min(100, -(-(400 << 20) // (4 * m))))  # > 400 MB touched per rotation
             copies = copies if DEV == "cuda" else 2
@@ -240,8 +240,8 @@ def main():
             for i in range(copies):
                 lossless_decode(cts[i], o[i], **kw)
             fn = lambda i: lossless_decode(cts[i % copies], o[i % copies], **kw)  # noqa: E731
-            tc = statistics.median(cuda_time(fn, 30)[5:])
-            t = statistics.median(cuda_time_back_to_back(fn, 20, 6)[1:])
+            tc = statistics.median(cuda_time(fn, 30)[5:] if DEV == "cuda" else cuda_time(fn, 1))
+            t = statistics.median(cuda_time_back_to_back(fn, 20, 6)[1:] if DEV == "cuda" else cuda_time_back_to_back(fn, 1, 1))
             res["size_sweep"].append({"numel": m, "decode_s": t, "decode_tb_s": 2 * m / t / 1e12,
                                       "per_call_s": tc, "per_call_tb_s": 2 * m / tc / 1e12})
             log(f"best variant, {m / 2**20:.0f} Mi weights per call: {t * 1e6:.1f} us back to back "

@@ -164,3 +164,25 @@ def test_gpu_constant_and_single_exponent():
     b = ((r & 0x80) << 8) | (0x70 << 7) | (r & 0x7F)
     x = torch.where(b >= 32768, b - 65536, b).to(torch.int16).view(torch.bfloat16)
     decode_check(x, 1, LosslessLayout(512, 64, 12))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark (run_all.sh codec)")
+def test_bench_codec_script_runs_on_cpu(tmp_path):
+    """benchmarks/bench_codec.py's logic in the interpreter on 100k weights: the awkward-input checks, every
+    variant it times checked bit-exact first, the size sweep and the encoder line, and its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "benchmarks/bench_codec.py", "--device", "cpu", "--quick", "--numel",
+                           "100000", "--encode-shape", "2,64,128", "--out", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "bench_codec.json").read_text())
+    assert res["failures"] == []
+    assert len(res["variants"]) >= 2 and all(v["bit_exact"] for v in res["variants"])
+    assert res["encode"]["bit_exact"] and len(res["size_sweep"]) == 1
+    assert proc.stdout.count("check ") == 4
