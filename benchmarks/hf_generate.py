@@ -45,10 +45,12 @@ def main() -> None:
     model.eval()
     build_s = time.perf_counter() - t0
     ids = torch.randint(10, cfg.vocab_size, (args.batch, args.input_len), device=dev)
+    mask = torch.ones_like(ids)  # no padding: every prompt is input_len tokens
     kw = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-              pad_token_id=0)
+              pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
-        model.generate(ids[:, :16], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(ids[:, :16], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0,
+                       attention_mask=mask[:, :16])
         _sync(dev)
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
