@@ -399,7 +399,7 @@ def run(args) -> int:
     hf_config = load_hf_config(path)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    dtype_bytes = torch.empty(0, dtype=resolve_dtype(args.dtype, device, hf_config)).element_size()
+    dtype_bytes = resolve_dtype(args.dtype, device, hf_config).itemsize
     shape = ModelShape.from_hf_config(hf_config, dtype_bytes=dtype_bytes)
     budgets = [(text, parse_budget(text, shape.weight_bytes)) for text in args.budgets]
     # Every point's config up front: a flag error stops the sweep before any engine is built.

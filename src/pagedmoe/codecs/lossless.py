@@ -78,6 +78,10 @@ class LosslessLayout:
         return 4
 
 
+# The device arrays of a CompressedTensor, in its field order (docs/formats.md, "Arrays").
+ARRAYS = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
+
+
 @dataclass
 class CompressedTensor:
     """One bf16 tensor in the lossless format. All tensors live on the same device."""

@@ -18,12 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedmoe.codecs import huffman
-from pagedmoe.codecs.lossless import (FORMAT_NAME, FORMAT_VERSION, CompressedTensor, CorruptCheckpointError,
-                                      LosslessLayout, compute_checksums, verify)
+from pagedmoe.codecs.lossless import (ARRAYS, FORMAT_NAME, FORMAT_VERSION, CompressedTensor,
+                                      CorruptCheckpointError, LosslessLayout, compute_checksums, verify)
 
 METADATA_KEY = "pagedmoe.lossless"
 SUFFIX = ".lx."
-ARRAYS = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
 
 
 def _header(ct: CompressedTensor) -> dict:

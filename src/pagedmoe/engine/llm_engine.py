@@ -174,7 +174,7 @@ class LLMEngine:
                                  "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
                                  "(give --num-compressed-experts)")
             return ("resident", None, None) if placement == "auto" else ("paged", [0] * num_moe, None)
-        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
+        dtype_bytes = self.dtype.itemsize
         shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
         act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
                                         dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
@@ -226,7 +226,7 @@ class LLMEngine:
         limit = self._host_budget() if num_host > 0 else None
         if limit is None:
             return
-        shape = ModelShape.from_model_dims(dims, spec, torch.empty(0, dtype=self.dtype).element_size())
+        shape = ModelShape.from_model_dims(dims, spec, self.dtype.itemsize)
         placement = Placement.uniform(num_moe, dims.num_experts, num_gpu, num_comp,
                                       LOSSLESS_PLANNING_RATIO if num_comp else 0.0)
         buffers = "plain" if self.device.type != "cuda" or self.config.expert_buffers == "plain" else "vmm"
@@ -269,7 +269,7 @@ class LLMEngine:
         useful = c.max_num_seqs * blocks_per_seq
         act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
                                         dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
-                                        torch.empty(0, dtype=self.dtype).element_size())
+                                        self.dtype.itemsize)
         if c.num_kv_blocks is not None:
             budget = weight_bytes + act + c.num_kv_blocks * per_block
             return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len,

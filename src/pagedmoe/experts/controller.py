@@ -33,6 +33,23 @@ PRIOR_REL_ERROR = {"fp8": 0.025, "int8": 0.004, "int4": 0.07}
 _EXACT_RUNG = np.array([p in EXACT for p in LADDER])     # by ladder index
 
 
+def _take_greedy(sizes: list[int], limit: int, enough: float = math.inf) -> list[int]:
+    """Indices of `sizes` (in ranked order) taken greedily while their sum stays within `limit`, skipping any
+    that would pass it, until the sum reaches `enough`."""
+    take, total = [], 0
+    smallest = min(sizes, default=0)
+    for j, size in enumerate(sizes):
+        if total >= enough:
+            break
+        if total + size > limit:
+            if limit - total < smallest:
+                break           # nothing left fits under the limit: the rest would all be skipped
+            continue
+        take.append(j)
+        total += size
+    return take
+
+
 @dataclass(frozen=True)
 class Watermarks:
     """On free KV blocks: once free drops below `low`, demote (over as many steps as the per-step cap
@@ -194,19 +211,7 @@ class PressureController:
         # demote_rank = (lossy, -saved_per_cost, last access, key); lexsort's last key is the primary
         order = np.lexsort((self._key_rank[idx], last, -saved_per_cost, lossy))
         idx, src, dst, delta = idx[order], src[order], dst[order], delta[order]
-        take, freed, changed = [], 0, 0
-        saved = (-delta).tolist()
-        smallest = min(saved, default=0)
-        for j, s in enumerate(saved):
-            if freed >= need_bytes:
-                break
-            if changed + s > self.max_bytes_per_step:
-                if self.max_bytes_per_step - changed < smallest:
-                    break           # nothing left fits under the cap: the rest would all be skipped
-                continue
-            take.append(j)
-            freed += s
-            changed += s
+        take = _take_greedy((-delta).tolist(), self.max_bytes_per_step, need_bytes)
         return self._moves(idx[take], src[take], dst[take], delta[take])
 
     def _promote(self, room_bytes: int, last_access) -> list[Move]:
@@ -226,17 +231,7 @@ class PressureController:
         idx, src, dst, delta = idx[order], src[order], dst[order], delta[order]
         # NOTE: promotion takes memory from the KV cache; the cap and the room both bound it, so a
         # promotion never pushes free blocks below the midpoint (no demote/promote oscillation).
-        limit = min(room_bytes, self.max_bytes_per_step)
-        take, used = [], 0
-        grow = delta.tolist()
-        smallest = min(grow, default=0)
-        for j, d in enumerate(grow):
-            if used + d > limit:
-                if limit - used < smallest:
-                    break           # nothing left fits: the rest would all be skipped
-                continue
-            take.append(j)
-            used += d
+        take = _take_greedy(delta.tolist(), min(room_bytes, self.max_bytes_per_step))
         return self._moves(idx[take], src[take], dst[take], delta[take])
 
     def applied(self, moves: Iterable[Move]) -> None:

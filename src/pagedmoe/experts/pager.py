@@ -121,7 +121,7 @@ class ExpertPager:
                                  for c, he in zip(self._copies, self._host_experts)]
         # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
         self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
-        elem = torch.empty(0, dtype=store.dtype).element_size()
+        elem = store.dtype.itemsize
         self._decoded_per_layer = [(store.table.count(layer, COMPRESSED)
                                     + sum(view.num_parts for _, view, _ in self._host_experts[layer]))
                                    * store.expert_numel * elem for layer in range(self.num_layers)]
@@ -281,13 +281,14 @@ class ExpertPager:
         for dst, src, from_host in self._copies[layer]:
             if not (from_host and self._skip_host):
                 dst.copy_(src, non_blocking=self.cuda)
-        for arrays, view, rows in self._host_experts[layer]:
-            if not self._skip_host:
-                for src, dst in arrays:
-                    dst.copy_(src, non_blocking=self.cuda)
+        if self._host_experts[layer]:
             from pagedmoe.kernels.lossless_decode import decode_runs
 
-            decode_runs(view, [(0, view.num_parts, rows)])
+            for arrays, view, rows in self._host_experts[layer]:
+                if not self._skip_host:
+                    for src, dst in arrays:
+                        dst.copy_(src, non_blocking=self.cuda)
+                decode_runs(view, [(0, view.num_parts, rows)])
 
     def _fill_on_device(self, layer: int) -> None:
         """The part of the fill from GPU tiers (on CUDA, the decode stream, beside the copies): lossless
@@ -324,7 +325,7 @@ class ExpertPager:
             return
         if dyn is not None:
             v = dyn.versions[layer]
-            elem = torch.empty(0, dtype=self.store.dtype).element_size()
+            elem = self.store.dtype.itemsize
             n_exact, n_lossless = len(v.exact_ids), sum(ct.num_parts for _, ct in v.lossless)
             one = self.store.expert_numel * elem
             self.stats.bytes_d2d += n_exact * one

@@ -215,7 +215,7 @@ class DynamicExperts:
     def bytes_per_rung(self) -> dict[str, int]:
         from pagedmoe.codecs.quant import LOSSY_PRECISIONS, expert_bytes
 
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         out = {"bf16": self.numel * elem}   # "bf16": the exact rung, in the model dtype
         if self.lossless:
             out["lossless"] = self.lossless_rung_bytes()

@@ -85,7 +85,7 @@ class ExpertStore:
                  host_compression: str = "none") -> None:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
-        elem = torch.empty(0, dtype=dtype).element_size()
+        elem = dtype.itemsize
         self.expert_numel = 3 * inter * hidden
         self.stride = expert_stride(hidden, inter, elem, stride_align_bytes)
         self.row_bytes = self.stride * elem
@@ -254,12 +254,11 @@ class ExpertStore:
 
     def _build_host_staging(self) -> None:
         """Once every host layer is encoded: the device staging slots and each group's views into its slot."""
-        from pagedmoe.codecs.lossless import CompressedTensor
+        from pagedmoe.codecs.lossless import ARRAYS as names, CompressedTensor
 
         experts = [ct for cts in self.host_compressed if cts for ct in cts]   # groups of experts
         if not experts:
             return
-        names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
         # NOTE: the k-th host group of the model decodes from slot k % HOST_STAGING_SLOTS; its copies follow
         # the decode of the group before it in that slot on the same copy stream, so the slot is free.
         staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in experts),
@@ -386,9 +385,8 @@ def _to_host(parts: list, pin: bool) -> list:
     """One layer's CompressedTensors (its host groups) with their arrays moved to host memory: one (pinned,
     when `pin`) tensor per array kind for the whole layer, each group a view of it (a few registrations per
     layer, not five per group)."""
-    from pagedmoe.codecs.lossless import CompressedTensor
+    from pagedmoe.codecs.lossless import ARRAYS as names, CompressedTensor
 
-    names = ("stream", "part_word_offsets", "block_bit_offsets", "lane_bits", "raw")
     arrays: list[dict] = [{} for _ in parts]
     for name in names:
         src = [getattr(p, name) for p in parts]

@@ -7,7 +7,7 @@ import torch
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype) -> int:
     """K and V, every layer, one block."""
-    elem = torch.empty(0, dtype=dtype).element_size()
+    elem = dtype.itemsize
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
