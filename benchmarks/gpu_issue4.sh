@@ -2,7 +2,8 @@
 # GPU fast path (issue 4) in one device call (< 10 min): GPU tests (engine, paging, fused MoE),
 # fused-MoE kernel bench, lossless codec bench, Mixtral decode step vs HBM floor at B = 1/16/64/256,
 # offline throughput 1024 x (512 in / 512 out) for Mixtral-8x7B and Qwen3-30B-A3B shapes.
-# Results under $OUT; a summary prints last.
+# Results under $OUT; a summary prints last. Knobs: SKIP_TESTS, SKIP_KERNEL_BENCH, SKIP_CODEC, SKIP_LATENCY,
+# THROUGHPUT_MODELS (" ": none), NUM_PROMPTS, MOE_BACKEND, TEST_TIMEOUT.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,13 +28,14 @@ if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
     tail -12 "$OUT/bench_codec.log" | tee -a "$S"
   fi
 fi
-for BACKEND in $MOE; do
+LATENCY_BACKENDS=$MOE; [ -n "${SKIP_LATENCY:-}" ] && LATENCY_BACKENDS=""
+for BACKEND in $LATENCY_BACKENDS; do
   timeout 150 python -m pagedmoe.cli bench latency $M --load-format dummy --batch-size 1 16 64 256 \
     --input-len 1024 --output-len 16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384 \
     --expert-placement resident --moe-backend $BACKEND --output-json "$OUT/latency_mixtral_$BACKEND.json" 2>&1 \
     | grep -E "^Batch|rror" | sed "s/^/[$BACKEND] /" | tee -a "$S"
 done
-# Throughput with whichever expert backend had the faster batch-64 decode step above.
+# Throughput with whichever expert backend had the faster batch-64 decode step above (auto without them).
 BEST=$(python - "$OUT" $MOE <<'PY'
 import json, sys
 out, backends = sys.argv[1], sys.argv[2:]

@@ -40,29 +40,32 @@ Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 # stage -> "expected device time [pcie] | what it reproduces": [pcie] streams experts (or offloads) over
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
-  [gputests]="~1.2 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
-  [issue4]="~5 min | fused-MoE and quick codec benches; Mixtral decode step vs HBM floor (latency table); offline throughput table (benchmarks/gpu_issue4.sh, its GPU tests left to the gputests stage)"
-  [hf]="~0.7 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
-  [hf-offload]="~5 min [pcie] | HF generate with accelerate offload at 24 and 64 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
-  [codec]="~1 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
-  [dequant]="~1.2 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
-  [attention]="~0.5 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
-  [dynamic]="~2.7 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
+  [gputests]="~1 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
+  [latency]="~2 min | fused-MoE kernel bench; Mixtral decode step vs HBM floor at B = 1/16/64/256 (latency table; benchmarks/gpu_issue4.sh)"
+  [throughput-mixtral]="~2.8 min | offline throughput table, 1024 prompts of 512 in / 512 out, resident Mixtral-8x7B (benchmarks/gpu_issue4.sh)"
+  [throughput-qwen3]="~2 min | the same for Qwen3-30B-A3B"
+  [hf]="~0.6 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
+  [hf-offload-24]="~3 min [pcie] | HF generate with accelerate offload at 24 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
+  [hf-offload-64]="~1.6 min [pcie] | the same at 64 GiB"
+  [codec]="~0.5 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
+  [dequant]="~1.8 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
+  [attention]="~0.4 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
+  [dynamic]="~1.9 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
-  [serve-paged]="~3.5 min [pcie] | serving table, paged N=64 row"
-  [glm-air]="~7 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
-  [sweep-mixtral-24-paged]="~2.5 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
-  [sweep-mixtral-24-paged+host-lossless]="~2.1 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-64-paged]="~2.8 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
+  [serve-paged]="~2.8 min [pcie] | serving table, paged N=64 row"
+  [glm-air]="~5.5 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
+  [sweep-mixtral-24-paged]="~2.4 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
+  [sweep-mixtral-24-paged+host-lossless]="~2 min [pcie] | the same with the host tier held compressed"
+  [sweep-mixtral-64-paged]="~3 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
   [sweep-mixtral-64-paged+host-lossless]="~2.7 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-w4-resident,paged,paged+lossless]="~2 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
+  [sweep-mixtral-w4-resident,paged,paged+lossless]="~1.7 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
   [sweep-mixtral-139-resident]="~1.5 min | sweep Mixtral-8x7B at 139 GiB"
   [sweep-qwen3-24-paged,paged+host-lossless]="~4 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
-  [sweep-qwen3-64-resident,paged,paged+lossless]="~2.8 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
-  [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.6 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
+  [sweep-qwen3-64-resident,paged,paged+lossless]="~2.9 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
+  [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.5 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~0.8 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
-ORDER=(gputests issue4 hf hf-offload codec dequant attention dynamic serve-resident serve-paged glm-air
+ORDER=(gputests latency throughput-mixtral throughput-qwen3 hf hf-offload-24 hf-offload-64 codec dequant attention dynamic serve-resident serve-paged glm-air
        sweep-mixtral-24-paged sweep-mixtral-24-paged+host-lossless sweep-mixtral-64-paged
        sweep-mixtral-64-paged+host-lossless sweep-mixtral-w4-resident,paged,paged+lossless sweep-mixtral-139-resident
        sweep-qwen3-24-paged,paged+host-lossless sweep-qwen3-64-resident,paged,paged+lossless
@@ -122,20 +125,22 @@ run_stage() {  # $1 = stage
     gputests)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pytest -q -n 8 -m gpu tests > "$d/pytest.log" 2>&1 || rc=$?
       tail -15 "$d/pytest.log" ;;
-    issue4)
-      SKIP_TESTS=1 SKIP_CODEC=1 OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 \
-        || rc=$?
+    latency|throughput-*)  # gpu_issue4.sh in parts (its GPU tests are the gputests stage's, its codec bench codec's)
+      local skip=(THROUGHPUT_MODELS=" ")
+      [ "$s" = throughput-mixtral ] && skip=(SKIP_LATENCY=1 SKIP_KERNEL_BENCH=1 THROUGHPUT_MODELS=$M)
+      [ "$s" = throughput-qwen3 ] && skip=(SKIP_LATENCY=1 SKIP_KERNEL_BENCH=1 THROUGHPUT_MODELS=$Q)
+      env SKIP_TESTS=1 SKIP_CODEC=1 "${skip[@]}" OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" \
+        bash benchmarks/gpu_issue4.sh > "$d/run.log" 2>&1 || rc=$?
       sed -n '/=== summary ===/,$p' "$d/run.log" ;;
     hf)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/hf_generate.py $M --batch 32 --input-len 512 \
         --output-len 32 --output-json "$d/hf_generate_mixtral.json" 2>&1 | tee "$d/hf_generate.log" | tail -3 \
         || rc=$? ;;
-    hf-offload)
-      for gib in 24 64; do
-        timeout --kill-after=15 $((STAGE_TIMEOUT / 2)) python benchmarks/hf_generate.py $M --batch 8 --input-len 512 \
-          --output-len 8 --gpu-memory-gb $gib --output-json "$d/hf_offload_mixtral_${gib}.json" 2>&1 \
-          | tee "$d/hf_offload_${gib}.log" | tail -2 || rc=$?
-      done ;;
+    hf-offload-*)
+      local gib=${s#hf-offload-}
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/hf_generate.py $M --batch 8 --input-len 512 \
+        --output-len 8 --gpu-memory-gb "$gib" --output-json "$d/hf_offload_mixtral_${gib}.json" 2>&1 \
+        | tee "$d/hf_offload_${gib}.log" | tail -2 || rc=$? ;;
     codec)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --numel 268435456 --out "$d" > "$d/bench_codec.log" 2>&1 \
         || rc=$?

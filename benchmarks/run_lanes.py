@@ -1,25 +1,28 @@
 """Run benchmarks/run_all.sh's stages on every GPU of one machine at once: one lane per GPU.
 
-Every figure of docs/benchmarks.md takes ~75 GPU-minutes (`bash benchmarks/run_all.sh list`), more than
+Every figure of docs/benchmarks.md takes ~50 GPU-minutes (`bash benchmarks/run_all.sh list`), more than
 the 30 minutes of device time a session has on one GPU. On a machine with several GPUs the stages run
-side by side, each pinned to one GPU (CUDA_VISIBLE_DEVICES), the whole set split into CALLS device
-calls of at most BUDGET seconds each (the device tool's limit is 10 minutes a call):
+side by side, each pinned to one GPU (CUDA_VISIBLE_DEVICES), over as many device calls of at most
+BUDGET seconds as they need (the device tool's limit is 10 minutes a call). Every call is the same
+command; the first (--call 1) starts a new series, later ones run what the earlier ones left:
 
-    # the first call probes host->device bandwidth and prints the schedule with the flags for the rest
-    run(kind="nvidia-h200-x4", command="python benchmarks/run_lanes.py --calls 2 --call 1")
-    run(command="python benchmarks/run_lanes.py --calls 2 --call 2 --pcie-gpus <as call 1 printed>")
-    python benchmarks/run_lanes.py --gpus 4 --calls 2 --pcie-gpus 0,1,2,3 --dry-run   # CPU: the schedule only
+    run(kind="nvidia-h200-x2", carry=[".whl"], command="python benchmarks/run_lanes.py --call 1 --budget-s 540")
+    run(command="python benchmarks/run_lanes.py --call 2 --budget-s 540")   # ... until it prints "all done"
+    python benchmarks/run_lanes.py --gpus 2 --calls 3 --budget-s 540 --dry-run   # CPU: the expected plan
 
-Scheduling: stages marked [owed] (not yet measured) first, each group longest first, onto the (call, GPU)
-bin with the least work so far that still has room in the call's budget; stages no bin has room for are
-named, for a later call (--stages ...). Stages marked
-[pcie] (expert streaming over PCIe, accelerate offload) only go to GPUs that keep >= 90% of their solo
-host->device rate while every GPU copies at once (benchmarks/h2d_probe.py), so their numbers are not
-shared-link numbers; each point also records the rate its own copies ran at. Serve stages get their
-own port, every engine a host-memory share (HOST_MEMORY_GB: a machine whose memory grows on demand
-reports too little MemAvailable at start). A stage that cannot finish before the call's deadline is
-not started; the schedule says which. Results: the stages' folders (run_all.sh's layout) in one
-archive, $OUT/lanes-call<K>.tgz, and $OUT/lanes-call<K>.txt (schedule, probe, each stage's exit and time).
+Scheduling is a queue: whenever a GPU is free it takes the longest stage left (stages marked [owed], not
+yet measured, before the rest) that it may run and whose expected time fits before the call's deadline;
+a stage still running at the deadline is cut (STAGE_TIMEOUT) so the call returns whole. What each call
+ran is kept in a state file (--state, under /tmp: a warm machine keeps /tmp between calls), so the next
+call takes up the rest; a fresh machine has none, and then a later call refuses to guess (--stages names
+what is left). Stages marked [pcie] (expert streaming over PCIe, accelerate offload) only go to GPUs that
+keep >= 90% of their solo host->device rate while every GPU copies at once (benchmarks/h2d_probe.py, run
+by the first call), so their numbers are not shared-link numbers; each point also records the rate its own
+copies ran at. Serve stages get their own port, every engine a host-memory share (HOST_MEMORY_GB: a
+machine whose memory grows on demand reports too little MemAvailable at start). Results: the stages'
+folders (run_all.sh's layout) in one archive per call, $OUT/lanes-call<K>.tgz (rewritten after every
+stage, so a call cut short still returns what finished), and $OUT/lanes-call<K>.txt (plan, probe, each
+stage's exit and time).
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_ALL = ROOT / "benchmarks" / "run_all.sh"
+RUN_ALL = Path(os.environ.get("RUN_ALL", ROOT / "benchmarks" / "run_all.sh"))
+START_S = 20        # the runner's own start (and the probe's) before the first stage, in the plan
+CUT_MARGIN_S = 15   # a stage is cut this long before the call's deadline, so the archive gets written
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Stage:
     name: str
     minutes: float
     pcie: bool
-    owed: bool = False   # measures what docs/benchmarks.md does not hold yet: scheduled first
+    owed: bool = False   # measures what docs/benchmarks.md does not hold yet: taken first
 
 
 def list_stages() -> list[Stage]:
@@ -59,65 +64,113 @@ def list_stages() -> list[Stage]:
     return out
 
 
-def schedule(stages: list[Stage], gpus: int, calls: int, pcie_gpus: list[int],
-             budget_min: float = float("inf")) -> tuple[list[list[list[Stage]]], list[Stage]]:
-    """([call][gpu] -> stages, the stages left out). Owed stages first, each group longest first, each
-    stage onto the least loaded bin it may use (PCIe-bound stages only on `pcie_gpus`) whose expected work
-    stays within `budget_min`; a stage no bin has room for is left out (for a later call). Ties go to the
-    earlier call and the lower GPU, so every call computes the same plan from the same inputs."""
+def pick(left: list[Stage], gpu: int, pcie_gpus: list[int], seconds_left: float) -> Stage | None:
+    """The stage a free GPU takes next: owed first, then the longest, among those it may run (PCIe-bound
+    only on `pcie_gpus`) that are expected to finish in `seconds_left`. Ties: run_all.sh's order."""
+    fits = [s for s in left if (not s.pcie or gpu in pcie_gpus) and s.minutes * 60 <= seconds_left]
+    return min(fits, key=lambda s: (not s.owed, -s.minutes), default=None)
+
+
+def plan(stages: list[Stage], gpus: int, calls: int, pcie_gpus: list[int], budget_s: float
+         ) -> tuple[list[list[list[Stage]]], list[Stage]]:
+    """What the queue does if every stage takes its expected time: ([call][gpu] -> stages, stages left for
+    later calls). Each call, the GPU whose clock is earliest picks next (lowest GPU on ties)."""
     if any(s.pcie for s in stages) and not pcie_gpus:
         raise ValueError("PCIe-bound stages but no GPU may run them (--pcie-gpus)")
-    bins = [[[] for _ in range(gpus)] for _ in range(calls)]
-    load = {(c, g): 0.0 for c in range(calls) for g in range(gpus)}
-    left_out = []
-    for s in sorted(stages, key=lambda s: (not s.owed, -s.minutes)):
-        allowed = [k for k in load if (not s.pcie or k[1] in pcie_gpus) and load[k] + s.minutes <= budget_min]
-        if not allowed:
-            left_out.append(s)
-            continue
-        c, g = min(allowed, key=lambda k: (load[k], k))
-        bins[c][g].append(s)
-        load[(c, g)] += s.minutes
-    return bins, left_out
+    left = list(stages)
+    bins = []
+    for _ in range(calls):
+        lanes: list[list[Stage]] = [[] for _ in range(gpus)]
+        clock = {g: float(START_S) for g in range(gpus)}
+        while clock:
+            g = min(clock, key=lambda k: (clock[k], k))
+            s = pick(left, g, pcie_gpus, budget_s - CUT_MARGIN_S - clock[g])
+            if s is None:
+                del clock[g]
+                continue
+            left.remove(s)
+            lanes[g].append(s)
+            clock[g] += s.minutes * 60
+        bins.append(lanes)
+    return bins, left
 
 
-def describe(bins, budget_s: float) -> str:
-    lines = []
-    for c, call in enumerate(bins, 1):
-        for g, lane in enumerate(call):
-            total = sum(s.minutes for s in lane)
-            flag = "  OVER the call's budget" if total * 60 > budget_s else ""
-            lines.append(f"call {c} GPU {g}: {total:4.1f} min{flag}: " + ", ".join(s.name for s in lane))
-    return "\n".join(lines)
+def describe(bins) -> str:
+    return "\n".join(f"call {c} GPU {g}: {sum(s.minutes for s in lane):4.1f} min: "
+                     + ", ".join(s.name for s in lane)
+                     for c, call in enumerate(bins, 1) for g, lane in enumerate(call))
 
 
-def run_lane(gpu: int, lane: list[Stage], work: Path, deadline: float, host_gb: float, log: list) -> None:
-    for s in lane:
-        left = deadline - time.time()
-        if s.minutes * 60 > left:
-            log.append((gpu, s.name, "not started: not enough time left", 0.0))
-            continue
+class Queue:
+    """The stages left, shared by the lanes of one call; records what ran in the state file."""
+
+    def __init__(self, left: list[Stage], pcie_gpus: list[int], deadline: float, state: dict, state_path: Path,
+                 archive) -> None:
+        self.left, self.pcie, self.deadline = list(left), pcie_gpus, deadline
+        self.state, self.state_path, self.archive = state, state_path, archive
+        self.lock = threading.Lock()
+
+    def take(self, gpu: int) -> Stage | None:
+        with self.lock:
+            s = pick(self.left, gpu, self.pcie, self.deadline - CUT_MARGIN_S - time.time())
+            if s is not None:
+                self.left.remove(s)
+            return s
+
+    def finished(self, gpu: int, s: Stage, rc: int, secs: float, deadline_cut_s: int | None) -> None:
+        """Record a stage's end. One cut at the call's deadline (`deadline_cut_s`, its STAGE_TIMEOUT when
+        that came from the deadline) is left for the next call."""
+        with self.lock:
+            cut = deadline_cut_s is not None and rc in (124, 137) and secs >= deadline_cut_s - 2
+            record = {"call": self.state["call"], "gpu": gpu, "seconds": round(secs, 1),
+                      "status": "cut at the call's deadline: left for the next call" if cut else f"exit {rc}"}
+            self.state["cut" if cut else "ran"][s.name] = record
+            save_state(self.state_path, self.state)
+            self.archive()
+
+
+def run_lane(gpu: int, queue: Queue, work: Path, host_gb: float) -> None:
+    while (s := queue.take(gpu)) is not None:
+        # run_all.sh's `timeout --kill-after=15` may take 15 s more for a stage that ignores SIGTERM
+        by_deadline = int(max(1, queue.deadline - CUT_MARGIN_S - time.time() - 10))
+        hung = int(s.minutes * 60 * 1.6 + 60)   # far past its expected time: a hang, not a cut
+        timeout_s = min(by_deadline, hung)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), OUT=str(work), PORT=str(8000 + gpu),
-                   HOST_MEMORY_GB=f"{host_gb:g}", STAGE_TIMEOUT=str(int(min(left - 15, s.minutes * 60 * 1.6 + 60))))
+                   HOST_MEMORY_GB=f"{host_gb:g}", STAGE_TIMEOUT=str(timeout_s))
         t0 = time.time()
         with open(work / f"lane{gpu}.log", "a") as f:
             rc = subprocess.run(["bash", str(RUN_ALL), s.name], env=env, stdout=f, stderr=subprocess.STDOUT,
                                 cwd=ROOT).returncode
-        log.append((gpu, s.name, f"exit {rc}", time.time() - t0))
+        queue.finished(gpu, s, rc, time.time() - t0, by_deadline if by_deadline <= hung else None)
+
+
+def load_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(path)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all this machine has)")
-    ap.add_argument("--calls", type=int, default=2, help="device calls the stages are split into")
-    ap.add_argument("--call", type=int, default=1, help="which of them this is (1-based)")
+    ap.add_argument("--call", type=int, default=1,
+                    help="1 starts a new series; K > 1 runs what calls 1..K-1 left (read from --state)")
+    ap.add_argument("--calls", type=int, default=3, help="--dry-run: how many calls to plan")
     ap.add_argument("--budget-s", type=float, default=540, help="seconds this call may run stages for")
     ap.add_argument("--pcie-gpus", default=None, help="GPUs that may run PCIe-bound stages, e.g. 0,2 "
-                    "(default: probe; give later calls what the first printed)")
+                    "(default: the first call probes; later calls reuse what it found)")
     ap.add_argument("--stages", nargs="*", default=None, help="a subset of run_all.sh's stages (default: all)")
     ap.add_argument("--host-memory-gb", type=float, default=100, help="host tier limit per engine")
     ap.add_argument("--work", default="/tmp/lanes", help="where stages write before the archive")
-    ap.add_argument("--dry-run", action="store_true", help="print the schedule and stop (no GPU needed)")
+    ap.add_argument("--state", default="/tmp/lanes-state.json", help="what earlier calls of the series ran")
+    ap.add_argument("--dry-run", action="store_true", help="print the expected plan and stop (no GPU needed)")
     args = ap.parse_args()
     t_start = time.time()
     stages = list_stages()
@@ -127,8 +180,20 @@ def main() -> int:
         if missing:
             sys.exit(f"unknown stages {missing}; `bash benchmarks/run_all.sh list` names them")
         stages = [known[n] for n in args.stages]
-    if not 1 <= args.call <= args.calls:
-        sys.exit(f"--call must be in 1..{args.calls}")
+    state_path = Path(args.state)
+    if args.dry_run or args.call == 1:
+        state = {"call": args.call, "ran": {}, "cut": {}, "pcie_gpus": None, "stages": [s.name for s in stages]}
+    else:
+        state = load_state(state_path)
+        if state is None:
+            sys.exit(f"--call {args.call}: no state from earlier calls in {state_path} (a fresh machine?); "
+                     f"start a new series with --call 1, or give --stages for what is left")
+        if args.stages is None:
+            names = set(state.get("stages", []))
+            stages = [s for s in stages if s.name in names]
+        state["call"] = args.call
+        state["cut"] = {}
+    stages = [s for s in stages if s.name not in state["ran"]]
     # NOTE: this process never touches CUDA (nvidia-smi counts, the probe runs in a child): a context held
     # here would take GPU memory from the stages, whose budgets go up to the whole device.
     gpus = args.gpus
@@ -136,61 +201,70 @@ def main() -> int:
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
         gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
         if gpus < 1:
-            sys.exit("no GPU: give --gpus N with --dry-run to see the schedule")
-    probe = None
+            sys.exit("no GPU: give --gpus N with --dry-run to see the plan")
+    work = Path(args.work)
     if not args.dry_run:
         # NOTE: a warm machine keeps /tmp between calls: start empty, so this call's archive holds only its
         # own stages
-        shutil.rmtree(args.work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    probe = None
     if args.pcie_gpus is not None:
         pcie = [int(x) for x in args.pcie_gpus.split(",") if x != ""]
+    elif state.get("pcie_gpus") is not None:
+        pcie = state["pcie_gpus"]
     elif args.dry_run:
         pcie = list(range(gpus))
     else:
-        probe_json = Path(args.work) / "h2d_probe.json"
-        probe_json.parent.mkdir(parents=True, exist_ok=True)
+        probe_json = work / "h2d_probe.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h2d_probe.py"), "--json", str(probe_json)],
                        check=True)
         probe = json.loads(probe_json.read_text())
         pcie = [g for g in range(gpus) if probe["together_gb_per_s"][g] >= 0.9 * probe["solo_gb_per_s"][g]]
         if not pcie:  # every link is shared: one PCIe-bound stage at a time, on GPU 0
             pcie = [0]
-    # the expected minutes are rounded estimates: pack to the call's budget less the runner's own start
-    bins, left_out = schedule(stages, gpus, args.calls, pcie, (args.budget_s - 20) / 60)
-    header = (f"{len(stages)} stages, {sum(s.minutes for s in stages):.0f} GPU-minutes expected, {gpus} GPUs, "
-              f"{args.calls} calls of {args.budget_s:.0f} s; PCIe-bound stages on GPUs {pcie}\n"
-              f"later calls: --calls {args.calls} --pcie-gpus {','.join(map(str, pcie))} --gpus {gpus}\n"
-              + describe(bins, args.budget_s)
-              + (f"\nleft out (no room; run them later with --stages): {' '.join(s.name for s in left_out)}"
-                 if left_out else ""))
+    state["pcie_gpus"] = pcie
+    bins, later = plan(stages, gpus, args.calls if args.dry_run else 1, pcie, args.budget_s)
+    header = (f"call {args.call}: {len(stages)} stages left, {sum(s.minutes for s in stages):.0f} GPU-minutes "
+              f"expected, {gpus} GPUs, {args.budget_s:.0f} s a call; PCIe-bound stages on GPUs {pcie}\n"
+              + ("expected plan:\n" if args.dry_run else "expected this call:\n") + describe(bins)
+              + (f"\nleft for later calls: {' '.join(s.name for s in later)}" if later else ""))
     print(header, flush=True)
     if args.dry_run:
         return 0
     out = Path(os.environ.get("OUT", "out"))
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    deadline = t_start + args.budget_s
-    log: list = []
-    lanes = bins[args.call - 1]
-    threads = [threading.Thread(target=run_lane, args=(g, lane, work, deadline, args.host_memory_gb, log))
-               for g, lane in enumerate(lanes) if lane]
+    report_path = out / f"lanes-call{args.call}.txt"
+
+    tail: list[str] = []
+
+    def report() -> str:
+        lines = [header, ""] + (["h2d probe: " + json.dumps(probe)] if probe is not None else [])
+        records = [(r["gpu"], name, r) for kind in ("ran", "cut") for name, r in state[kind].items()
+                   if r["call"] == args.call]
+        lines += [f"GPU {g}: {name}: {r['status']} ({r['seconds']:.0f} s)" for g, name, r in sorted(records)]
+        return "\n".join(lines + tail) + "\n"
+
+    def archive() -> None:
+        report_path.write_text(report())
+        shutil.copy(report_path, work / report_path.name)
+        with tarfile.open(out / f"lanes-call{args.call}.tgz", "w:gz") as tar:
+            tar.add(work, arcname=f"call{args.call}")
+
+    save_state(state_path, state)
+    queue = Queue(stages, pcie, t_start + args.budget_s, state, state_path, archive)
+    threads = [threading.Thread(target=run_lane, args=(g, queue, work, args.host_memory_gb)) for g in range(gpus)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    report = [header, ""]
-    if probe is not None:
-        report.append("h2d probe: " + json.dumps(probe))
-    report += [f"GPU {g}: {name}: {status} ({secs:.0f} s)" for g, name, status, secs in sorted(log)]
-    report.append(f"call {args.call} of {args.calls}: {time.time() - t_start:.0f} s")
-    text = "\n".join(report) + "\n"
-    (work / f"lanes-call{args.call}.txt").write_text(text)
-    (out / f"lanes-call{args.call}.txt").write_text(text)
-    with tarfile.open(out / f"lanes-call{args.call}.tgz", "w:gz") as tar:
-        tar.add(work, arcname=f"call{args.call}")
-    print(text)
-    return 0 if all(status == "exit 0" for _, _, status, _ in log) else 1
+    left = [s.name for s in stages if s.name not in state["ran"]]
+    tail.append(f"call {args.call}: {time.time() - t_start:.0f} s; "
+                + (f"left for the next call (--call {args.call + 1}): {' '.join(left)}" if left else "all done"))
+    archive()
+    print(report(), end="")
+    ran = [r for r in state["ran"].values() if r["call"] == args.call]
+    return 0 if all(r["status"] == "exit 0" for r in ran) else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""benchmarks/run_lanes.py: run_all.sh's stage list parses, and the schedule places every stage exactly once,
-PCIe-bound stages only on the GPUs allowed them, the same way in every call."""
+"""benchmarks/run_lanes.py: run_all.sh's stage list parses; the queue's plan places every stage once, PCIe-bound
+stages only on the GPUs allowed them; live calls against a stand-in run_all.sh share one queue across calls."""
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +14,9 @@ def test_run_all_stages_parse():
     stages = run_lanes.list_stages()
     names = [s.name for s in stages]
     assert len(names) == len(set(names)) >= 15
-    assert {"gputests", "glm-air", "serve-paged", "sweep-mixtral-w4-resident,paged,paged+lossless"} <= set(names)
+    assert {"gputests", "glm-air", "serve-paged", "latency", "throughput-mixtral", "hf-offload-24", "sweep-mixtral-w4-resident,paged,paged+lossless"} <= set(names)
     assert all(s.minutes > 0 for s in stages)
-    assert {s.name for s in stages if s.pcie} >= {"glm-air", "sweep-mixtral-24-paged", "hf-offload"}
+    assert {s.name for s in stages if s.pcie} >= {"glm-air", "sweep-mixtral-24-paged", "hf-offload-24", "hf-offload-64"}
     assert not any(s.pcie for s in stages if s.name in ("codec", "gputests", "sweep-qwen3-139-resident"))
     # [owed] marks what docs/benchmarks.md lacks, so the set changes with the results: parsed, not fixed here
     text = subprocess.run(["bash", str(run_lanes.RUN_ALL), "list"], capture_output=True, text=True).stdout
@@ -24,44 +24,113 @@ def test_run_all_stages_parse():
     assert {s.name for s in stages if s.owed} == marked
 
 
-def test_owed_stages_are_scheduled_first():
-    stages = [run_lanes.Stage("a", 5.0, False, False), run_lanes.Stage("b", 1.0, False, True),
-              run_lanes.Stage("c", 3.0, False, False)]
-    bins, left_out = run_lanes.schedule(stages, 1, 1, [0], budget_min=4.0)
-    assert [s.name for s in bins[0][0]] == ["b", "c"] and [s.name for s in left_out] == ["a"]
+def test_pick_takes_owed_then_longest_that_fits_and_may_run_here():
+    stages = [run_lanes.Stage("a", 5.0, False), run_lanes.Stage("b", 1.0, False, True),
+              run_lanes.Stage("c", 3.0, False), run_lanes.Stage("p", 4.0, True)]
+    assert run_lanes.pick(stages, 0, [0], 600).name == "b"      # owed first
+    rest = [s for s in stages if not s.owed]
+    assert run_lanes.pick(rest, 0, [0], 600).name == "a"        # then the longest
+    assert run_lanes.pick(rest, 0, [0], 270).name == "p"        # a (300 s) does not fit
+    assert run_lanes.pick(rest, 1, [0], 270).name == "c"        # GPU 1 may not stream over PCIe
+    assert run_lanes.pick(rest, 0, [0], 100) is None
+
+
+def test_plan_runs_owed_first_and_keeps_each_call_within_its_budget():
+    stages = [run_lanes.Stage("a", 5.0, False), run_lanes.Stage("b", 1.0, False, True),
+              run_lanes.Stage("c", 3.0, False)]
+    bins, later = run_lanes.plan(stages, 1, 1, [0], 4 * 60 + run_lanes.START_S + run_lanes.CUT_MARGIN_S)
+    assert [s.name for s in bins[0][0]] == ["b", "c"] and [s.name for s in later] == ["a"]
 
 
 @pytest.mark.parametrize("gpus,calls,pcie", [(4, 2, [0, 1, 2, 3]), (8, 1, [0, 2, 4, 6]), (1, 3, [0]), (2, 2, [1])])
-def test_schedule_places_each_stage_once_pcie_where_allowed(gpus, calls, pcie):
+def test_plan_places_each_stage_once_pcie_where_allowed(gpus, calls, pcie):
     stages = run_lanes.list_stages()
-    bins, left_out = run_lanes.schedule(stages, gpus, calls, pcie)
-    assert left_out == []   # no budget: everything placed
+    budget_s = 3600 * 4
+    bins, later = run_lanes.plan(stages, gpus, calls, pcie, budget_s)
+    assert later == []
     placed = [(c, g, s) for c, call in enumerate(bins) for g, lane in enumerate(call) for s in lane]
     assert sorted(s.name for _, _, s in placed) == sorted(s.name for s in stages)
     assert all(g in pcie for _, g, s in placed if s.pcie)
-    assert (bins, left_out) == run_lanes.schedule(stages, gpus, calls, pcie)   # every call: the same plan
-    loads = [sum(s.minutes for s in lane) for call in bins for lane in call]
-    longest = max(s.minutes for s in stages)
-    # LPT: no bin exceeds the average by more than the longest stage (among bins any stage may use)
+    assert (bins, later) == run_lanes.plan(stages, gpus, calls, pcie, budget_s)   # deterministic
+    loads = [sum(s.minutes for s in lane) for lane in bins[0]]
+    # longest first onto the earliest free GPU: no GPU ends later than the average by more than the longest
     if len(pcie) == gpus:
-        assert max(loads) <= sum(loads) / len(loads) + longest
+        assert max(loads) <= sum(loads) / len(loads) + max(s.minutes for s in stages)
 
 
-def test_schedule_keeps_each_bin_within_the_budget_owed_stages_first():
+def test_plan_of_the_real_stages_fits_each_call():
     stages = run_lanes.list_stages()
-    budget = 8.5
-    bins, left_out = run_lanes.schedule(stages, 2, 2, [0, 1], budget)
-    assert all(sum(s.minutes for s in lane) <= budget for call in bins for lane in call)
+    budget_s = 545
+    bins, later = run_lanes.plan(stages, 2, 3, [0, 1], budget_s)
+    room = (budget_s - run_lanes.START_S - run_lanes.CUT_MARGIN_S) / 60
+    assert all(sum(s.minutes for s in lane) <= room for call in bins for lane in call)
     placed = [s for call in bins for lane in call for s in lane]
-    assert sorted(s.name for s in placed + left_out) == sorted(s.name for s in stages) and left_out
-    # a stage is left out only if it could not fit where an owed stage could: owed ones go first
-    owed_out = [s for s in left_out if s.owed]
-    assert not owed_out or all(s.owed for s in placed)
+    assert sorted(s.name for s in placed + later) == sorted(s.name for s in stages)
 
 
-def test_schedule_refuses_pcie_stages_without_pcie_gpus():
+def test_plan_refuses_pcie_stages_without_pcie_gpus():
     with pytest.raises(ValueError, match="--pcie-gpus"):
-        run_lanes.schedule(run_lanes.list_stages(), 2, 1, [])
+        run_lanes.plan(run_lanes.list_stages(), 2, 1, [], 540)
+
+
+FAKE_RUN_ALL = r"""#!/usr/bin/env bash
+# a stand-in for run_all.sh: `list`, and a stage that records its GPU and sleeps
+case $1 in
+  list) cat <<'LIST'
+big        ~0.2 min | long
+pcie       ~0.1 min [pcie] | streams
+small      ~0.05 min | short
+huge       ~0.35 min | too long for the first call
+slow       ~0.01 min | runs into the deadline the first time
+LIST
+  ;;
+  *) mkdir -p "$OUT/$1"; echo "gpu=$CUDA_VISIBLE_DEVICES timeout=$STAGE_TIMEOUT" > "$OUT/$1/ran.txt"
+     if [ "$1" = slow ] && [ ! -e "$MARK" ]; then touch "$MARK"; timeout "$STAGE_TIMEOUT" sleep 300; exit $?; fi
+     sleep 0.2 ;;
+esac
+"""
+
+
+def test_lanes_run_a_series_of_calls_from_one_queue(tmp_path):
+    """Live runs against a stand-in run_all.sh: two lanes share the queue; what does not fit waits for the
+    next call, a stage cut at the deadline is run again there, and each call's archive holds its stages."""
+    import json
+    import os
+    import tarfile
+
+    fake = tmp_path / "run_all.sh"
+    fake.write_text(FAKE_RUN_ALL)
+    env = dict(os.environ, RUN_ALL=str(fake), MARK=str(tmp_path / "mark"))
+
+    def call(k, budget, out):
+        return subprocess.run([sys.executable, str(Path(run_lanes.__file__)), "--gpus", "2", "--pcie-gpus", "1",
+                               "--call", str(k), "--budget-s", str(budget), "--work", str(tmp_path / "work"),
+                               "--state", str(tmp_path / "state.json")],
+                              env=dict(env, OUT=str(out)), capture_output=True, text=True, timeout=120)
+
+    first = call(1, 32, tmp_path / "out1")
+    assert "left for the next call (--call 2)" in first.stdout, first.stdout + first.stderr
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert set(state["ran"]) == {"big", "pcie", "small"} and set(state["cut"]) == {"slow"}
+    assert state["ran"]["pcie"]["gpu"] == 1
+    with tarfile.open(tmp_path / "out1" / "lanes-call1.tgz") as tar:
+        names = tar.getnames()
+    assert {"call1/big/ran.txt", "call1/pcie/ran.txt", "call1/lanes-call1.txt"} <= set(names)
+    assert "call1/huge/ran.txt" not in names
+    assert "slow: cut at the call's deadline" in (tmp_path / "out1" / "lanes-call1.txt").read_text()
+
+    second = call(2, 45, tmp_path / "out2")
+    assert second.returncode == 0 and "all done" in second.stdout, second.stdout + second.stderr
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert {k: v["call"] for k, v in state["ran"].items()} == {"big": 1, "pcie": 1, "small": 1, "huge": 2,
+                                                               "slow": 2}
+    with tarfile.open(tmp_path / "out2" / "lanes-call2.tgz") as tar:
+        assert {"call2/huge/ran.txt", "call2/slow/ran.txt"} <= set(tar.getnames())
+        assert "call2/big/ran.txt" not in tar.getnames()
+
+    lost = subprocess.run([sys.executable, str(Path(run_lanes.__file__)), "--gpus", "2", "--call", "3",
+                           "--state", str(tmp_path / "none.json")], env=env, capture_output=True, text=True)
+    assert lost.returncode != 0 and "no state from earlier calls" in lost.stderr
 
 
 def test_run_all_sweep_stage_runs_its_budgets_and_placements(tmp_path):
