@@ -42,7 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RUN_ALL = Path(os.environ.get("RUN_ALL", ROOT / "benchmarks" / "run_all.sh"))
 START_S = 20        # the runner's own start (and the probe's) before the first stage, in the plan
-CUT_MARGIN_S = 15   # a stage is cut this long before the call's deadline, so the archive gets written
+# a stage is cut this long before the call's deadline: run_all.sh's `timeout --kill-after=15` may take 15 s
+# more for a stage that ignores SIGTERM, and the archive must still be written
+CUT_MARGIN_S = 30
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,7 @@ class Queue:
 
 def run_lane(gpu: int, queue: Queue, work: Path, host_gb: float) -> None:
     while (s := queue.take(gpu)) is not None:
-        # run_all.sh's `timeout --kill-after=15` may take 15 s more for a stage that ignores SIGTERM
-        by_deadline = int(max(1, queue.deadline - CUT_MARGIN_S - time.time() - 10))
+        by_deadline = int(max(1, queue.deadline - CUT_MARGIN_S - time.time()))
         hung = int(s.minutes * 60 * 1.6 + 60)   # far past its expected time: a hang, not a cut
         timeout_s = min(by_deadline, hung)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), OUT=str(work), PORT=str(8000 + gpu),

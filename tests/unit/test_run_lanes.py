@@ -24,6 +24,14 @@ def test_run_all_stages_parse():
     assert {s.name for s in stages if s.owed} == marked
 
 
+def test_run_all_exits_with_the_stage_status(tmp_path):
+    """run_lanes.py tells a stage cut at its deadline (124) from a failure by run_all.sh's exit status."""
+    import os
+    proc = subprocess.run(["bash", str(run_lanes.RUN_ALL), "no-such-stage"], capture_output=True, text=True,
+                          env=dict(os.environ, OUT=str(tmp_path)))
+    assert proc.returncode == 2 and "unknown stage no-such-stage" in proc.stdout
+
+
 def test_pick_takes_owed_then_longest_that_fits_and_may_run_here():
     stages = [run_lanes.Stage("a", 5.0, False), run_lanes.Stage("b", 1.0, False, True),
               run_lanes.Stage("c", 3.0, False), run_lanes.Stage("p", 4.0, True)]
@@ -108,7 +116,7 @@ def test_lanes_run_a_series_of_calls_from_one_queue(tmp_path):
                                "--state", str(tmp_path / "state.json")],
                               env=dict(env, OUT=str(out)), capture_output=True, text=True, timeout=120)
 
-    first = call(1, 32, tmp_path / "out1")
+    first = call(1, 47, tmp_path / "out1")
     assert "left for the next call (--call 2)" in first.stdout, first.stdout + first.stderr
     state = json.loads((tmp_path / "state.json").read_text())
     assert set(state["ran"]) == {"big", "pcie", "small"} and set(state["cut"]) == {"slow"}
@@ -119,7 +127,7 @@ def test_lanes_run_a_series_of_calls_from_one_queue(tmp_path):
     assert "call1/huge/ran.txt" not in names
     assert "slow: cut at the call's deadline" in (tmp_path / "out1" / "lanes-call1.txt").read_text()
 
-    second = call(2, 45, tmp_path / "out2")
+    second = call(2, 60, tmp_path / "out2")
     assert second.returncode == 0 and "all done" in second.stdout, second.stdout + second.stderr
     state = json.loads((tmp_path / "state.json").read_text())
     assert {k: v["call"] for k, v in state["ran"].items()} == {"big": 1, "pcie": 1, "small": 1, "huge": 2,
