@@ -36,6 +36,7 @@ OUT=${OUT:-out}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560}
 M=${MIXTRAL_MODEL:-benchmarks/configs/mixtral-8x7b}   # overridable for a dry run of the script on CPU
 Q=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b}
+G=${GLM_MODEL:-benchmarks/configs/glm-4.5-air}
 
 # stage -> "expected device time [pcie] | what it reproduces": [pcie] streams experts (or offloads) over
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
@@ -165,14 +166,11 @@ run_stage() {  # $1 = stage
       OUT="$d" timeout --kill-after=15 "$STAGE_TIMEOUT" bash benchmarks/bench_serve.sh paged-n64 \
         --expert-placement paged --num-gpu-experts 64 $HOST_FLAG || rc=$? ;;
     glm-air)
-      # The first try at 139 GiB without expandable segments ran out of memory to fragmentation (docs/benchmarks.md).
-      # shellcheck disable=SC2086
-      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} timeout --kill-after=15 \
-        "$STAGE_TIMEOUT" python -m pagedmoe.cli bench sweep benchmarks/configs/glm-4.5-air --load-format dummy \
-        --budgets 136 --placements paged+lossless --host-memory-gb "${HOST_MEMORY_GB:-100}" --input-len 1024 \
-        --output-len 1024 --steady-decode-steps 32 --max-model-len 2048 --max-num-seqs 256 \
-        --max-num-batched-tokens 8192 --output-dir "$d" > "$d/sweep.log" 2>&1 || rc=$?
-      sed -n '/^budget GiB/,$p' "$d/sweep.log" ;;
+      # The sweep's workload (before 88b5abf this stage left --num-prompts at the sweep's default, 64, which
+      # capped the batch at 64 of the 141 sequences the KV cache holds). The first try at 139 GiB without
+      # expandable segments ran out of memory to fragmentation (docs/benchmarks.md).
+      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        HOST_FLAG="--host-memory-gb ${HOST_MEMORY_GB:-100}" sweep "$G" 136 "$d" paged+lossless || rc=$? ;;
     sweep-*)
       # sweep-MODEL-BUDGETS[-PLACEMENTS]: budgets joined by "_" (w4 = weights + 4 GiB), placements by ","
       # (placement names may hold "-" themselves: paged+host-lossless)

@@ -159,3 +159,24 @@ def test_run_all_sweep_stage_runs_its_budgets_and_placements(tmp_path):
     points = json.loads((tmp_path / stage / "sweep.json").read_text())["points"]
     got = {(p["budget_arg"], p["placement"]): p["status"] for p in points}
     assert got == {(b, pl): "ok" for b in ("weights+4", "2") for pl in ("paged", "paged+host-lossless")}
+
+
+def test_run_all_glm_stage_runs_the_sweep_workload(tmp_path):
+    """The glm-air stage goes through the sweeps' own flags (--num-prompts among them: left at the sweep's
+    default, 64, it once capped GLM-4.5-Air's batch at 64 of 141 sequences): on the CPU with the embedded
+    model standing in, the batch is SWEEP_NUM_PROMPTS and the host tier is bounded by HOST_MEMORY_GB."""
+    import json
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OUT=str(tmp_path), GLM_MODEL="src/pagedmoe/default_model", SWEEP_STEADY_STEPS="1",
+               SWEEP_INPUT_LEN="8", SWEEP_OUTPUT_LEN="8", SWEEP_MAX_MODEL_LEN="32", SWEEP_NUM_PROMPTS="3",
+               SWEEP_EXTRA="--dtype bfloat16 --no-plots", PAGEDMOE_NO_PROGRESS="1", HOST_MEMORY_GB="2")
+    proc = subprocess.run(["bash", "benchmarks/run_all.sh", "glm-air"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    sweep = json.loads((tmp_path / "glm-air" / "sweep.json").read_text())
+    (point,) = sweep["points"]
+    assert point["status"] == "ok" and point["placement"] == "paged+lossless"
+    assert point["num_requests"] == 3 and sweep["config"]["num_prompts"] == 3
+    assert sweep["config"]["engine"]["host_memory_gb"] == 2.0

@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -166,8 +165,7 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
     a = _pager_counters(engine.get_stats())
     _warm_up(engine, input_len)
     b = _pager_counters(engine.get_stats())
-    show = os.environ.get("PAGEDMOE_NO_PROGRESS") is None
-    r = run_throughput(engine, num_prompts, input_len, output_len, seed=seed, show_progress=show)
+    r = run_throughput(engine, num_prompts, input_len, output_len, seed=seed)
     c = _pager_counters(engine.get_stats())
     pager = {k: max(0, (c[k] - b[k]) - (b[k] - a[k])) for k in c}
     return {**r, "breakdown": {"prefill_s": r["prefill_time_s"], "decode_s": r["decode_time_s"],

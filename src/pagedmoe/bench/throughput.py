@@ -1,6 +1,7 @@
 """`pagedmoe bench throughput`: offline throughput on random token prompts (vLLM's output line)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", None, params, prompt_token_ids=p)
-    bar = tqdm(total=num_prompts, desc="Throughput", disable=not show_progress)
+    bar = tqdm(total=num_prompts, desc="Throughput",
+               disable=not show_progress or os.environ.get("PAGEDMOE_NO_PROGRESS") is not None)
     num_output = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
