@@ -6,9 +6,11 @@
 #   bash benchmarks/run_all.sh all               # every GPU stage in order (a machine without a call limit)
 #   bash benchmarks/run_all.sh plots DIR [DIR...]  # CPU: merge the sweep.json files under DIRs and redraw
 #
-# The device tool allows 10 minutes per call, and one call cannot hold all of this: run ONE stage per device
-# call (each stage is cut at STAGE_TIMEOUT, default 560 s, to leave room for start-up and copying $OUT back):
-#   run(command="OUT=$OUT bash benchmarks/run_all.sh sweep-mixtral-24")
+# The device tool allows 10 minutes per call, and one call cannot hold all of this: every stage fits one call
+# (each is cut at STAGE_TIMEOUT, default 560 s, to leave room for start-up and copying $OUT back), and
+# benchmarks/run_lanes.py runs them all, one lane per GPU, over as many calls as they need:
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command="python benchmarks/run_lanes.py --call 1 --budget-s 550")
+#   run(command="OUT=$OUT bash benchmarks/run_all.sh sweep-mixtral-24")       # or one stage by hand
 # then, on the CPU machine, `bash benchmarks/run_all.sh plots <the fetched folders>` draws the combined
 # sweep plots into $OUT/plots (copy them to docs/ with the numbers).
 #
@@ -42,28 +44,28 @@ G=${GLM_MODEL:-benchmarks/configs/glm-4.5-air}
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
   [gputests]="~1 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
-  [latency]="~2 min | fused-MoE kernel bench; Mixtral decode step vs HBM floor at B = 1/16/64/256 (latency table; benchmarks/gpu_issue4.sh)"
-  [throughput-mixtral]="~2.8 min | offline throughput table, 1024 prompts of 512 in / 512 out, resident Mixtral-8x7B (benchmarks/gpu_issue4.sh)"
-  [throughput-qwen3]="~2 min | the same for Qwen3-30B-A3B"
-  [hf]="~0.6 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
-  [hf-offload-24]="~3 min [pcie] | HF generate with accelerate offload at 24 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
-  [hf-offload-64]="~1.6 min [pcie] | the same at 64 GiB"
+  [latency]="~1.9 min | fused-MoE kernel bench; Mixtral decode step vs HBM floor at B = 1/16/64/256 (latency table; benchmarks/gpu_issue4.sh)"
+  [throughput-mixtral]="~2.4 min | offline throughput table, 1024 prompts of 512 in / 512 out, resident Mixtral-8x7B (benchmarks/gpu_issue4.sh)"
+  [throughput-qwen3]="~1.9 min | the same for Qwen3-30B-A3B"
+  [hf]="~0.7 min | HF transformers generate on the Mixtral-8x7B shape, batch 32, 512 in / 32 out"
+  [hf-offload-24]="~2.8 min [pcie] | HF generate with accelerate offload at 24 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
+  [hf-offload-64]="~1.2 min [pcie] | the same at 64 GiB"
   [codec]="~0.5 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
-  [dequant]="~1.8 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
+  [dequant]="~0.7 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~0.4 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
-  [dynamic]="~1.9 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
-  [serve-resident]="~1.5 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
-  [serve-paged]="~2.8 min [pcie] | serving table, paged N=64 row"
-  [glm-air]="~5.5 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
-  [sweep-mixtral-24-paged]="~2.4 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
+  [dynamic]="~1.8 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
+  [serve-resident]="~1.2 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
+  [serve-paged]="~3.6 min [pcie] | serving table, paged N=64 row"
+  [glm-air]="~4.4 min [pcie] [owed] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
+  [sweep-mixtral-24-paged]="~2.3 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
   [sweep-mixtral-24-paged+host-lossless]="~2 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-64-paged]="~3 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
-  [sweep-mixtral-64-paged+host-lossless]="~2.7 min [pcie] | the same with the host tier held compressed"
-  [sweep-mixtral-w4-resident,paged,paged+lossless]="~1.7 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
-  [sweep-mixtral-139-resident]="~1.5 min | sweep Mixtral-8x7B at 139 GiB"
-  [sweep-qwen3-24-paged,paged+host-lossless]="~4 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
-  [sweep-qwen3-64-resident,paged,paged+lossless]="~2.9 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
-  [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.5 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
+  [sweep-mixtral-64-paged]="~3.4 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
+  [sweep-mixtral-64-paged+host-lossless]="~2.8 min [pcie] | the same with the host tier held compressed"
+  [sweep-mixtral-w4-resident,paged,paged+lossless]="~1.4 min [pcie] | sweep Mixtral-8x7B at weights + 4 GiB (the headline ratio), with and without the lossless GPU tier"
+  [sweep-mixtral-139-resident]="~0.8 min | sweep Mixtral-8x7B at 139 GiB"
+  [sweep-qwen3-24-paged,paged+host-lossless]="~4.1 min [pcie] | sweep Qwen3-30B-A3B at 24 GiB, host tier raw and compressed"
+  [sweep-qwen3-64-resident,paged,paged+lossless]="~2.6 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
+  [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.4 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~0.8 min | sweep Qwen3-30B-A3B at 139 GiB"
 )
 ORDER=(gputests latency throughput-mixtral throughput-qwen3 hf hf-offload-24 hf-offload-64 codec dequant attention dynamic serve-resident serve-paged glm-air
