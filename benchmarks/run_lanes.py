@@ -120,8 +120,8 @@ class Queue:
             return s
 
     def finished(self, gpu: int, s: Stage, rc: int, secs: float, deadline_cut_s: int | None) -> None:
-        """Record a stage's end. One cut at the call's deadline (`deadline_cut_s`, its STAGE_TIMEOUT when
-        that came from the deadline) is left for the next call."""
+        """Record a stage's end. A stage cut at the call's deadline (`deadline_cut_s`: its STAGE_TIMEOUT, when
+        that came from the deadline) is left for the next call, which runs it from the start."""
         with self.lock:
             cut = deadline_cut_s is not None and rc in (124, 137) and secs >= deadline_cut_s - 2
             record = {"call": self.state["call"], "gpu": gpu, "seconds": round(secs, 1),
