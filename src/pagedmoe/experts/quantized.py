@@ -16,11 +16,13 @@ DynamicExperts builds new versions from the host master and publishes them atomi
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from pagedmoe.codecs.quant import QuantizedTensor, dequantize, quantize
+from pagedmoe.experts.layout import consecutive_runs, expert_views
 
 
 class QuantizedLayer:
@@ -114,8 +116,6 @@ class LayerVersion:
     def __init__(self, exact_ids: Sequence[int], exact_rows: Optional[torch.Tensor],
                  groups: dict[str, QuantizedLayer], hidden: int, inter: int, num_experts: int,
                  lossless: Sequence[tuple[int, object]] = ()) -> None:
-        from pagedmoe.experts.layout import expert_views
-
         self.exact_ids, self.exact_rows, self.groups = list(exact_ids), exact_rows, groups
         self.lossless = list(lossless)
         self.precision = {e: "bf16" for e in self.exact_ids}
@@ -345,8 +345,6 @@ class DynamicExperts:
                              "(not --quantized-gemm direct)")
         from pagedmoe.codecs.lossless import LosslessLayout, encode
 
-        from pagedmoe.experts.layout import consecutive_runs
-
         n = self.numel
         kept = {(e0, ct.num_parts): ct for e0, ct in (old.lossless if old is not None else ())}
         out = []
@@ -385,12 +383,11 @@ class DynamicExperts:
 LOSSY_DIR = "expert-lossy"   # inside the model folder: the checkpoint loader reads top-level files only
 
 
-def offline_forms_of_store(store, precisions, out, device) -> "Path":
+def offline_forms_of_store(store, precisions, out, device) -> Path:
     """Quantise every expert row of `store` (its master rows) at each precision and write
     OUT/expert-lossy/<p>.safetensors ('<layer>.<expert>.<w13|w2>.<data|scales>') and quality.json
     (relative weight error per expert and precision: the compress-time quality cost)."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
@@ -443,8 +440,6 @@ class OfflineForms:
 
     @classmethod
     def open(cls, model_folder, hidden: int, inter: int) -> Optional["OfflineForms"]:
-        from pathlib import Path
-
         folder = Path(model_folder) / LOSSY_DIR
         return cls(folder, hidden, inter) if folder.is_dir() else None
 
