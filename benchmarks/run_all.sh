@@ -56,7 +56,7 @@ declare -A STAGES=(
   [dynamic]="~1.8 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
   [serve-resident]="~1.2 min | serving table, resident row (Qwen3-30B-A3B shape at 60 GiB; benchmarks/bench_serve.sh)"
   [serve-paged]="~3.6 min [pcie] | serving table, paged N=64 row"
-  [glm-air]="~4.4 min [pcie] [owed] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
+  [glm-air]="~4.4 min [pcie] | GLM-4.5-Air shape at 136 GiB, paged + lossless GPU tier, host tier <= HOST_MEMORY_GB (100)"
   [sweep-mixtral-24-paged]="~2.3 min [pcie] | sweep Mixtral-8x7B at 24 GiB (resident does not fit; every expert streams)"
   [sweep-mixtral-24-paged+host-lossless]="~2 min [pcie] | the same with the host tier held compressed"
   [sweep-mixtral-64-paged]="~3.4 min [pcie] | sweep Mixtral-8x7B at 64 GiB (resident does not fit)"
