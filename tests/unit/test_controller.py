@@ -126,6 +126,39 @@ def test_demote_to_a_byte_target():
         mgr.demote_to(100)
 
 
+def test_promotion_waits_for_the_pool_tail_and_a_release_the_device_cannot_map_is_retried():
+    """The pool lends its highest blocks (their memory goes back to the device), so a promotion waits
+    while a request holds one of them; a demotion's blocks come back only once their memory maps again."""
+    from test_block_pool import FakeBacking
+
+    kv, rt, mgr = make(blocks=200)
+    kv.backing = FakeBacking(200, room=0)
+    kv.withhold(0)                                   # the backing follows the pool's tail from here
+    assert kv.backing.mapped == -(-kv.pool.top // 4)
+    kv.allocate("r", (200 - 58 - 5) * 16)            # 5 free < low 20: demote
+    moves = mgr.tick()
+    assert moves and all(m.bytes_delta < 0 for m in moves)
+    # only the blocks of the chunk still mapped come back (142, 143 share chunk 35 with free blocks)
+    assert mgr.withheld == 56 > mgr._blocks_for(mgr.assignment) and kv.pool.top == kv.backing.mapped * 4
+    check_invariant(kv, mgr)
+    kv.backing.room = 10**9
+    mgr.tick()                                       # retried before anything else
+    assert mgr.withheld == mgr._blocks_for(mgr.assignment) < 58
+    check_invariant(kv, mgr)
+    # a request holding the block just below the tail blocks promotions, however many blocks are free
+    kv.free("r")
+    kv.allocate("low", 16 * (kv.pool.top - 1))
+    kv.allocate("tail", 16)
+    assert kv.block_table("tail") == [kv.pool.top - 1]
+    kv.free("low")
+    before = dict(mgr.assignment)
+    assert kv.num_free_blocks > mgr.watermarks.high and mgr.tick() == []
+    assert mgr.assignment == before
+    kv.free("tail")
+    assert all(m.bytes_delta > 0 for m in mgr.tick()) and mgr.assignment != before
+    check_invariant(kv, mgr)
+
+
 def test_precision_metrics_exported():
     """The manager's stats feed Prometheus: changes by direction and KV blocks lent to experts."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -180,6 +180,9 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
     from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT
 
     store, c = engine.expert_store, engine.config
+    if store.dynamic is not None:
+        return {"fits": False, "placement": "dynamic",
+                "error": "not modelled: under dynamic precision the experts' rungs change while it runs"}
     table = store.table
     L, E = table.num_layers, table.num_experts
     if not store.paged:
@@ -274,9 +277,12 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
     engine = None
     t0 = time.perf_counter()
     try:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         engine = LLMEngine(config)
         load_s = time.perf_counter() - t0
         r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed, args.steady_decode_steps)
+        device = device_memory(engine)
         stats, store = engine.get_stats(), engine.expert_store
         point = {"status": "ok", "load_s": load_s, **r,
                  "num_kv_blocks": engine.plan.num_kv_blocks,
@@ -286,6 +292,7 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
                                 "resident_experts": store.resident_bytes / GiB,
                                 "compressed_experts": store.compressed_bytes / GiB,
                                 "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
+                 **({"device_memory_gib": device} if device else {}),
                  "engine_plan": engine.placement_plan.to_dict() if engine.placement_plan is not None else None,
                  "modelled": modelled(engine, shape, budget_bytes, r["num_requests"], args.input_len,
                                       args.output_len, hw)}
@@ -312,7 +319,28 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
         buffers = getattr(getattr(engine, "expert_store", None), "buffers", None)
         if hasattr(buffers, "close"):
             closers.append(buffers.close)
+        kv = getattr(getattr(engine, "runner", None), "kv_backing", None)
+        if kv is not None:
+            closers.append(kv.close)
         engine = None
+
+
+def device_memory(engine) -> dict:
+    """What the device holds after the run (GiB): in use by the process (the driver's count, CUDA context
+    included), torch's peak reservation, and the memory outside torch (VMM expert buffers, KV tensors)."""
+    import torch
+
+    from pagedmoe.engine.memory import GiB
+
+    if engine.device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(engine.device)
+    free, total = torch.cuda.mem_get_info(engine.device)
+    out = {"used_at_end": (total - free) / GiB, "torch_peak_reserved": torch.cuda.max_memory_reserved() / GiB}
+    kv = engine.runner.kv_backing
+    if kv is not None:
+        out["kv_lent_to_experts_at_end"] = kv.lent_bytes / GiB
+    return out
 
 
 def describe(point: dict) -> str:

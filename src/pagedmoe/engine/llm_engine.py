@@ -11,6 +11,7 @@ import torch
 from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.engine.memory import GiB, detect_host_budget_bytes, estimate_activation_bytes, plan_memory
 from pagedmoe.experts.activity import ActivityTable
+from pagedmoe.experts.vmm import available as vmm_available
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.engine.scheduler import Scheduler
@@ -109,7 +110,13 @@ class LLMEngine:
                                   # MLA runs a PyTorch path that reads host copies of the
                                   # sequence lengths: not capturable in a CUDA graph.
                                   enforce_eager=config.enforce_eager or self.model.dims.mla is not None
-                                  or dynamic)  # dynamic precision: graphs would bake old expert versions
+                                  or dynamic,  # dynamic precision: graphs would bake old expert versions
+                                  lendable_kv=dynamic and vmm_available(self.device))
+        self.kv.backing = self.runner.kv_backing   # blocks lent to experts give their memory back
+        if dynamic and self.device.type == "cuda" and self.kv.backing is None:
+            logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
+                           "their memory, so the GPU holds up to the budget plus the experts' bytes above "
+                           "--min-expert-precision")
         self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
         self._start_expert_precision(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -324,22 +324,26 @@ class DynamicPrecisionManager:
         need = self._blocks_for_bytes(total_bytes) - self.withheld
         if need <= 0:
             return True
-        if self.kv.num_free_blocks < need or self.num_blocks - self.withheld - need < self.min_usable_blocks:
+        # the pool lends its highest blocks (their memory goes back to the device): they must be free
+        if not self.kv.can_withhold(need) or self.num_blocks - self.withheld - need < self.min_usable_blocks:
             return False
         self.kv.withhold(need)
         self.withheld += need
         return True
 
     def _release_to(self, total_bytes: int) -> None:
+        """Give back the blocks the experts no longer need. Fewer come back when their memory cannot be
+        mapped yet (torch still caching the experts' old forms); `tick` tries again."""
         extra = self.withheld - self._blocks_for_bytes(total_bytes)
         if extra > 0:
-            self.kv.release(extra)
-            self.withheld -= extra
+            self.withheld -= self.kv.release(extra)
 
     # -- one tick per engine step ----------------------------------------------------------------
     def tick(self) -> list[Move]:
         """Publish a finished build; else read pressure and start new moves. Returns what was published."""
         self.stats.ticks += 1
+        if not self._pending and self.withheld > self._blocks_for(self.controller.assignment):
+            self._release_to(self.controller.total_bytes())     # a release the device could not map before
         if self._pending:
             if not self.runtime.ready():
                 self.stats.builds_waited += 1

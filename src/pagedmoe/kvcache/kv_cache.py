@@ -1,6 +1,10 @@
 """KV cache tensors and how many blocks a budget buys."""
 from __future__ import annotations
 
+import math
+import weakref
+from typing import Optional
+
 import torch
 
 
@@ -17,3 +21,150 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
+
+
+def blocks_per_chunk(num_blocks: int, slice_bytes: int, granularity: int, max_chunks: int = 64) -> int:
+    """Blocks in one lendable chunk of a LendableKVCache tensor: a multiple of the fewest blocks whose bytes
+    in one tensor (`slice_bytes` each) fill whole VMM granules, large enough that a tensor has at most
+    `max_chunks` chunks (so the driver handles stay few; what is lent is rounded down to whole chunks)."""
+    unit = math.lcm(slice_bytes, granularity) // slice_bytes
+    units = max(1, -(-num_blocks // (max_chunks * unit)))
+    return units * unit
+
+
+class _DeviceRange:
+    """__cuda_array_interface__ for torch.as_tensor over a raw range. torch keeps it alive with the tensor,
+    and it keeps `owner` alive: the token whose collection frees the memory (not the cache itself: a
+    reference held inside a tensor is invisible to gc, so a cycle through it would never be freed)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class LendableKVCache:
+    """KV tensors in CUDA virtual memory whose top blocks can give their memory back to the device.
+
+    Each layer's K and V tensor is one reserved range, mapped chunk by chunk (`blocks_per_chunk` blocks a
+    chunk, one driver allocation each). Dynamic precision withholds the pool's highest blocks for expert
+    weights (kvcache/block_pool.py); `set_top(top)` unmaps and frees every chunk that lies wholly at or
+    above `top` in every tensor, so torch can allocate the expert forms from that memory, and maps chunks
+    again (zeroed) when the blocks come back. The tensors' addresses never change; only blocks no request
+    holds are ever unmapped. Without it the lent bytes would sit in the KV tensors *and* in the experts:
+    the physical footprint would pass the budget by everything lent."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_chunks: int = 64) -> None:
+        from pagedmoe.experts import vmm
+
+        cu = vmm._driver()
+        self.device = device
+        self.device_idx = device.index if device.index is not None else torch.cuda.current_device()
+        self.num_blocks = num_blocks
+        self.slice_bytes = block_size * num_kv_heads * head_dim * dtype.itemsize   # one block, one tensor
+        gran = vmm.granularity(device)
+        self.blocks_per_chunk = blocks_per_chunk(num_blocks, self.slice_bytes, gran, max_chunks)
+        self.num_chunks = -(-num_blocks // self.blocks_per_chunk)
+        full = self.blocks_per_chunk * self.slice_bytes
+        last = num_blocks * self.slice_bytes - (self.num_chunks - 1) * full
+        self.chunk_bytes = [full] * (self.num_chunks - 1) + [-(-last // gran) * gran]
+        reserve = sum(self.chunk_bytes)
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device_idx
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = access
+        # what the finalizer frees: reserved ranges, and per chunk the handle of each tensor (None: unmapped)
+        self._ranges: list[tuple[int, int]] = []
+        self._handles: list[Optional[list]] = [None] * self.num_chunks
+        self._memory = _Token()          # held by every tensor over the ranges: freed once all are gone
+        self._finalizer = weakref.finalize(self._memory, _free_lendable, self._ranges, self._handles,
+                                           self.chunk_bytes)
+        self._finalizer.atexit = False   # at exit the driver frees it, and may already be gone
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        for _ in range(2 * num_layers):
+            self._ranges.append((int(vmm._check(cu.cuMemAddressReserve(reserve, gran, 0, 0))), reserve))
+        self.mapped = 0                                  # chunks [0, mapped) are backed by memory
+        if self.set_top(num_blocks) != num_blocks:
+            self.close()
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the KV cache's {num_blocks} blocks "
+                                              f"({reserve * 2 * num_layers / 2**30:.2f} GiB) could not be mapped")
+        tensors = [torch.as_tensor(_DeviceRange(va, num_blocks * self.slice_bytes, self._memory), device=device)
+                   .view(dtype).view(shape) for va, _ in self._ranges]
+        self.caches = list(zip(tensors[0::2], tensors[1::2]))
+
+    @property
+    def lent_bytes(self) -> int:
+        """Device bytes given back: the unmapped chunks of every tensor."""
+        return sum(self.chunk_bytes[self.mapped:]) * len(self._ranges)
+
+    def set_top(self, top: int) -> int:
+        """Back blocks [0, top) with memory and give back every chunk wholly in [top, num_blocks). Returns
+        the top actually backed: less than `top` when the device has no memory for a chunk yet."""
+        want = -(-top // self.blocks_per_chunk)
+        if want < self.mapped:
+            torch.cuda.synchronize(self.device)          # no kernel may still read what is unmapped
+            for c in reversed(range(want, self.mapped)):
+                _unmap_chunk(self._ranges, self._handles, self.chunk_bytes, c)
+            self.mapped = want
+        if want > self.mapped:
+            # what the experts gave up is cached by torch: hand it to the driver, or the chunks would take
+            # new memory and the footprint would pass the budget by it
+            torch.cuda.empty_cache()
+        while self.mapped < want and self._map_chunk(self.mapped):
+            self.mapped += 1
+        return min(top, self.mapped * self.blocks_per_chunk)
+
+    def _map_chunk(self, c: int) -> bool:
+        from pagedmoe.experts import vmm
+
+        cu = vmm._driver()
+        size, offset, handles = self.chunk_bytes[c], c * self.blocks_per_chunk * self.slice_bytes, []
+        for _ in self._ranges:
+            err, handle = cu.cuMemCreate(size, vmm._prop(self.device_idx), 0)
+            if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:   # not yet: what the experts gave up is in use
+                for h in handles:
+                    vmm._check(cu.cuMemRelease(h))
+                return False
+            vmm._check((err, handle))
+            handles.append(handle)
+        for (va, _), h in zip(self._ranges, handles):
+            vmm._check(cu.cuMemMap(va + offset, size, 0, h, 0))
+            vmm._check(cu.cuMemSetAccess(va + offset, size, [self._access], 1))
+            vmm._check(cu.cuMemsetD8(va + offset, 0, size))    # blocks come back zeroed, as allocated
+        self._handles[c] = handles
+        return True
+
+    def close(self) -> None:
+        """Free everything now (the tensors must not be used after)."""
+        torch.cuda.synchronize(self.device)
+        self.caches = []
+        self._finalizer()
+
+
+class _Token:
+    pass
+
+
+def _unmap_chunk(ranges, handles, chunk_bytes, c: int) -> None:
+    from pagedmoe.experts import vmm
+
+    cu = vmm._driver()
+    offset = sum(chunk_bytes[:c])
+    for (va, _), h in zip(ranges, handles[c]):
+        vmm._check(cu.cuMemUnmap(va + offset, chunk_bytes[c]))
+        vmm._check(cu.cuMemRelease(h))
+    handles[c] = None
+
+
+def _free_lendable(ranges, handles, chunk_bytes) -> None:
+    from pagedmoe.experts import vmm
+
+    cu = vmm._driver()
+    for c in range(len(handles)):
+        if handles[c] is not None:
+            _unmap_chunk(ranges, handles, chunk_bytes, c)
+    for va, size in ranges:
+        vmm._check(cu.cuMemAddressFree(va, size))
+    ranges.clear()

@@ -11,7 +11,7 @@ import torch
 
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
-from pagedmoe.kvcache.kv_cache import allocate_kv_cache
+from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
@@ -33,12 +33,17 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
-                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True) -> None:
+                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
+                 lendable_kv: bool = False) -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
-        self.kv_caches = allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                           dims.head_dim, dtype, device)
+        # lendable_kv (dynamic precision on CUDA): the pool's withheld tail gives its memory back to the device
+        self.kv_backing = (LendableKVCache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                           dims.head_dim, dtype, device) if lendable_kv else None)
+        self.kv_caches = (self.kv_backing.caches if lendable_kv else
+                          allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                            dims.head_dim, dtype, device))
         backend = make_attention_backend(attention_backend, device)
         for attn, (k_cache, v_cache) in zip(model.attention_layers(), self.kv_caches):
             attn.k_cache, attn.v_cache, attn.backend = k_cache, v_cache, backend
