@@ -1,4 +1,4 @@
-"""benchmarks/bench_dynamic.py's logic on the default model (8 layers, 8 short requests): the burst preempts
+"""benchmarks/bench_dynamic.py's logic on the default model (4 layers, 8 short requests): the burst preempts
 under the static exact plan and not under dynamic precision, and the steady window's ABBA slices add up to
 the window. A smoke run of the script the GPU session runs (run_all.sh dynamic), not a measurement."""
 import json
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark (run_all.sh dynamic)")
 def test_bench_dynamic_script_runs_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OUT=str(tmp_path), PAGEDMOE_NO_PROGRESS="1",
-               BENCH_DYNAMIC_CONFIG=str(ROOT / "src/pagedmoe/default_model"), BENCH_DYNAMIC_LAYERS="8",
+               BENCH_DYNAMIC_CONFIG=str(ROOT / "src/pagedmoe/default_model"), BENCH_DYNAMIC_LAYERS="4",
                BENCH_DYNAMIC_REQS="8", BENCH_DYNAMIC_PROMPT="64", BENCH_DYNAMIC_OUTPUT="16")
     proc = subprocess.run([sys.executable, "benchmarks/bench_dynamic.py"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -159,26 +159,6 @@ def test_promotion_waits_for_the_pool_tail_and_a_release_the_device_cannot_map_i
     check_invariant(kv, mgr)
 
 
-def test_a_build_rebuilds_at_most_one_layer_of_exact_bytes():
-    """A build holds each touched layer's new version beside the old one: the manager takes the moves of
-    the best-ranked layers whose new versions fit in one layer of exact experts, the rest in later ticks."""
-    kv, rt, mgr = make(blocks=200)
-    assert mgr.max_build_bytes == 4 * BYTES["bf16"]
-    wanted = mgr.controller.demote(6 * (BYTES["bf16"] - BYTES["fp8"]), {})
-    assert len({m.key[0] for m in wanted}) == 2          # the ranking alone spans both layers
-    kv.allocate("r", (200 - 58 - 5) * 16)
-    layers = []
-    while mgr.watermarks.mid > kv.num_free_blocks and len(layers) < 20:
-        moves = mgr.tick()
-        if moves:
-            layers.append({m.key[0] for m in moves})
-            new = [p for (l, e), p in mgr.assignment.items() if l in layers[-1]]
-            assert sum(BYTES[p] for p in new) <= mgr.max_build_bytes
-    # the first build cannot hold two nearly exact layers; later ones take both once they are small enough
-    assert len(layers[0]) == 1 and {l for t in layers for l in t} == {0, 1}
-    check_invariant(kv, mgr)
-
-
 def test_precision_metrics_exported():
     """The manager's stats feed Prometheus: changes by direction and KV blocks lent to experts."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -284,9 +284,6 @@ class DynamicPrecisionManager:
         self.watermarks = Watermarks.from_fractions(low, high, self.num_blocks)
         layer_top = runtime.num_experts * bpr["bf16"]
         self.max_bytes_per_step = max_bytes_per_step or max(layer_top, block_bytes)
-        # a build's new layer versions live beside the old ones until published: at most this many bytes
-        # (the room ExpertStore.dynamic_build_bytes keeps in the budget)
-        self.max_build_bytes = layer_top
         self.stats = ControllerStats()
         self.min_usable_blocks = min_usable_blocks
         # Start as exact as the budget allows while leaving the watermarks' midpoint (and one
@@ -385,7 +382,6 @@ class DynamicPrecisionManager:
     def _start(self, moves: list[Move]) -> list[Move]:
         if not moves:
             return []
-        moves = self._within_one_build(moves)
         new_total = self.controller.total_bytes() + sum(m.bytes_delta for m in moves)
         if any(m.bytes_delta > 0 for m in moves) and not self._withhold_for(total_bytes=new_total):
             moves = [m for m in moves if m.bytes_delta <= 0]   # no room for the promotions now
@@ -394,24 +390,6 @@ class DynamicPrecisionManager:
         self.runtime.build({m.key: m.dst for m in moves})
         self._pending = moves
         return self._publish() if self.runtime.ready() else []
-
-    def _within_one_build(self, moves: list[Move]) -> list[Move]:
-        """The moves of the first-ranked layers whose new versions fit in `max_build_bytes` together (the
-        first layer always): a build rebuilds each layer it touches whole, beside the old version. The
-        controller ranks again next tick, so the other layers' moves come in later builds."""
-        bpr, assignment = self.policy.bytes_per_rung, self.controller.assignment
-        changes: dict[int, dict] = {}
-        for m in moves:
-            changes.setdefault(m.key[0], {})[m.key] = m.dst
-        E = self.runtime.num_experts
-        taken, used = set(), 0
-        for layer, new in changes.items():        # in the order of each layer's best-ranked move
-            size = sum(bpr[new.get((layer, e), assignment[(layer, e)])] for e in range(E))
-            if taken and used + size > self.max_build_bytes:
-                continue
-            taken.add(layer)
-            used += size
-        return [m for m in moves if m.key[0] in taken]
 
     def _publish(self) -> list[Move]:
         moves, self._pending = self._pending, []

@@ -354,18 +354,9 @@ class ExpertStore:
 
     @property
     def dynamic_bytes(self) -> int:
-        """Device bytes of the experts under dynamic precision: the floor every expert is guaranteed, plus
-        room for one build (what the KV cache is sized around; the rest is lent from the KV cache:
-        experts/controller.py)."""
-        return self.dynamic_floor_bytes + self.dynamic_build_bytes if self.dynamic is not None else 0
-
-    @property
-    def dynamic_build_bytes(self) -> int:
-        """A build holds the new versions of the layers it touches beside the old ones until it is
-        published; the DynamicPrecisionManager keeps them within one layer of exact experts."""
-        if self.dynamic is None:
-            return 0
-        return self.dynamic.num_experts * self.dynamic.bytes_per_rung()["bf16"]
+        """Device bytes of the experts under dynamic precision: the floor every expert is guaranteed
+        (what the KV cache is sized around; the rest is lent from the KV cache: experts/controller.py)."""
+        return self.dynamic_floor_bytes if self.dynamic is not None else 0
 
     def enable_dynamic(self, min_precision: str, lossless: bool = True):
         """--expert-precision dynamic: every expert paged from the host tier becomes the master of a
