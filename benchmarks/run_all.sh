@@ -67,8 +67,8 @@ declare -A STAGES=(
   [sweep-qwen3-64-resident,paged,paged+lossless]="~2.6 min [pcie] | sweep Qwen3-30B-A3B at 64 GiB"
   [sweep-qwen3-w4-resident,paged,paged+lossless]="~3.4 min [pcie] | sweep Qwen3-30B-A3B at weights + 4 GiB"
   [sweep-qwen3-139-resident]="~0.8 min | sweep Qwen3-30B-A3B at 139 GiB"
-  [sweep-mixtral-w4_64-dynamic]="~3 min [owed] | sweep Mixtral-8x7B at weights + 4 and 64 GiB under dynamic precision (lossy rungs under KV pressure; the KV memory lent to experts goes back to the device)"
-  [sweep-qwen3-w4_64-dynamic]="~4 min [owed] | the same for Qwen3-30B-A3B"
+  [sweep-mixtral-w4_64-dynamic]="~3 min | sweep Mixtral-8x7B at weights + 4 and 64 GiB under dynamic precision (lossy rungs under KV pressure; the KV memory lent to experts goes back to the device)"
+  [sweep-qwen3-w4_64-dynamic]="~7 min | the same for Qwen3-30B-A3B"
 )
 ORDER=(gputests latency throughput-mixtral throughput-qwen3 hf hf-offload-24 hf-offload-64 codec dequant attention dynamic serve-resident serve-paged glm-air
        sweep-mixtral-24-paged sweep-mixtral-24-paged+host-lossless sweep-mixtral-64-paged
