@@ -82,6 +82,21 @@ def test_steady_state_refuses_a_window_longer_than_the_output(ckpt):
         run_steady_state(engine, input_len=4, output_len=4, decode_steps=8)
 
 
+def test_steady_state_says_why_when_the_fill_outruns_its_plan(ckpt):
+    """A fill slower than planned (here: fewer batched tokens than the plan assumed; on the GPU, a dynamic
+    precision cascade) lets the first sequences finish before the window: the error says so."""
+    from pagedmoe.bench.throughput import run_steady_state
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_model_len=64, num_kv_blocks=40,
+                                    block_size=8, max_num_batched_tokens=64))
+    engine.scheduler.max_num_batched_tokens = 14          # the plan still counts on 64 a step
+    with pytest.raises(RuntimeError, match=r"steady state broken: .* sequences finished early: the fill took "
+                                           r"\d+ steps where 6 were planned"):
+        run_steady_state(engine, input_len=20, output_len=12, decode_steps=4)
+
+
 def test_paged_runs_report_expert_traffic(ckpt, tmp_path, capsys, caplog):
     """Paged placement: LLM.generate logs the pager's traffic at the end of the run, and bench throughput
     prints it and returns the counters of the timed part."""

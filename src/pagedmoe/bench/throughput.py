@@ -113,8 +113,10 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
     for rid, p in zip(ids, random_prompts(n, prompt_len, engine.model.dims.vocab_size, seed)):
         engine.add_request(rid, None, params, prompt_token_ids=p)
     requests = [engine.requests[rid] for rid in ids]
+    fill_done = 0
     while not all(r.output_token_ids for r in requests) and engine.has_unfinished_requests():
         engine.step()
+        fill_done += 1
     fill_s = time.perf_counter() - start
     filled = engine.get_stats()
     window_start = time.perf_counter()
@@ -129,8 +131,12 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
     tokens = after["step_decode_tokens"] - filled["step_decode_tokens"]
     preempted = after["num_preemptions_total"] - before["num_preemptions_total"]
     if steps != decode_steps or tokens != n * decode_steps:
+        early = sum(r.is_finished for r in requests)
+        why = (f"; {early} of the {n} sequences finished early: the fill took {fill_done} steps where "
+               f"{fill_steps} were planned, so the first ones reached their last token (e.g. a dynamic-precision "
+               "cascade slowing admissions)" if early else "")
         raise RuntimeError(f"steady state broken: {steps} decode steps of {tokens} tokens in the window, expected "
-                           f"{decode_steps} of {n} ({preempted} preemptions)")
+                           f"{decode_steps} of {n} ({preempted} preemptions){why}")
     step_s = window_s / decode_steps
     prefill_s = (filled["step_prefill_s"] - before["step_prefill_s"]) * input_len / prompt_len
     projected = n * output_len / (prefill_s + output_len * step_s)
