@@ -342,8 +342,8 @@ class DynamicPrecisionManager:
     def tick(self) -> list[Move]:
         """Publish a finished build; else read pressure and start new moves. Returns what was published."""
         self.stats.ticks += 1
-        if not self._pending and self.withheld > self._blocks_for(self.controller.assignment):
-            self._release_to(self.controller.total_bytes())     # a release the device could not map before
+        if not self._pending:                         # a release the device could not map before
+            self._release_to(self.controller.total_bytes())
         if self._pending:
             if not self.runtime.ready():
                 self.stats.builds_waited += 1

@@ -71,11 +71,32 @@ def available(device: torch.device) -> bool:
 
 
 class _CudaArray:
-    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap a raw device range."""
+    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap a raw device range (bytes). torch
+    keeps this object alive with the tensor, and it keeps `owner` alive: e.g. the token whose collection
+    frees the memory (kvcache/kv_cache.py), which must not be the tensor's own holder (a reference held
+    inside a tensor is invisible to gc, so a cycle through it would never be freed)."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes // 2,), "typestr": "<i2", "data": (ptr, False),
+    def __init__(self, ptr: int, nbytes: int, owner=None) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None}
+
+
+def access_desc(device_idx: int):
+    """Read-write access for the device, as cuMemSetAccess takes it."""
+    cu = _driver()
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device_idx
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return access
+
+
+def map_range(va: int, nbytes: int, handle, access) -> None:
+    """Map a physical allocation (from offset 0) at `va` and make it readable and writable."""
+    cu = _driver()
+    _check(cu.cuMemMap(va, nbytes, 0, handle, 0))
+    _check(cu.cuMemSetAccess(va, nbytes, [access], 1))
 
 
 class VmmExpertBuffers:
@@ -92,11 +113,7 @@ class VmmExpertBuffers:
                              "VMM granularity")
         L, E = table.num_layers, table.num_experts
         self._handles, self._mappings, self._reservations = [], [], []
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device_idx
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = access
+        self._access = access_desc(self.device_idx)
         # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
         # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
         max_streamed = max((E - table.count(l, RESIDENT) for l in range(L)), default=0)
@@ -141,9 +158,7 @@ class VmmExpertBuffers:
         return handle
 
     def _map(self, va: int, handle) -> None:
-        cu = _driver()
-        _check(cu.cuMemMap(va, self.row_bytes, 0, handle, 0))
-        _check(cu.cuMemSetAccess(va, self.row_bytes, [self._access], 1))
+        map_range(va, self.row_bytes, handle, self._access)
         self._mappings.append(va)
 
     def packed(self, layer: int) -> torch.Tensor:

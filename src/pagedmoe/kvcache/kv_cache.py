@@ -32,17 +32,6 @@ def blocks_per_chunk(num_blocks: int, slice_bytes: int, granularity: int, max_ch
     return units * unit
 
 
-class _DeviceRange:
-    """__cuda_array_interface__ for torch.as_tensor over a raw range. torch keeps it alive with the tensor,
-    and it keeps `owner` alive: the token whose collection frees the memory (not the cache itself: a
-    reference held inside a tensor is invisible to gc, so a cycle through it would never be freed)."""
-
-    def __init__(self, ptr: int, nbytes: int, owner) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
 class LendableKVCache:
     """KV tensors in CUDA virtual memory whose top blocks can give their memory back to the device.
 
@@ -70,11 +59,7 @@ class LendableKVCache:
         last = num_blocks * self.slice_bytes - (self.num_chunks - 1) * full
         self.chunk_bytes = [full] * (self.num_chunks - 1) + [-(-last // gran) * gran]
         reserve = sum(self.chunk_bytes)
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device_idx
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = access
+        self._access = vmm.access_desc(self.device_idx)
         # what the finalizer frees: reserved ranges, and per chunk the handle of each tensor (None: unmapped)
         self._ranges: list[tuple[int, int]] = []
         self._handles: list[Optional[list]] = [None] * self.num_chunks
@@ -90,7 +75,7 @@ class LendableKVCache:
             self.close()
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the KV cache's {num_blocks} blocks "
                                               f"({reserve * 2 * num_layers / 2**30:.2f} GiB) could not be mapped")
-        tensors = [torch.as_tensor(_DeviceRange(va, num_blocks * self.slice_bytes, self._memory), device=device)
+        tensors = [torch.as_tensor(vmm._CudaArray(va, num_blocks * self.slice_bytes, self._memory), device=device)
                    .view(dtype).view(shape) for va, _ in self._ranges]
         self.caches = list(zip(tensors[0::2], tensors[1::2]))
 
@@ -120,7 +105,7 @@ class LendableKVCache:
         from pagedmoe.experts import vmm
 
         cu = vmm._driver()
-        size, offset, handles = self.chunk_bytes[c], c * self.blocks_per_chunk * self.slice_bytes, []
+        size, offset, handles = self.chunk_bytes[c], _chunk_offset(self.chunk_bytes, c), []
         for _ in self._ranges:
             err, handle = cu.cuMemCreate(size, vmm._prop(self.device_idx), 0)
             if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:   # not yet: what the experts gave up is in use
@@ -130,8 +115,7 @@ class LendableKVCache:
             vmm._check((err, handle))
             handles.append(handle)
         for (va, _), h in zip(self._ranges, handles):
-            vmm._check(cu.cuMemMap(va + offset, size, 0, h, 0))
-            vmm._check(cu.cuMemSetAccess(va + offset, size, [self._access], 1))
+            vmm.map_range(va + offset, size, h, self._access)
             vmm._check(cu.cuMemsetD8(va + offset, 0, size))    # blocks come back zeroed, as allocated
         self._handles[c] = handles
         return True
@@ -147,11 +131,16 @@ class _Token:
     pass
 
 
+def _chunk_offset(chunk_bytes: list[int], c: int) -> int:
+    """Where chunk c starts in its tensor's range: every chunk but the last is full."""
+    return c * chunk_bytes[0]
+
+
 def _unmap_chunk(ranges, handles, chunk_bytes, c: int) -> None:
     from pagedmoe.experts import vmm
 
     cu = vmm._driver()
-    offset = sum(chunk_bytes[:c])
+    offset = _chunk_offset(chunk_bytes, c)
     for (va, _), h in zip(ranges, handles[c]):
         vmm._check(cu.cuMemUnmap(va + offset, chunk_bytes[c]))
         vmm._check(cu.cuMemRelease(h))
