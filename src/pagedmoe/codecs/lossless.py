@@ -99,6 +99,8 @@ class CompressedTensor:
     checksums: tuple[int, ...] = ()  # crc32 per part over its stored bytes (checksum_parts)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)  # decode tables, launch info
 
+    version = FORMAT_VERSION  # a class attribute, not a field: codecs/tiled.py's TiledTensor says 2
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -349,20 +351,18 @@ def _byte_chunks(t: torch.Tensor):
         yield a, buf.numpy()
 
 
-def compute_checksums(ct: CompressedTensor, max_workers: int = 16) -> tuple[int, ...]:
-    """crc32 per part over its stored bytes (codebook, offsets, lane lengths, codes, raw bytes).
-    Parts run in parallel threads (zlib releases the GIL); arrays on a GPU are read through pinned
+def crc32_parts(head: np.ndarray, num_parts: int, spans, max_workers: int = 16) -> tuple[int, ...]:
+    """crc32 per part: of head, then of each (tensor, [(start, end) bytes of part p]) of spans in order.
+    Parts run in parallel threads (zlib releases the GIL); tensors on a GPU are read through pinned
     staging buffers, a chunk at a time."""
-    head = np.concatenate([ct.code_lengths.numpy(), np.array([ct.fill_exponent], np.uint8)])
-    crcs = [zlib.crc32(head)] * ct.num_parts
-    spans = _part_spans(ct, ct.part_word_offsets.cpu().numpy())
+    crcs = [zlib.crc32(head)] * num_parts
 
     def update(p: int, buf: np.ndarray) -> None:
         crcs[p] = zlib.crc32(buf, crcs[p])
 
-    with ThreadPoolExecutor(min(max_workers, max(1, ct.num_parts))) as pool:
-        for name, ranges in spans:
-            for off, chunk in _byte_chunks(getattr(ct, name)):
+    with ThreadPoolExecutor(min(max_workers, max(1, num_parts))) as pool:
+        for tensor, ranges in spans:
+            for off, chunk in _byte_chunks(tensor):
                 end = off + chunk.size
                 jobs = [pool.submit(update, p, chunk[max(s, off) - off:min(e, end) - off])
                         for p, (s, e) in enumerate(ranges) if s < end and e > off]
@@ -371,11 +371,19 @@ def compute_checksums(ct: CompressedTensor, max_workers: int = 16) -> tuple[int,
     return tuple(crcs)
 
 
-def verify(ct: CompressedTensor, name: str = "tensor") -> None:
-    """Raises CorruptCheckpointError naming the tensor and part (expert) whose bytes changed."""
+def compute_checksums(ct: CompressedTensor, max_workers: int = 16) -> tuple[int, ...]:
+    """crc32 per part over its stored bytes (codebook, offsets, lane lengths, codes, raw bytes)."""
+    head = np.concatenate([ct.code_lengths.numpy(), np.array([ct.fill_exponent], np.uint8)])
+    spans = [(getattr(ct, name), ranges) for name, ranges in _part_spans(ct, ct.part_word_offsets.cpu().numpy())]
+    return crc32_parts(head, ct.num_parts, spans, max_workers)
+
+
+def verify(ct, name: str = "tensor", compute=compute_checksums) -> None:
+    """Raises CorruptCheckpointError naming the tensor and part (expert) whose bytes changed.
+    compute: the checksum function of ct's format version."""
     if len(ct.checksums) != ct.num_parts:
         raise CorruptCheckpointError(f"{name}: {len(ct.checksums)} checksums for {ct.num_parts} parts")
-    for p, (want, got) in enumerate(zip(ct.checksums, compute_checksums(ct))):
+    for p, (want, got) in enumerate(zip(ct.checksums, compute(ct))):
         if want != got:
             raise CorruptCheckpointError(
                 f"{name}: part {p} (expert {p} of a stacked tensor) fails its crc32 "

@@ -5,8 +5,10 @@ File layout (docs/formats.md): for a compressed tensor NAME the file holds
   NAME.lx.lane_bits  uint8 or int16 (by layout)   NAME.lx.raw  uint8
 and ``__metadata__["pagedmoe.lossless"]`` is a JSON object {"format", "version", "tensors":
 {NAME: {shape, dtype, num_parts, lanes, elems_per_lane, max_code_len, code_lengths,
-fill_exponent, checksums}}}. Uncompressed tensors (the backbone) sit beside them under their
-own names. Loading checks every part's crc32 before anything is returned.
+fill_exponent, checksums}}}. Version 2 files (codecs/tiled.py) hold NAME.lx.base, .nibbles,
+.escape_offsets, .escapes, .raw and headers {shape, dtype, num_parts, tile_rows, tile_cols,
+checksums}; a file holds one version. Uncompressed tensors (the backbone) sit beside them under
+their own names. Loading checks every part's crc32 before anything is returned.
 """
 from __future__ import annotations
 
@@ -17,15 +19,29 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedmoe.codecs import huffman
+from pagedmoe.codecs import huffman, tiled
 from pagedmoe.codecs.lossless import (ARRAYS, FORMAT_NAME, FORMAT_VERSION, CompressedTensor,
                                       CorruptCheckpointError, LosslessLayout, compute_checksums, verify)
 
 METADATA_KEY = "pagedmoe.lossless"
 SUFFIX = ".lx."
+VERSIONS = (FORMAT_VERSION, tiled.FORMAT_VERSION)  # the versions this build reads
+ARRAYS_OF = {FORMAT_VERSION: ARRAYS, tiled.FORMAT_VERSION: tiled.ARRAYS}
 
 
-def _header(ct: CompressedTensor) -> dict:
+def check_version(path, info: dict, versions=VERSIONS) -> int:
+    """The file's format version, or one clear error line for a format or version this reader does not take."""
+    fmt, version = info.get("format"), info.get("version")
+    if fmt != FORMAT_NAME or version not in versions:
+        raise CorruptCheckpointError(f"{path}: format {fmt} v{version}, this reader takes {FORMAT_NAME} "
+                                     f"v{' / v'.join(map(str, versions))}")
+    return version
+
+
+def _header(ct) -> dict:
+    if ct.version == tiled.FORMAT_VERSION:
+        return {"shape": list(ct.shape), "dtype": "bfloat16", "num_parts": ct.num_parts,
+                "tile_rows": tiled.TILE_ROWS, "tile_cols": tiled.TILE_COLS, "checksums": list(ct.checksums)}
     lay = ct.layout
     return {"shape": list(ct.shape), "dtype": "bfloat16", "num_parts": ct.num_parts, "lanes": lay.lanes,
             "elems_per_lane": lay.elems_per_lane, "max_code_len": lay.max_code_len,
@@ -33,23 +49,28 @@ def _header(ct: CompressedTensor) -> dict:
             "checksums": list(ct.checksums)}
 
 
-def save_compressed(path: str, tensors: dict[str, CompressedTensor], plain: dict[str, torch.Tensor] | None = None,
+def save_compressed(path: str, tensors: dict, plain: dict[str, torch.Tensor] | None = None,
                     metadata: dict[str, str] | None = None) -> None:
-    """Writes compressed (and optionally plain) tensors to one safetensors file."""
+    """Writes compressed (CompressedTensor: version 1, or TiledTensor: version 2; one version per file) and
+    optionally plain tensors to one safetensors file."""
     out: dict[str, torch.Tensor] = {}
     headers = {}
+    versions = {ct.version for ct in tensors.values()} or {FORMAT_VERSION}
+    if len(versions) > 1:
+        raise ValueError(f"one file holds one format version, got {sorted(versions)}")
+    version = versions.pop()
     for name, ct in tensors.items():
         if not ct.checksums:
-            ct.checksums = compute_checksums(ct)
+            ct.checksums = tiled.compute_checksums(ct) if version == tiled.FORMAT_VERSION else compute_checksums(ct)
         headers[name] = _header(ct)
-        for a in ARRAYS:
+        for a in ARRAYS_OF[version]:
             out[name + SUFFIX + a] = getattr(ct, a).detach().cpu().contiguous()
     for name, t in (plain or {}).items():
         if SUFFIX in name or name in out:
             raise ValueError(f"plain tensor name {name!r} collides with a compressed tensor's arrays")
         out[name] = t.detach().cpu().contiguous()
     meta = dict(metadata or {})
-    meta[METADATA_KEY] = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "tensors": headers})
+    meta[METADATA_KEY] = json.dumps({"format": FORMAT_NAME, "version": version, "tensors": headers})
     save_file(out, path, metadata=meta)
 
 
@@ -58,7 +79,29 @@ def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> Non
         raise CorruptCheckpointError(f"{name}: stored {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
 
 
-def _from_file(f, name: str, h: dict) -> CompressedTensor:
+def _tiled_from_file(f, name: str, h: dict) -> "tiled.TiledTensor":
+    try:
+        shape, num_parts = tuple(int(s) for s in h["shape"]), int(h["num_parts"])
+        if h.get("dtype") != "bfloat16" or (h["tile_rows"], h["tile_cols"]) != (tiled.TILE_ROWS, tiled.TILE_COLS):
+            raise ValueError(f"dtype {h.get('dtype')}, tiles {h['tile_rows']}x{h['tile_cols']} "
+                             f"(this build: bfloat16, {tiled.TILE_ROWS}x{tiled.TILE_COLS})")
+        cols = shape[-1] if shape else 1
+        rows = int(np.prod(shape)) // cols if cols else 0
+        if num_parts < 1 or rows % num_parts:
+            raise ValueError("bad shape or num_parts")
+        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in tiled.ARRAYS}
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{name}: malformed lossless header or missing array ({e})") from e
+    tt = tiled.TiledTensor(shape, num_parts, checksums=tuple(int(c) for c in h["checksums"]), **arrays)
+    tiled.check_arrays(tt, name)  # shapes first: the checksum spans depend on them
+    tiled.verify(tt, name)
+    return tt
+
+
+def _from_file(f, name: str, h: dict, version: int = FORMAT_VERSION):
+    """One compressed tensor of an open file, its arrays checked and its crc32s verified."""
+    if version == tiled.FORMAT_VERSION:
+        return _tiled_from_file(f, name, h)
     try:
         layout = LosslessLayout(h["lanes"], h["elems_per_lane"], h["max_code_len"])
         lengths = np.asarray(h["code_lengths"], dtype=np.int64)
@@ -91,12 +134,13 @@ def _from_file(f, name: str, h: dict) -> CompressedTensor:
     return ct
 
 
-def load_compressed(path: str, device: str | torch.device = "cpu", names: list[str] | None = None
-                    ) -> tuple[dict[str, CompressedTensor], dict[str, torch.Tensor]]:
+def load_compressed(path: str, device: str | torch.device = "cpu", names: list[str] | None = None,
+                    versions=VERSIONS) -> tuple[dict, dict[str, torch.Tensor]]:
     """Reads (compressed, plain) tensors, checking each part's crc32 on the host first.
 
     Raises CorruptCheckpointError naming the tensor and part when the file was altered.
-    names restricts which compressed tensors are read (plain tensors are always read).
+    names restricts which compressed tensors are read (plain tensors are always read). versions: the
+    format versions the caller takes (a reader of one version refuses the other with one line).
     """
     try:
         f = safe_open(path, framework="pt", device="cpu")
@@ -110,11 +154,9 @@ def load_compressed(path: str, device: str | torch.device = "cpu", names: list[s
             info = json.loads(meta[METADATA_KEY])
         except json.JSONDecodeError as e:
             raise CorruptCheckpointError(f"{path}: lossless metadata is not JSON ({e})") from e
-        if info.get("format") != FORMAT_NAME or info.get("version") != FORMAT_VERSION:
-            raise CorruptCheckpointError(f"{path}: format {info.get('format')} v{info.get('version')}, "
-                                         f"this build reads {FORMAT_NAME} v{FORMAT_VERSION}")
+        version = check_version(path, info, versions)
         headers = info["tensors"]
-        compressed = {n: _from_file(f, n, h) for n, h in headers.items() if names is None or n in names}
+        compressed = {n: _from_file(f, n, h, version) for n, h in headers.items() if names is None or n in names}
         plain = {k: f.get_tensor(k) for k in f.keys() if SUFFIX not in k}
     dev = torch.device(device)
     if dev.type != "cpu":

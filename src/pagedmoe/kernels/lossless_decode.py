@@ -111,6 +111,9 @@ def lossless_decode_kernel(
 
 def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
     """Checks ct's arrays once (then cached on ct): (part_size, blocks_per_part)."""
+    if ct.version != 1:
+        raise ValueError(f"lossless_decode reads format version 1; this tensor is version {ct.version} "
+                         f"(tiled: decoded inside the MoE GEMM by kernels/fused_moe_lossless.py)")
     info = ct._cache.get("launch")
     if info is None:
         lay = ct.layout

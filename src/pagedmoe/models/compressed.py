@@ -23,11 +23,11 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from pagedmoe.codecs.lossless import (FORMAT_NAME, FORMAT_VERSION, CompressedTensor, CorruptCheckpointError,
-                                      decode_reference)
+from pagedmoe.codecs import tiled
+from pagedmoe.codecs.lossless import CompressedTensor, CorruptCheckpointError, decode_reference
 # _from_file reads one compressed tensor of an open file and checks its crc32s and offsets;
 # load_compressed would read the whole file (every plain tensor too) for each tensor.
-from pagedmoe.codecs.lossless_io import METADATA_KEY, SUFFIX
+from pagedmoe.codecs.lossless_io import METADATA_KEY, SUFFIX, check_version
 from pagedmoe.codecs.lossless_io import _from_file as read_compressed_tensor
 
 ORIGINAL_KEY = "pagedmoe.original"
@@ -163,8 +163,12 @@ def decode(ct: CompressedTensor, device: Union[str, torch.device] = "cpu", decod
     """A compressed tensor (on the CPU, checksums already checked) -> bf16 on `device`.
 
     decoder: 'reference' (PyTorch), 'triton', or 'auto' (Triton on CUDA, the reference elsewhere).
+    A version 2 (tiled) tensor is decoded by its vectorised PyTorch reference on `device` (its
+    Triton reader is the fused MoE GEMM, kernels/fused_moe_lossless.py).
     """
     device = torch.device(device)
+    if ct.version == tiled.FORMAT_VERSION:
+        return tiled.decode_reference(ct.to(device))
     if decoder == "auto":
         decoder = "triton" if device.type == "cuda" else "reference"
     if decoder == "reference":
@@ -177,17 +181,15 @@ def decode(ct: CompressedTensor, device: Union[str, torch.device] = "cpu", decod
     return lossless_decode(ct, torch.empty(ct.shape, dtype=torch.bfloat16, device=device))
 
 
-def _lossless_headers(path: PathLike, meta: dict) -> dict:
-    """The per-tensor headers of the lossless metadata, after checking its format and version."""
+def _lossless_headers(path: PathLike, meta: dict) -> tuple[int, dict]:
+    """(format version, per-tensor headers) of the lossless metadata, after checking its format and version."""
     try:
         info = json.loads(meta[METADATA_KEY])
-        fmt, version, headers = info.get("format"), info.get("version"), info["tensors"]
+        headers = info["tensors"]
+        info.get("version")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path}: malformed {METADATA_KEY!r} metadata ({e})") from e
-    if fmt != FORMAT_NAME or version != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{path}: format {fmt} v{version}, this build reads "
-                                     f"{FORMAT_NAME} v{FORMAT_VERSION}")
-    return headers
+    return check_version(path, info), headers
 
 
 def _original(path: PathLike, meta: dict) -> Optional[dict]:
@@ -221,7 +223,7 @@ def iter_file_tensors(path: PathLike, device: Union[str, torch.device] = "cpu",
             for name in f.keys():
                 yield name, f.get_tensor(name)
             return
-        headers = _lossless_headers(path, meta)
+        version, headers = _lossless_headers(path, meta)
         original = _original(path, meta)
         if original is not None:
             names = [name for name, _, _ in original["spans"]]
@@ -230,7 +232,7 @@ def iter_file_tensors(path: PathLike, device: Union[str, torch.device] = "cpu",
         for name in names:
             if name in headers:
                 try:
-                    ct = read_compressed_tensor(f, name, headers[name])
+                    ct = read_compressed_tensor(f, name, headers[name], version)
                 except CorruptCheckpointError as e:
                     raise _corrupt(name, e) from e
                 yield name, decode(ct, device, decoder)
