@@ -38,8 +38,13 @@ def register(sub) -> None:
                       help="compress the expert tensors only (default)")
     what.add_argument("--all-weights", dest="all_weights", action="store_true",
                       help="also compress every other bf16 tensor that gets smaller")
-    p.add_argument("--max-code-len", type=int, default=8,
-                   help="longest Huffman code in bits, 8..15 (default 8: one 256-entry decode table)")
+    p.add_argument("--format", dest="fmt", default="huffman", choices=["huffman", "tiled"],
+                   help="huffman: format version 1, the smallest (0.683 of bf16 on Gaussian weights), decoded by "
+                        "a standalone pass; tiled: version 2 (~0.753), fixed-width exponent offsets that a MoE "
+                        "GEMM decodes tile by tile (docs/formats.md)")
+    p.add_argument("--max-code-len", type=int, default=None,
+                   help="longest Huffman code in bits, 8..15 (default 8: one 256-entry decode table); "
+                        "--format huffman only")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to encode (auto: cuda when available)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -161,14 +166,19 @@ def _check_source(files: list[Path], all_weights: bool) -> int:
 
 
 def _encode(name: str, t, layout, device, verify: bool):
+    """layout: a LosslessLayout (format version 1), or None for the tiled format (version 2)."""
     import torch
 
-    from pagedmoe.codecs.lossless import encode
+    from pagedmoe.codecs import lossless, tiled
     from pagedmoe.models.compressed import decode, expert_num_parts
 
     x = t.to(device)
     # checksums are computed on the host by save_compressed
-    ct = encode(x, num_parts=expert_num_parts(name, x.shape), layout=layout, checksum=False)
+    parts = expert_num_parts(name, x.shape)
+    if layout is None:
+        ct = tiled.encode(x, num_parts=parts, checksum=False)
+    else:
+        ct = lossless.encode(x, num_parts=parts, layout=layout, checksum=False)
     if verify:
         y = decode(ct, device)  # the Triton decoder on CUDA, the reference on the CPU
         if not torch.equal(y.view(torch.int16), x.view(torch.int16)):
@@ -242,7 +252,9 @@ def run_compress(args) -> int:
     from pagedmoe.models.loader import checkpoint_files
 
     src, out = Path(args.model), Path(args.out)
-    layout = LosslessLayout(max_code_len=args.max_code_len)
+    if args.fmt == "tiled" and args.max_code_len is not None:
+        raise ValueError("--max-code-len sets the Huffman codes of --format huffman; the tiled format has none")
+    layout = None if args.fmt == "tiled" else LosslessLayout(max_code_len=args.max_code_len or 8)
     device = _resolve_device(args.device)
     files = checkpoint_files(str(src))
     _check_source(files, args.all_weights)
