@@ -402,10 +402,7 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
     """groups: [(w13, w2, slots)], one per precision group of the layer; slots (int32 [E]: each expert's
     index in the group's weights, -1 elsewhere) is None for a group holding every expert by id. Every
     slot's rows of h and y are written by its expert's group's launches; one moe_sum adds them up."""
-    if out is None:
-        out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be like x {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = check_out_like(out, x)
     if T == 0:
         return out
     num_sms = sm_count(x.device)
@@ -431,10 +428,7 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
         )
 
     n_tiles2 = triton.cdiv(H, cfg.block_n2)
-    splits = cfg.split_k or choose_split_k(
-        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * n_tiles2, I, cfg.block_k2, num_sms)
-    k_per_split = triton.cdiv(triton.cdiv(I, splits), cfg.block_k2) * cfg.block_k2
-    splits = triton.cdiv(I, k_per_split)
+    splits, k_per_split = w2_splits(cfg, num_blocks, T, A, E, H, I, num_sms)
     # NOTE: every valid slot is in exactly one block, and every (column tile, split) program of that
     # block writes its y row: moe_sum_kernel reads only rows written here (invalid slots are masked).
     y_dtype = torch.float32 if splits > 1 else x.dtype
@@ -452,6 +446,34 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
             num_stages=cfg.num_stages2,
         )
 
+    return moe_sum(y, topk_weights, topk_ids, out, splits, E)
+
+
+def check_out_like(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """out (or a new tensor) like x: [T, H] in x's dtype, unit last stride."""
+    if out is None:
+        return torch.empty_like(x)
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like x {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def w2_splits(cfg: FusedMoEConfig, num_blocks: int, T: int, A: int, E: int, H: int, I: int,
+              num_sms: int) -> tuple[int, int]:
+    """(splits of I, k_per_split) of the w2 GEMM: cfg.split_k, or by occupancy; every split a whole number
+    of BLOCK_K2 steps (so each starts at an even K)."""
+    splits = cfg.split_k or choose_split_k(
+        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * triton.cdiv(H, cfg.block_n2), I, cfg.block_k2,
+        num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(I, splits), cfg.block_k2) * cfg.block_k2
+    return triton.cdiv(I, k_per_split), k_per_split
+
+
+def moe_sum(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+            splits: int, E: int) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * sum_s y[s, t * A + k] (moe_sum_kernel, one launch)."""
+    T, A = topk_ids.shape
+    H = out.shape[1]
     moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
         y, topk_weights, topk_ids, out,
         T, H, splits, E,

@@ -1,0 +1,234 @@
+"""Triton MoE expert GEMMs on losslessly compressed experts (format version 2, codecs/tiled.py): each weight
+tile is decoded in registers right before its tl.dot, so the GEMM reads ~1.5 bytes per weight instead of
+bf16's 2 and no decoded copy is ever written (the version 1 path decodes every expert to bf16 in HBM and then
+reads it back).
+
+Same structure, tiles and launch order as kernels/fused_moe.py (moe_align, the gated w13 GEMM with SiLU-and-mul,
+the split-K w2 GEMM, moe_sum), so with the same config the per-program reductions are the same and the output
+equals fused_moe on the decoded weights bit for bit. Per [BLOCK_N, BLOCK_K] weight tile:
+  - raw bytes [BLOCK_N, BLOCK_K] and nibble bytes [BLOCK_N, BLOCK_K / 2] load from fixed addresses (row
+    strides K and ceil(K / 2)), the nibbles split and interleaved back into K order (as int4 weights are);
+  - exponent = base[row] + nibble (base: one byte per row, loaded once per program);
+  - escapes: the tile's rows cover consecutive 16-row escape tiles of one 64-column tile column, whose
+    escapes are one contiguous range of the escape list (tile order is column-major); each (usually 0-2 per
+    tile on N(0, s) weights) replaces one exponent through a compare-and-select over the tile;
+  - bf16 bits = (sign-extended raw & 0x807F) | exponent << 7, bitcast.
+Shapes as in fused_moe.py: w13 holds [E, 2I, H] (gate rows then up rows), w2 [E, H, I], one part per expert.
+Reference: ``fused_moe_lossless_reference`` (decode with tiled.decode_reference, then fused_moe).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmoe.codecs import tiled
+
+from ._attention_checks import check_float, check_index, check_same_device, dot_precision
+from .device_info import sm_count
+from .fused_moe import FusedMoEConfig, check_out_like, default_config, fused_moe, moe_sum, w2_splits
+from .moe_align import moe_align
+
+
+@triton.jit
+def _decode_tile(raw_ptrs, nib_ptrs, base, esc_off_ptr, esc_ptr, rows17, row0, row_end, tile0, k0, offs_k,
+                 w_mask, nib_mask, tile_rows_pp, tile_cols, like_ptr,
+                 BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of rows [row0, row_end) (rows of one part) at columns k0.., in
+    like_ptr's dtype. rows17: each tile row's row in its part mod 2**17 (what an escape entry records)."""
+    byte = tl.load(nib_ptrs, mask=nib_mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: two K positions each
+    e = base[:, None] + tl.interleave(byte & 0xF, byte >> 4).to(tl.int32)
+    cols = k0 + offs_k
+    for c in tl.static_range(max(1, BLOCK_K // 64)):
+        tc = k0 // 64 + c
+        t0 = tile0 + tc * tile_rows_pp
+        in_k = tc < tile_cols
+        lo = tl.load(esc_off_ptr + t0 + row0 // 16, mask=in_k, other=0)
+        hi = tl.load(esc_off_ptr + t0 + (row_end - 1) // 16 + 1, mask=in_k, other=0)
+        for i in range(lo, hi):
+            ent = tl.load(esc_ptr + i)
+            hit = (rows17 == (ent >> 14))[:, None] & (cols == tc * 64 + ((ent >> 8) & 63))[None, :]
+            e = tl.where(hit, ent & 0xFF, e)
+    r = tl.load(raw_ptrs, mask=w_mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)  # sign to bit 15
+    bits = (r & 0x807F) | (e << 7)
+    if MASKED:  # past N or K: +0.0 (the activations there are 0 too)
+        bits = tl.where(w_mask, bits, 0)
+    w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
+def fused_moe_lossless_kernel(
+    a_ptr, raw_ptr, nib_ptr, base_ptr, esc_off_ptr, esc_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
+    num_slots, num_blocks, N, K, k_per_split, part_rows, tiles_per_part, tile_rows_pp, tile_cols,
+    stride_a, stride_os, stride_om,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ W[e, n, k-range]^T) for one block, W
+    decoded from the tiled format tile by tile. GATED: rows n (gate) and N + n (up) of a part of 2N rows,
+    output silu(gate) * up. Not GATED: plain product of one split of K (part of N rows)."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_blocks
+    pid_n = pid // num_blocks
+    pid_k = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the last used block
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + offs_m)
+    m_mask = slots < num_slots
+    a_rows = (slots // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kh = tl.arange(0, BLOCK_K // 2)
+    k_start = pid_k * k_per_split  # even: a whole number of BLOCK_K steps
+    k_end = tl.minimum(k_start + k_per_split, K)
+    half = (K + 1) // 2
+
+    e64 = expert.to(tl.int64)
+    row_g = e64 * part_rows + offs_n.to(tl.int64)        # gate (or only) rows, global
+    raw_g = raw_ptr + row_g[:, None] * K + (k_start + offs_k)[None, :]
+    nib_g = nib_ptr + row_g[:, None] * half + (k_start // 2 + offs_kh)[None, :]
+    base_g = tl.load(base_ptr + row_g, mask=n_mask, other=0).to(tl.int32)
+    rows17_g = offs_n & 0x1FFFF
+    tile0 = expert * tiles_per_part
+    n_end = tl.minimum(pid_n * BLOCK_N + BLOCK_N, N)
+    if GATED:
+        raw_u = raw_g + N * K
+        nib_u = nib_g + N * half
+        base_u = tl.load(base_ptr + row_g + N, mask=n_mask, other=0).to(tl.int32)
+        rows17_u = (offs_n + N) & 0x1FFFF
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            k_mask = tl.full([BLOCK_K], 1, tl.int1)
+            kh_mask = tl.full([BLOCK_K // 2], 1, tl.int1)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+            kh_mask = (k0 + 2 * offs_kh) < k_end
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        nib_mask = n_mask[:, None] & kh_mask[None, :]
+        wg = _decode_tile(raw_g, nib_g, base_g, esc_off_ptr, esc_ptr, rows17_g, pid_n * BLOCK_N, n_end, tile0,
+                          k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N))
+        if SWAP_AB:
+            acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
+        else:
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = _decode_tile(raw_u, nib_u, base_u, esc_off_ptr, esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end,
+                              tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N))
+            if SWAP_AB:
+                acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
+            else:
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            raw_u += BLOCK_K
+            nib_u += BLOCK_K // 2
+        a_ptrs += BLOCK_K
+        raw_g += BLOCK_K
+        nib_g += BLOCK_K // 2
+
+    if GATED:
+        res = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        res = acc_g
+    if SWAP_AB:
+        res = tl.trans(res)
+    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
+                + offs_n[None, :])
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check_tiled(tt, name: str, shape: tuple, device) -> None:
+    if getattr(tt, "version", None) != tiled.FORMAT_VERSION:
+        raise ValueError(f"{name}: fused_moe_lossless reads lossless format version {tiled.FORMAT_VERSION} "
+                         f"(tiled); got {type(tt).__name__} version {getattr(tt, 'version', None)}")
+    if tuple(tt.shape) != shape or tt.num_parts != shape[0]:
+        raise ValueError(f"{name} must be {list(shape)} with one part per expert, got {list(tt.shape)} in "
+                         f"{tt.num_parts} parts")
+    for a in tiled.ARRAYS:
+        t = getattr(tt, a)
+        if not t.is_contiguous() or t.device != device:
+            raise ValueError(f"{name}.{a} must be contiguous on {device}, got {t.device}")
+    if tt.escapes.dtype != torch.int32 or tt.escape_offsets.dtype != torch.int32:
+        raise ValueError(f"{name}: escapes and escape_offsets must be int32")
+
+
+def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """Shapes, dtypes, contiguity, one device; never reads device data. -> (T, A, E, H, I)."""
+    check_float(x, "x", 2)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be bf16 (or float32, which holds bf16 weights exactly), got {x.dtype}")
+    if len(getattr(w13, "shape", ())) != 3 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be a tiled [E, 2I, H] tensor, got shape {getattr(w13, 'shape', None)}")
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    T = x.shape[0]
+    if x.shape[1] != H or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)} do not fit experts of hidden size {H}")
+    check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids)
+    _check_tiled(w13, "w13", (E, 2 * I, H), x.device)
+    _check_tiled(w2, "w2", (E, H, I), x.device)
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_moe_lossless runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
+    return T, topk_ids.shape[1], E, H, I
+
+
+def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+                       **overrides) -> torch.Tensor:
+    """fused_moe on experts held in the tiled lossless format: w13 a TiledTensor [E, 2I, H], w2 [E, H, I], one
+    part per expert, on x's device. No host sync. Returns out [T, H] in x's dtype; with the same config it
+    equals fused_moe on the decoded weights bit for bit."""
+    T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
+    out = check_out_like(out, x)
+    if T == 0:
+        return out
+    num_sms = sm_count(x.device)
+    cfg = config or default_config(T, A, E, H, I, x.dtype, num_sms)
+    cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    N = T * A
+    sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
+    num_blocks = block_expert.numel()
+    meta = dict(SWAP_AB=cfg.swap_ab, BLOCK_M=cfg.block_m, DOT_PRECISION=dot_precision(x.dtype))
+    h = torch.empty((N, I), dtype=x.dtype, device=x.device)
+    # the gated launch's num_slots is N; its a rows are slot // TOP_K (tokens)
+    fused_moe_lossless_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
+        x, w13.raw, w13.nibbles, w13.base, w13.escape_offsets, w13.escapes, h, sorted_slots, block_expert,
+        N, num_blocks, I, H, H, w13.part_rows, w13.tiles_per_part, w13.tile_rows_per_part, w13.tile_cols,
+        x.stride(0), 0, h.stride(0),
+        TOP_K=A, GATED=True, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+    splits, k_per_split = w2_splits(cfg, num_blocks, T, A, E, H, I, num_sms)
+    y = torch.empty((splits, N, H), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    fused_moe_lossless_kernel[(num_blocks * triton.cdiv(H, cfg.block_n2), splits)](
+        h, w2.raw, w2.nibbles, w2.base, w2.escape_offsets, w2.escapes, y, sorted_slots, block_expert,
+        N, num_blocks, H, I, k_per_split, w2.part_rows, w2.tiles_per_part, w2.tile_rows_per_part, w2.tile_cols,
+        h.stride(0), y.stride(0), y.stride(1),
+        TOP_K=1, GATED=False, EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **meta)
+    return moe_sum(y, topk_weights, topk_ids, out, splits, E)
+
+
+def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, **kwargs) -> torch.Tensor:
+    """Decode-then-GEMM: the tiled experts decoded by the PyTorch reference (to x's dtype), then fused_moe."""
+    d13 = tiled.decode_reference(w13).to(x.dtype)
+    d2 = tiled.decode_reference(w2).to(x.dtype)
+    return fused_moe(x, d13, d2, topk_weights, topk_ids, **kwargs)

@@ -1,0 +1,134 @@
+"""fused_moe_lossless (kernels/fused_moe_lossless.py): MoE GEMMs that decode tiled-lossless experts (format
+version 2) tile by tile, against decode-then-fused_moe.
+
+With the same config both run the same programs with the same reductions, so the outputs are equal bit for
+bit (torch.equal). CPU: the Triton interpreter with float32 activations (its tl.dot reads bf16 as raw
+integers; the decoded bf16 weights are exact in float32), small odd shapes, escapes forced into many tiles.
+GPU (@pytest.mark.gpu): bf16 activations, the Mixtral-8x7B and Qwen3-30B-A3B layer shapes.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from pagedmoe.codecs import tiled  # noqa: E402
+from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless, fused_moe_lossless_reference  # noqa: E402
+from pagedmoe.models.layers.moe import experts_loop  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ACT = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+if INTERPRET:
+    from triton_interp import fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
+
+
+def make_layer(T, A, E, H, I, seed, escape_every=0, dtype=ACT):
+    """Tiled experts (bf16 weights; every escape_every-th weight tiny, so it escapes), x, top-A routing."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+    if escape_every:
+        w13.view(-1)[3::escape_every] = 1e-30
+        w2.view(-1)[5::escape_every] = -1e-30
+    x = torch.randn(T, H, generator=g).to(dtype)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), A, dim=-1)
+    t13 = tiled.encode(w13.to(DEVICE), num_parts=E)
+    t2 = tiled.encode(w2.to(DEVICE), num_parts=E)
+    return x.to(DEVICE), t13, t2, weights.to(DEVICE), ids.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE)
+
+
+def check(T, A, E, H, I, seed=0, escape_every=0, **overrides):
+    x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed, escape_every)
+    if escape_every:
+        assert t13.escapes.numel() > 0 and t2.escapes.numel() > 0
+    out = torch.full_like(x, float("nan"))
+    fused_moe_lossless(x, t13, t2, weights, ids, out=out, **overrides)
+    ref = fused_moe_lossless_reference(x, t13, t2, weights, ids, **overrides)
+    assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max()}"
+    # and the decoded weights are the originals: the reference is fused_moe on the bf16 experts
+    assert torch.equal(ref, fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids, **overrides))
+    return out, x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("T,A,E,H,I,esc,overrides", [
+    (1, 2, 4, 48, 80, 0, {}),                                   # one token
+    (3, 1, 3, 70, 37, 7, {}),                                   # odd K and N: masked tiles, odd nibble rows
+    (5, 2, 4, 130, 72, 5, dict(block_k=128, block_k2=128)),     # two 64-column escape tiles per weight tile
+    (9, 2, 4, 64, 40, 3, dict(block_k=32, block_k2=16, split_k=3)),  # tiles narrower than an escape tile, split K
+    (17, 4, 8, 96, 48, 11, dict(swap_ab=True)),
+    (17, 4, 4, 64, 64, 13, dict(block_m=16, block_n=32, block_n2=16)),  # several blocks per expert, even tiles
+    (6, 2, 3, 72, 24, 2, {}),                                   # half the weights escape: many per tile
+])
+def test_matches_decode_then_fused_moe(T, A, E, H, I, esc, overrides):
+    check(T, A, E, H, I, seed=T * 31 + H, escape_every=esc, **overrides)
+
+
+def test_matches_the_expert_loop():
+    out, x, w13, w2, weights, ids = check(7, 2, 4, 48, 40, seed=3, escape_every=9)
+    ref = experts_loop(x.double(), w13.double(), w2.double(), weights.float(), ids).float()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < (1e-5 if ACT == torch.float32 else 1e-2)
+
+
+def test_up_rows_off_the_escape_tile_grid():
+    # I = 24: the up rows of a gated tile start at row 24 of the part, mid escape tile; escapes in both halves
+    check(4, 2, 2, 64, 24, seed=8, escape_every=4, block_n=16)
+
+
+def test_launcher_checks():
+    x, t13, t2, weights, ids, w13, w2 = make_layer(3, 2, 4, 32, 16, seed=4)
+    with pytest.raises(ValueError, match="w2 must be"):
+        fused_moe_lossless(x, t13, t13, weights, ids)
+    with pytest.raises(ValueError, match="hidden size"):
+        fused_moe_lossless(x[:, :16], t13, t2, weights, ids)
+    with pytest.raises(ValueError, match="version 2"):
+        from pagedmoe.codecs.lossless import encode
+
+        fused_moe_lossless(x, encode(w13, num_parts=4), t2, weights, ids)
+    with pytest.raises(ValueError, match="one part per expert"):
+        fused_moe_lossless(x, tiled.encode(w13.reshape(4, 32, 32)), t2, weights, ids)
+    with pytest.raises(ValueError, match="bf16"):
+        fused_moe_lossless(x.half(), t13, t2, weights, ids)
+    assert fused_moe_lossless(x[:0], t13, t2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64, 256, 512])
+@pytest.mark.parametrize("E,A,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
+def test_gpu_model_shapes(T, E, A, H, I):
+    # Mixtral-8x7B and Qwen3-30B-A3B layers at decode sizes, bf16, default tiles: bit-equal to decode-then-GEMM
+    check(T, A, E, H, I, seed=T + E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [dict(swap_ab=True), dict(split_k=3), dict(block_m=64), dict(block_n=16, block_n2=16),
+                                       dict(block_k=128, block_k2=256, num_stages=2, num_stages2=2)])
+def test_gpu_variants_with_escapes(overrides):
+    check(64, 2, 8, 1024, 1408, seed=11, escape_every=997, **overrides)
+    check(7, 8, 64, 512, 176, seed=12, escape_every=101, **overrides)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph():
+    x, t13, t2, weights, ids, _, _ = make_layer(48, 2, 8, 512, 704, seed=14, escape_every=301)
+    out = fused_moe_lossless(x, t13, t2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe_lossless(x, t13, t2, weights, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
