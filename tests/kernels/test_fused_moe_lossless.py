@@ -132,3 +132,39 @@ def test_gpu_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+# ---------------------------------------------------------------- the benchmark scripts' CPU smoke modes
+
+
+def _run_script(tmp_path, *argv):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, *argv, "--quick", "--out", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout, json.loads(next(tmp_path.glob("*.json")).read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark")
+def test_bench_fused_lossless_quick(tmp_path):
+    out, res = _run_script(tmp_path, "benchmarks/bench_fused_lossless.py")
+    assert len(res["rows"]) == 4 and all(r["variants"]["default"]["equal_to_bf16_gemm"] for r in res["rows"])
+    assert all(r["touched_lossless_bytes"] < r["touched_bf16_bytes"] for r in res["rows"])
+    assert "every output equal" in out
+
+
+def test_lossless_formats_quick(tmp_path):
+    out, res = _run_script(tmp_path, "benchmarks/lossless_formats.py")
+    for r in res["inputs"].values():
+        assert set(r["rows"]) == {"huffman", "tiled", "nib4-global", "nib3-row", "cb3-tile"}
+        assert r["rows"]["huffman"]["ratio"] < r["rows"]["tiled"]["ratio"] < 0.8
+        assert r["rows"]["tiled"]["escape_rate"] < 1e-3 < r["rows"]["nib3-row"]["escape_rate"]
+    assert "default model" in out

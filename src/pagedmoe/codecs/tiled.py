@@ -38,7 +38,8 @@ MAX_BASE = 255 - (WINDOW - 1)
 ROW_BITS = 17      # an escape entry: (row in part mod 2**17) << 14 | column in tile << 8 | exponent
 ROW_MASK = (1 << ROW_BITS) - 1
 ARRAYS = ("base", "nibbles", "escape_offsets", "escapes", "raw")
-_CHUNK_ELEMS = 1 << 22  # rows encoded together: bounds the encoder's temporaries (~40 bytes per element)
+_CHUNK_ELEMS = 1 << 22  # rows encoded together on a CPU: bounds the temporaries (~40 bytes per element)
+_CUDA_CHUNK_ELEMS = 1 << 26  # on a GPU: fewer, larger steps (each nonzero() syncs with the host)
 
 
 @dataclass
@@ -157,7 +158,8 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True) -> Til
     base = torch.empty(R, dtype=torch.uint8, device=dev)
     nibbles = torch.zeros(R, half, dtype=torch.uint8, device=dev)
     tiles, entries = [], []
-    step = max(TILE_ROWS, _CHUNK_ELEMS // max(C, 1) // TILE_ROWS * TILE_ROWS)
+    chunk = _CUDA_CHUNK_ELEMS if dev.type == "cuda" else _CHUNK_ELEMS
+    step = max(TILE_ROWS, chunk // max(C, 1) // TILE_ROWS * TILE_ROWS)
     for p in range(num_parts):
         for r0 in range(0, Rp, step):
             g0, g1 = p * Rp + r0, p * Rp + min(Rp, r0 + step)

@@ -1,0 +1,163 @@
+"""One MoE layer with every expert in the tiled lossless format (v2, decoded inside the GEMM) against the same
+layer bf16-resident (kernels/fused_moe.py), next to each one's HBM floor (issue 23).
+
+Mixtral-8x7B (E 8, H 4096, I 14336, top-2) and Qwen3-30B-A3B (E 128, H 2048, I 768, top-8) at T = 1, 16, 64,
+256 tokens, N(0, 0.02) bf16 weights, random router logits. For each size: the lossless output is checked
+torch.equal against fused_moe on the decoded (= original) weights with the same tiles, then both are timed
+(medians of CUDA-graph replays over NUM_COPIES copies of the layer, so L2 never holds the weights). Floors =
+bytes of the touched experts (bf16: 6IH per expert; lossless: the stored v2 bytes) / 4.19e12 B/s
+(../shared/H200.md). A few tile variants of the lossless kernel follow (each checked before it is timed).
+The v2 encoder is timed on the GPU on one Mixtral layer's w13 and extrapolated to the model's 45.1 G weights.
+
+    PYTHONPATH=src python benchmarks/bench_fused_lossless.py            # GPU; JSON in $OUT/bench_fused_lossless.json
+    PYTHONPATH=src python benchmarks/bench_fused_lossless.py --quick    # CPU smoke (Triton interpreter, tiny
+                                                                        # shapes, no timings): the CI test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+QUICK = "--quick" in sys.argv
+if QUICK and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' import
+
+from pagedmoe.codecs import tiled  # noqa: E402
+from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless  # noqa: E402
+
+HBM_BYTES_PER_S = 4.19e12
+MIXTRAL_EXPERT_WEIGHTS = 32 * 3 * 8 * 14336 * 4096
+NUM_COPIES = 2
+MODELS = {
+    "mixtral-8x7b": dict(E=8, H=4096, I=14336, A=2),
+    "qwen3-30b-a3b": dict(E=128, H=2048, I=768, A=8),
+}
+TOKENS = (1, 16, 64, 256)
+VARIANTS = [("warps8", dict(num_warps=8, num_warps2=8)), ("n32", dict(block_n=32, block_n2=32)),
+            ("stages2", dict(num_stages=2, num_stages2=2)), ("swap_ab", dict(swap_ab=True)),
+            ("k128", dict(block_k=128))]
+
+
+def make_copies(m: dict, T: int, n: int, dev, dtype, seed: int):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    E, H, I, A = m["E"], m["H"], m["I"], m["A"]
+    copies = []
+    for _ in range(n):
+        w13 = (torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02).bfloat16()
+        w2 = (torch.randn(E, H, I, device=dev, generator=g) * 0.02).bfloat16()
+        t13, t2 = tiled.encode(w13, num_parts=E, checksum=False), tiled.encode(w2, num_parts=E, checksum=False)
+        x = torch.randn(T, H, device=dev, generator=g).to(dtype)
+        logits = torch.randn(T, E, device=dev, generator=g)
+        weights, ids = torch.topk(torch.softmax(logits, -1), A, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        copies.append(dict(w13=w13.to(dtype), w2=w2.to(dtype), t13=t13, t2=t2, x=x, weights=weights, ids=ids,
+                           out=torch.empty_like(x)))
+    return copies
+
+
+def touched(m: dict, c: dict) -> tuple[float, float]:
+    """(bf16 bytes, lossless bytes) of the experts c's routing touches."""
+    used = torch.unique(c["ids"]).numel()
+    per_bf16 = 3 * m["I"] * m["H"] * 2
+    per_v2 = (c["t13"].nbytes + c["t2"].nbytes) / m["E"]
+    return used * per_bf16, used * per_v2
+
+
+def gpu_encode_rate() -> dict:
+    w = (torch.randn(8, 2 * 14336, 4096, device="cuda") * 0.02).bfloat16()
+    tiled.encode(w[:1], num_parts=1, checksum=False)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tt = tiled.encode(w, num_parts=8, checksum=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    ok = torch.equal(tiled.decode_reference(tt).view(torch.int16), w.view(torch.int16))
+    return dict(weights=w.numel(), seconds=dt, gweights_s=w.numel() / dt / 1e9, bit_exact=ok,
+                mixtral_experts_s=MIXTRAL_EXPERT_WEIGHTS / (w.numel() / dt), ratio=tt.ratio)
+
+
+def run_size(name, m, T, dev, dtype, quick):
+    from timing import time_graph  # benchmarks/ on sys.path
+
+    copies = make_copies(m, T, 1 if quick else NUM_COPIES, dev, dtype, seed=T)
+    bf16_b, v2_b = (statistics.mean(v) for v in zip(*(touched(m, c) for c in copies)))
+    row = dict(model=name, T=T, touched_bf16_bytes=bf16_b, touched_lossless_bytes=v2_b,
+               floor_bf16_us=bf16_b / HBM_BYTES_PER_S * 1e6, floor_lossless_us=v2_b / HBM_BYTES_PER_S * 1e6,
+               variants={})
+
+    def lossless(i, **ov):
+        c = copies[i]
+        return fused_moe_lossless(c["x"], c["t13"], c["t2"], c["weights"], c["ids"], out=c["out"], **ov)
+
+    def bf16(i, **ov):
+        c = copies[i]
+        return fm.fused_moe(c["x"], c["w13"], c["w2"], c["weights"], c["ids"], out=c["out"], **ov)
+
+    for label, ov in [("default", {})] + ([] if quick else VARIANTS):
+        try:
+            c = copies[0]
+            got = lossless(0, **ov).clone()
+            ref = bf16(0, **ov).clone()
+            entry = dict(equal_to_bf16_gemm=bool(torch.equal(got, ref)))
+            if not quick:
+                entry["lossless_us"], entry["lossless_spread_us"] = time_graph(lambda i: lossless(i, **ov), len(copies))
+                entry["bf16_us"], entry["bf16_spread_us"] = time_graph(lambda i: bf16(i, **ov), len(copies))
+                entry["lossless_over_bf16"] = entry["lossless_us"] / entry["bf16_us"]
+                entry["lossless_of_floor"] = row["floor_lossless_us"] / entry["lossless_us"]
+                entry["bf16_of_floor"] = row["floor_bf16_us"] / entry["bf16_us"]
+                print(f"  {name:14s} T={T:4d} {label:8s} lossless {entry['lossless_us']:8.1f} us  bf16 "
+                      f"{entry['bf16_us']:8.1f} us  ratio {entry['lossless_over_bf16']:.3f}  (floors "
+                      f"{row['floor_lossless_us']:.1f} / {row['floor_bf16_us']:.1f} us)  equal={entry['equal_to_bf16_gemm']}",
+                      flush=True)
+            del c
+        except Exception as e:  # record and go on: one failing variant must not lose the run
+            traceback.print_exc()
+            entry = dict(error=repr(e)[:400])
+        row["variants"][label] = entry
+    del copies
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpreter, no timings")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not args.quick:
+        print("bench_fused_lossless times the GPU; on a CPU run it with --quick (a smoke test)", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's dots are exact in fp32 only
+    models = MODELS if not args.quick else {"tiny-a": dict(E=4, H=64, I=48, A=2), "tiny-b": dict(E=6, H=72, I=40, A=3)}
+    tokens = TOKENS if not args.quick else (1, 5)
+    res = dict(device=torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (interpreter)", rows=[])
+    if dev == "cuda":
+        res["encode"] = gpu_encode_rate()
+        print(f"tiled encode on the GPU: {res['encode']['gweights_s']:.2f} G weights/s -> Mixtral experts "
+              f"{res['encode']['mixtral_experts_s']:.1f} s (bit-exact {res['encode']['bit_exact']})", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_fused_lossless.json")
+    for name, m in models.items():
+        for T in tokens:
+            res["rows"].append(run_size(name, m, T, dev, dtype, args.quick))
+            with open(path, "w") as f:  # rewritten after each size: a run cut short keeps what it measured
+                json.dump(res, f, indent=1)
+    bad = [(r["model"], r["T"], k) for r in res["rows"] for k, v in r["variants"].items()
+           if not v.get("equal_to_bf16_gemm")]
+    print(f"wrote {path}; " + (f"NOT equal / failed: {bad}" if bad else "every output equal to the bf16 GEMM's"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
