@@ -59,6 +59,10 @@ def register(sub) -> None:
                         "double buffers (auto = vmm)")
     p.add_argument("--compression-ratio", type=float, default=None,
                    help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")
+    p.add_argument("--fused-compression", action="store_true",
+                   help="model the compressed tier read by the MoE GEMM itself (lossless format v2, issue 23): no "
+                        "decode pass, routed experts cost their stored bytes; ratio 0.753 unless "
+                        "--compression-ratio. The fused kernel's GPU speed is unmeasured: this is its HBM floor")
     p.add_argument("--host-compression", default=_env("host_compression", "none"), choices=["none", "lossless"],
                    help="lossless: model the host tier held compressed (0.683 of the bytes over PCIe, decoded "
                         "on the GPU)")
@@ -99,7 +103,7 @@ def parse_budget(text: str, weight_bytes: int) -> int:
         raise ValueError(f"--gpu-memory-gb {text!r}: expected GiB (e.g. 64) or weights+X") from None
 
 
-def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
+def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: Optional[float]):
     """(label, plan or PlacementBudgetError, is_auto, is_selected) for the table."""
     from pagedmoe.experts.placement import Placement
     from pagedmoe.experts.planner import PlacementBudgetError, plan_memory, plan_placement
@@ -122,7 +126,8 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
     kwargs = dict(max_model_len=inputs.max_model_len, block_size=inputs.block_size, workload=inputs.workload,
                   max_num_seqs=inputs.max_num_seqs, max_num_batched_tokens=inputs.max_num_batched_tokens,
                   hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio,
-                  host_compression_ratio=inputs.host_compression_ratio, host_budget_bytes=inputs.host_budget_bytes)
+                  host_compression_ratio=inputs.host_compression_ratio, host_budget_bytes=inputs.host_budget_bytes,
+                  fused_compressed=inputs.fused_compressed)
     for auto_mode in (("auto", "paged") if mode == "paged" and num_gpu is None else ("auto",)):
         try:
             plan = plan_memory(shape, inputs.budget_bytes, inputs.activation_bytes, auto_mode, **kwargs)
@@ -189,6 +194,10 @@ def run_plan(args) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
+    if args.fused_compression and args.compression_ratio is None:
+        from pagedmoe.experts.planner import FUSED_LOSSLESS_PLANNING_RATIO
+
+        args.compression_ratio = FUSED_LOSSLESS_PLANNING_RATIO
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
@@ -215,6 +224,7 @@ def run_plan(args) -> int:
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
               "buffers": buffers, "compression_ratio": args.compression_ratio,
+              "fused_compression": args.fused_compression,
               "host_compression": args.host_compression, "host_memory_gb": args.host_memory_gb,
               "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
@@ -224,7 +234,7 @@ def run_plan(args) -> int:
         budget = parse_budget(text, shape.weight_bytes)
         inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
-                            None, None, buffers, host_ratio, host_budget)
+                            None, None, buffers, host_ratio, host_budget, fused_compressed=args.fused_compression)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
         if num_gpus > 1:
             print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "

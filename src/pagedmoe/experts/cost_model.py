@@ -118,6 +118,9 @@ class StepTraffic:
     layer_copy_shares: tuple[float, ...] = ()
     # the layer each MoE layer's copy waits for (ring buffers: ring_wait_layers); empty: l - 2
     layer_copy_waits: tuple[int, ...] = ()
+    # HBM bytes the expert GEMMs read per bf16 byte of a routed expert, averaged over the experts: 1 unless a
+    # fused compressed tier (issue 23: the GEMM decodes the stored bytes itself) holds some of them
+    routed_read_factor: float = 1.0
 
     @property
     def hbm_bytes(self) -> int:
@@ -171,7 +174,7 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     if N > 1:
         distinct *= shape.experts_per_gpu / shape.num_experts
     routed = shape.num_moe_layers * distinct
-    hbm_bytes = (shape.backbone_read_bytes + routed * shape.expert_bytes + kv_read_bytes
+    hbm_bytes = (shape.backbone_read_bytes + routed * shape.expert_bytes * traffic.routed_read_factor + kv_read_bytes
                  + num_tokens * shape.kv_bytes_per_token + traffic.hbm_bytes)
     pcie_s = traffic.h2d_bytes / hw.pcie_h2d_bytes_per_s
     decode_s = traffic.decode_out_bytes / hw.lossless_decode_bytes_per_s

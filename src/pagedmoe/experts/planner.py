@@ -38,6 +38,12 @@ from pagedmoe.experts.placement import HOST_STAGING_SLOTS, Placement, host_group
 VMM_GRANULARITY_BYTES = 2 << 20
 BUFFER_KINDS = ("vmm", "vmm-ring", "plain")
 PLACEMENT_MODES = ("resident", "paged", "auto")
+# Issue 23, opt-in (--expert-compression lossless-fused): the compressed tier in lossless format version 2,
+# read by the MoE GEMM itself (kernels/fused_moe_lossless.py), so a compressed expert costs no decode pass and
+# its routed reads cost its stored bytes: this ratio of bf16's (docs/formats.md, benchmarks/lossless_formats.py).
+# Modelled at that HBM floor, i.e. as if the fused kernel reached the same fraction of its floor as the bf16
+# GEMM: unmeasured on the GPU, hence behind the explicit flag.
+FUSED_LOSSLESS_PLANNING_RATIO = 0.753
 
 
 class PlacementBudgetError(BudgetError):
@@ -152,6 +158,7 @@ class PlanInputs:
     buffers: str = "vmm"
     host_compression_ratio: float = 0.0          # --host-compression lossless: the host tier's ratio (0: raw)
     host_budget_bytes: Optional[int] = None      # pinned host memory the host tier may take (None: unbounded)
+    fused_compressed: bool = False               # the compressed tier is read by the GEMM (issue 23), not decoded
 
     def __post_init__(self) -> None:
         if self.buffers not in BUFFER_KINDS:
@@ -197,13 +204,15 @@ def host_tier_bytes(shape: ModelShape, placement: Placement, buffers: str = "vmm
 
 def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     shape = inputs.shape
-    streamed = not placement.is_resident
+    # a fused compressed tier is read in place by the GEMM: only host experts pass through the buffers
+    buffered = placement.max_host if inputs.fused_compressed else placement.max_streamed
+    streamed = buffered > 0
     vmm = inputs.buffers in ("vmm", "vmm-ring")
     slot = _slot_bytes(shape, placement, inputs.buffers)
     if not streamed:
         buffer_slots = 0
     elif vmm:
-        buffer_slots = 2 * placement.max_streamed
+        buffer_slots = 2 * buffered
     else:
         buffer_slots = 2 * shape.experts_per_gpu
     buffer_slots = buffer_slots if shape.num_moe_layers > 1 else buffer_slots // 2
@@ -216,6 +225,8 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
     group = min(host_group_experts(shape.expert_bytes), placement.max_host)
     staging = HOST_STAGING_SLOTS * group * host_one if hr and placement.total_host else 0
     decoded_host = placement.total_host if hr else 0
+    fused = placement.total_compressed if inputs.fused_compressed else 0  # compressed experts never decoded
+    in_tiers = shape.num_moe_layers * shape.experts_per_gpu
     return {
         "expert_slot_bytes": slot, "backbone_bytes": backbone, "resident_expert_bytes": placement.total_gpu * slot,
         "compressed_expert_bytes": placement.total_compressed * compressed_one,
@@ -225,10 +236,12 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
             # Copies move an expert's weights, not its slot padding.
             h2d_bytes=placement.total_host * host_one,
             d2d_bytes=2 * placement.total_gpu * shape.expert_bytes if streamed and inputs.buffers == "plain" else 0,
-            decode_out_bytes=(placement.total_compressed + decoded_host) * shape.expert_bytes,
-            decode_in_bytes=placement.total_compressed * compressed_one + decoded_host * host_one,
-            layer_copy_shares=_copy_shares(shape, inputs.hw, placement, hr),
-            layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else ()),
+            decode_out_bytes=(placement.total_compressed - fused + decoded_host) * shape.expert_bytes,
+            decode_in_bytes=(placement.total_compressed - fused) * compressed_one + decoded_host * host_one,
+            layer_copy_shares=_copy_shares(shape, inputs.hw, placement, hr, bool(fused)),
+            layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else (),
+            # routing is modelled uniform: a fraction fused / in_tiers of the routed experts is read compressed
+            routed_read_factor=1.0 - fused / in_tiers * (1.0 - placement.compression_ratio) if fused else 1.0),
     }
 
 
@@ -242,12 +255,14 @@ def _ring_waits(placement: Placement) -> tuple[int, ...]:
     return tuple(ring_wait_layers(rows, 2 * placement.max_streamed))
 
 
-def _copy_shares(shape, hw, placement: Placement, host_ratio: float = 0.0) -> tuple[float, ...]:
+def _copy_shares(shape, hw, placement: Placement, host_ratio: float = 0.0, fused: bool = False) -> tuple[float, ...]:
     """Each MoE layer's share of the copy stream's time: its host experts over PCIe (compressed: then
-    through the decoder too), then its compressed ones through the decoder (one stream, in order)."""
+    through the decoder too), then its compressed ones through the decoder (one stream, in order; none when
+    the GEMM reads the compressed tier itself)."""
     host_s = (host_ratio / hw.pcie_h2d_bytes_per_s + 1 / hw.lossless_decode_bytes_per_s if host_ratio
               else 1 / hw.pcie_h2d_bytes_per_s)
-    per_layer = [(placement.num_experts - g - c) * host_s + c / hw.lossless_decode_bytes_per_s
+    comp_s = 0.0 if fused else 1 / hw.lossless_decode_bytes_per_s
+    per_layer = [(placement.num_experts - g - c) * host_s + c * comp_s
                  for g, c in zip(placement.num_gpu_experts, placement.num_compressed_experts)]
     total = sum(per_layer)
     return tuple(x / total for x in per_layer) if total > 0 else ()
@@ -406,7 +421,8 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
                 max_num_batched_tokens: int = 8192, hw: HardwareProfile = H200,
                 backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
                 buffers: str = "vmm", compression_ratio: Optional[float] = None,
-                host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None) -> MemoryPlan:
+                host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None,
+                fused_compressed: bool = False) -> MemoryPlan:
     """Split `budget_bytes` for `placement_mode`:
     - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
     - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest
@@ -414,13 +430,15 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
     - "auto": the best modelled throughput over N in 0..E (N = E is resident), refined per layer.
     `compression_ratio` (issue 6) adds the lossless compressed tier to the search; `host_compression_ratio`
     holds the host tier compressed (its traffic and decode modelled); `host_budget_bytes` bounds the host tier
-    (None: unbounded; over it: HostBudgetError, or the search keeps more experts on the GPU). Raises
+    (None: unbounded; over it: HostBudgetError, or the search keeps more experts on the GPU).
+    `fused_compressed` (issue 23, with compression_ratio = FUSED_LOSSLESS_PLANNING_RATIO): the GEMM reads the
+    compressed tier itself, no decode pass; its routed experts cost their stored bytes of HBM reads. Raises
     PlacementBudgetError (a BudgetError, a ValueError) naming the minimum budget when nothing fits."""
     if placement_mode not in PLACEMENT_MODES:
         raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
     inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
                         max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers,
-                        host_compression_ratio, host_budget_bytes)
+                        host_compression_ratio, host_budget_bytes, fused_compressed)
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     if num_gpu_experts is not None:
         counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)
