@@ -20,7 +20,9 @@ triton = pytest.importorskip("triton")
 
 from pagedmoe.codecs import tiled  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
-from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless, fused_moe_lossless_reference  # noqa: E402
+from pagedmoe.kernels.device_info import sm_count  # noqa: E402
+from pagedmoe.kernels.fused_moe_lossless import (fused_moe_lossless, fused_moe_lossless_reference,  # noqa: E402
+                                                 lossless_config)
 from pagedmoe.models.layers.moe import experts_loop  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,30 +50,61 @@ def make_layer(T, A, E, H, I, seed, escape_every=0, dtype=ACT):
     return x.to(DEVICE), t13, t2, weights.to(DEVICE), ids.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE)
 
 
-def check(T, A, E, H, I, seed=0, escape_every=0, **overrides):
+def check(T, A, E, H, I, seed=0, escape_every=0, escapes=("loop",), **overrides):
     x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed, escape_every)
     if escape_every:
         assert t13.escapes.numel() > 0 and t2.escapes.numel() > 0
-    out = torch.full_like(x, float("nan"))
-    fused_moe_lossless(x, t13, t2, weights, ids, out=out, **overrides)
     ref = fused_moe_lossless_reference(x, t13, t2, weights, ids, **overrides)
-    assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max()}"
-    # and the decoded weights are the originals: the reference is fused_moe on the bf16 experts
-    assert torch.equal(ref, fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids, **overrides))
+    for mode in escapes:
+        out = torch.full_like(x, float("nan"))
+        fused_moe_lossless(x, t13, t2, weights, ids, out=out, escapes=mode, **overrides)
+        assert torch.equal(out, ref), f"escapes={mode}: max diff {(out.float() - ref.float()).abs().max()}"
+    # and the decoded weights are the originals: the reference is fused_moe on the bf16 experts, same tiles
+    cfg = lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    assert torch.equal(ref, fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids, config=cfg, **overrides))
     return out, x, w13, w2, weights, ids
 
 
-@pytest.mark.parametrize("T,A,E,H,I,esc,overrides", [
-    (1, 2, 4, 48, 80, 0, {}),                                   # one token
-    (3, 1, 3, 70, 37, 7, {}),                                   # odd K and N: masked tiles, odd nibble rows
-    (5, 2, 4, 130, 72, 5, dict(block_k=128, block_k2=128)),     # two 64-column escape tiles per weight tile
-    (9, 2, 4, 64, 40, 3, dict(block_k=32, block_k2=16, split_k=3)),  # tiles narrower than an escape tile, split K
-    (17, 4, 8, 96, 48, 11, dict(swap_ab=True)),
-    (17, 4, 4, 64, 64, 13, dict(block_m=16, block_n=32, block_n2=16)),  # several blocks per expert, even tiles
-    (6, 2, 3, 72, 24, 2, {}),                                   # half the weights escape: many per tile
+BOTH = ("loop", "unrolled")
+
+
+@pytest.mark.parametrize("T,A,E,H,I,esc,modes,overrides", [
+    (1, 2, 4, 48, 80, 0, ("loop",), {}),                           # one token
+    (3, 1, 3, 70, 37, 7, BOTH, {}),                                # odd K and N: masked tiles, odd nibble rows
+    (5, 2, 4, 130, 72, 5, BOTH, dict(block_k=128, block_k2=128)),  # two 64-column escape tiles per weight tile
+    (9, 2, 4, 64, 40, 3, ("loop",), dict(block_k=32, block_k2=16, split_k=3)),  # tiles narrower than an escape tile
+    (17, 4, 8, 96, 48, 11, ("loop",), dict(swap_ab=True)),
+    (17, 4, 4, 64, 64, 13, ("loop",), dict(block_m=16, block_n=32, block_n2=16)),  # several blocks per expert
+    (6, 2, 3, 72, 24, 2, BOTH, {}),                                # half the weights escape: the loop (cap -1)
 ])
-def test_matches_decode_then_fused_moe(T, A, E, H, I, esc, overrides):
-    check(T, A, E, H, I, seed=T * 31 + H, escape_every=esc, **overrides)
+def test_matches_decode_then_fused_moe(T, A, E, H, I, esc, modes, overrides):
+    check(T, A, E, H, I, seed=T * 31 + H, escape_every=esc, escapes=modes, **overrides)
+
+
+@pytest.mark.parametrize("every,caps", [(0, (0, 0)), (997, None), (301, None), (2, (-1, -1))])
+def test_escape_caps(every, caps):
+    """escapes_cap by escape density: none (0), a few per weight-tile column (unrolled, a power of two), more
+    than MAX_UNROLLED_ESCAPES (-1: the loop); the count bound checked against a brute-force window count."""
+    from pagedmoe.kernels.fused_moe_lossless import MAX_UNROLLED_ESCAPES, escapes_cap
+
+    g = torch.Generator().manual_seed(every)
+    w13, w2 = (torch.randn(3, 144, 200, generator=g) * 0.02).bfloat16(), (torch.randn(3, 200, 72, generator=g) * 0.02).bfloat16()
+    for w, start in ((w13, 3), (w2, 5)):
+        if every:
+            w.view(-1)[start::every] = 1e-30
+        else:
+            w.abs_().add_(0.01)  # |w| in [0.01, 0.1): every exponent in each row's window
+    t13, t2 = tiled.encode(w13, num_parts=3), tiled.encode(w2, num_parts=3)
+    got = (escapes_cap(t13, 32), escapes_cap(t2, 16))
+    if caps is not None:
+        assert got == caps
+        return
+    for tt, bn, cap in ((t13, 32, got[0]), (t2, 16, got[1])):
+        counts = torch.diff(tt.escape_offsets.long()).view(tt.num_parts, tt.tile_cols, tt.tile_rows_per_part)
+        w = bn // 16 + 1
+        worst = max(int(counts[p, c, r:r + w].sum()) for p in range(tt.num_parts) for c in range(tt.tile_cols)
+                    for r in range(tt.tile_rows_per_part))
+        assert worst <= MAX_UNROLLED_ESCAPES and cap == 1 << (worst - 1).bit_length()
 
 
 def test_matches_the_expert_loop():
@@ -110,15 +143,15 @@ def test_launcher_checks():
 @pytest.mark.parametrize("E,A,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
 def test_gpu_model_shapes(T, E, A, H, I):
     # Mixtral-8x7B and Qwen3-30B-A3B layers at decode sizes, bf16, default tiles: bit-equal to decode-then-GEMM
-    check(T, A, E, H, I, seed=T + E)
+    check(T, A, E, H, I, seed=T + E, escapes=BOTH)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [dict(swap_ab=True), dict(split_k=3), dict(block_m=64), dict(block_n=16, block_n2=16),
                                        dict(block_k=128, block_k2=256, num_stages=2, num_stages2=2)])
 def test_gpu_variants_with_escapes(overrides):
-    check(64, 2, 8, 1024, 1408, seed=11, escape_every=997, **overrides)
-    check(7, 8, 64, 512, 176, seed=12, escape_every=101, **overrides)
+    check(64, 2, 8, 1024, 1408, seed=11, escape_every=997, escapes=BOTH, **overrides)
+    check(7, 8, 64, 512, 176, seed=12, escape_every=101, escapes=BOTH, **overrides)
 
 
 @pytest.mark.gpu

@@ -32,26 +32,51 @@ from .device_info import sm_count
 from .fused_moe import FusedMoEConfig, check_out_like, default_config, fused_moe, moe_sum, w2_splits
 from .moe_align import moe_align
 
+ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
+MAX_UNROLLED_ESCAPES = 32    # above this many escapes in one weight tile's column, the kernel loops over them
+
+
+@triton.jit
+def _patch(e, ent, rows17, cols, tc):
+    """e with the exponent of escape entry ent (row in part mod 2**17 << 14 | column in tile << 8 | exponent)
+    put in place: one compare-and-select over the tile, separable into a row and a column test."""
+    hit = (rows17 == (ent >> 14))[:, None] & (cols == tc * 64 + ((ent >> 8) & 63))[None, :]
+    return tl.where(hit, ent & 0xFF, e)
+
 
 @triton.jit
 def _decode_tile(raw_ptrs, nib_ptrs, base, esc_off_ptr, esc_ptr, rows17, row0, row_end, tile0, k0, offs_k,
                  w_mask, nib_mask, tile_rows_pp, tile_cols, like_ptr,
-                 BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+                 BLOCK_K: tl.constexpr, MASKED: tl.constexpr, ESC_CAP: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile of rows [row0, row_end) (rows of one part) at columns k0.., in
-    like_ptr's dtype. rows17: each tile row's row in its part mod 2**17 (what an escape entry records)."""
+    like_ptr's dtype. rows17: each tile row's row in its part mod 2**17 (what an escape entry records).
+    ESC_CAP: 0, the tensor has no escape; -1, a loop over the tile's escapes; > 0 (escapes_cap), at most that
+    many in any 64-column slice of a weight tile: a branch on "any escape here" around ESC_FIRST unrolled
+    patches, a second one around the rest (no loop nested in the K loop; Triton then pipelines the escape
+    loads, but at 64 x 64 tiles it needs more registers than the loop: ptxas for sm_90)."""
     byte = tl.load(nib_ptrs, mask=nib_mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: two K positions each
     e = base[:, None] + tl.interleave(byte & 0xF, byte >> 4).to(tl.int32)
-    cols = k0 + offs_k
-    for c in tl.static_range(max(1, BLOCK_K // 64)):
-        tc = k0 // 64 + c
-        t0 = tile0 + tc * tile_rows_pp
-        in_k = tc < tile_cols
-        lo = tl.load(esc_off_ptr + t0 + row0 // 16, mask=in_k, other=0)
-        hi = tl.load(esc_off_ptr + t0 + (row_end - 1) // 16 + 1, mask=in_k, other=0)
-        for i in range(lo, hi):
-            ent = tl.load(esc_ptr + i)
-            hit = (rows17 == (ent >> 14))[:, None] & (cols == tc * 64 + ((ent >> 8) & 63))[None, :]
-            e = tl.where(hit, ent & 0xFF, e)
+    if ESC_CAP != 0:
+        cols = k0 + offs_k
+        for c in tl.static_range(max(1, BLOCK_K // 64)):
+            tc = k0 // 64 + c
+            t0 = tile0 + tc * tile_rows_pp
+            in_k = tc < tile_cols
+            lo = tl.load(esc_off_ptr + t0 + row0 // 16, mask=in_k, other=0)
+            hi = tl.load(esc_off_ptr + t0 + (row_end - 1) // 16 + 1, mask=in_k, other=0)
+            if ESC_CAP < 0:
+                for i in range(lo, hi):
+                    e = _patch(e, tl.load(esc_ptr + i), rows17, cols, tc)
+            else:
+                if hi > lo:  # ~half the 64x64 tiles of N(0, s) weights have an escape, few have more than 2
+                    for j in tl.static_range(min(ESC_CAP, ESC_FIRST)):
+                        ent = tl.load(esc_ptr + lo + j, mask=lo + j < hi, other=-1)  # -1: matches no row
+                        e = _patch(e, ent, rows17, cols, tc)
+                    if ESC_CAP > ESC_FIRST:
+                        if hi > lo + ESC_FIRST:
+                            for j in tl.static_range(ESC_FIRST, ESC_CAP):
+                                ent = tl.load(esc_ptr + lo + j, mask=lo + j < hi, other=-1)
+                                e = _patch(e, ent, rows17, cols, tc)
     r = tl.load(raw_ptrs, mask=w_mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)  # sign to bit 15
     bits = (r & 0x807F) | (e << 7)
     if MASKED:  # past N or K: +0.0 (the activations there are 0 too)
@@ -67,6 +92,7 @@ def fused_moe_lossless_kernel(
     stride_a, stride_os, stride_om,
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ESC_CAP: tl.constexpr,
 ):
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ W[e, n, k-range]^T) for one block, W
     decoded from the tiled format tile by tile. GATED: rows n (gate) and N + n (up) of a part of 2N rows,
@@ -93,18 +119,20 @@ def fused_moe_lossless_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     half = (K + 1) // 2
 
+    # NOTE: the expert's arrays by scalar pointers plus int32 offsets inside the expert (< 2**31 for any real
+    # expert), not loop-carried [BLOCK_N, BLOCK_K] 64-bit pointer tensors: those alone took ~200 registers
+    # per thread at 64 x 64 tiles, and the kernel spilled (checked with ptxas for sm_90).
     e64 = expert.to(tl.int64)
-    row_g = e64 * part_rows + offs_n.to(tl.int64)        # gate (or only) rows, global
-    raw_g = raw_ptr + row_g[:, None] * K + (k_start + offs_k)[None, :]
-    nib_g = nib_ptr + row_g[:, None] * half + (k_start // 2 + offs_kh)[None, :]
-    base_g = tl.load(base_ptr + row_g, mask=n_mask, other=0).to(tl.int32)
+    raw_e = raw_ptr + e64 * part_rows * K
+    nib_e = nib_ptr + e64 * part_rows * half
+    raw_off = offs_n[:, None] * K + offs_k[None, :]
+    nib_off = offs_n[:, None] * half + offs_kh[None, :]
+    base_g = tl.load(base_ptr + e64 * part_rows + offs_n, mask=n_mask, other=0).to(tl.int32)
     rows17_g = offs_n & 0x1FFFF
     tile0 = expert * tiles_per_part
     n_end = tl.minimum(pid_n * BLOCK_N + BLOCK_N, N)
     if GATED:
-        raw_u = raw_g + N * K
-        nib_u = nib_g + N * half
-        base_u = tl.load(base_ptr + row_g + N, mask=n_mask, other=0).to(tl.int32)
+        base_u = tl.load(base_ptr + e64 * part_rows + N + offs_n, mask=n_mask, other=0).to(tl.int32)
         rows17_u = (offs_n + N) & 0x1FFFF
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
     if SWAP_AB:
@@ -123,24 +151,20 @@ def fused_moe_lossless_kernel(
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
         nib_mask = n_mask[:, None] & kh_mask[None, :]
-        wg = _decode_tile(raw_g, nib_g, base_g, esc_off_ptr, esc_ptr, rows17_g, pid_n * BLOCK_N, n_end, tile0,
-                          k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N))
+        wg = _decode_tile(raw_e + k0 + raw_off, nib_e + k0 // 2 + nib_off, base_g, esc_off_ptr, esc_ptr, rows17_g, pid_n * BLOCK_N, n_end, tile0,
+                          k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
         if SWAP_AB:
             acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
         else:
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
         if GATED:
-            wu = _decode_tile(raw_u, nib_u, base_u, esc_off_ptr, esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end,
-                              tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N))
+            wu = _decode_tile(raw_e + N * K + k0 + raw_off, nib_e + N * half + k0 // 2 + nib_off, base_u, esc_off_ptr, esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end,
+                              tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
             if SWAP_AB:
                 acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
             else:
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-            raw_u += BLOCK_K
-            nib_u += BLOCK_K // 2
         a_ptrs += BLOCK_K
-        raw_g += BLOCK_K
-        nib_g += BLOCK_K // 2
 
     if GATED:
         res = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -168,6 +192,33 @@ def _check_tiled(tt, name: str, shape: tuple, device) -> None:
         raise ValueError(f"{name}: escapes and escape_offsets must be int32")
 
 
+def escapes_cap(tt, block_n: int) -> int:
+    """The kernel's ESC_CAP for tt under BLOCK_N rows per tile: 0 without escapes; else the most escapes any
+    weight tile's column of 64 can meet (its rows span at most block_n / 16 + 1 escape tiles: the up half of a
+    gated tile need not start on a 16-row boundary), rounded up to a power of two (fewer compiles), or -1 (a
+    loop) above MAX_UNROLLED_ESCAPES. Reads the device once per (tensor, block_n), then cached on tt: call
+    prepare_lossless before capturing a CUDA graph."""
+    key = ("escapes_cap", block_n)
+    if key not in tt._cache:
+        counts = torch.diff(tt.escape_offsets.to(torch.int64))
+        if counts.numel() == 0 or int(counts.sum()) == 0:
+            cap = 0
+        else:
+            per_col = counts.view(tt.num_parts * tt.tile_cols, tt.tile_rows_per_part)
+            w = min(block_n // 16 + 1, per_col.shape[1])
+            cs = torch.nn.functional.pad(torch.cumsum(per_col, 1), (1, 0))
+            m = int((cs[:, w:] - cs[:, :-w]).max())
+            cap = -1 if m > MAX_UNROLLED_ESCAPES else 1 << (m - 1).bit_length()
+        tt._cache[key] = cap
+    return tt._cache[key]
+
+
+def prepare_lossless(w13, w2, config: FusedMoEConfig) -> None:
+    """Computes (and caches) what fused_moe_lossless reads from the device before a launch under config."""
+    escapes_cap(w13, config.block_n)
+    escapes_cap(w2, config.block_n2)
+
+
 def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
     """Shapes, dtypes, contiguity, one device; never reads device data. -> (T, A, E, H, I)."""
     check_float(x, "x", 2)
@@ -191,23 +242,43 @@ def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, i
     return T, topk_ids.shape[1], E, H, I
 
 
+def lossless_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                    num_sms: int = 132) -> FusedMoEConfig:
+    """fused_moe's tile table with what the in-register decode needs to stay within 255 registers without
+    spilling (ptxas for sm_90, 64 x 64 tiles): 8 warps for the gated GEMM, 64-wide K steps for w2 (a decoded
+    [64, 128] tile spilled ~900 bytes per thread). Untuned on a GPU: benchmarks/bench_fused_lossless.py."""
+    cfg = default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
+    if dtype == torch.float32:  # the interpreter's small tiles
+        return cfg
+    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps, block_k2=64)
+
+
 def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
-                       **overrides) -> torch.Tensor:
+                       escapes: str = "loop", **overrides) -> torch.Tensor:
     """fused_moe on experts held in the tiled lossless format: w13 a TiledTensor [E, 2I, H], w2 [E, H, I], one
-    part per expert, on x's device. No host sync. Returns out [T, H] in x's dtype; with the same config it
-    equals fused_moe on the decoded weights bit for bit."""
+    part per expert, on x's device. config: lossless_config by default. escapes (same bits either way; a
+    benchmark knob): "loop", a loop over each weight tile's escapes (fewer registers); "unrolled", branches
+    around unrolled patches (_decode_tile; reads the device once per tensor and tile height, escapes_cap:
+    call prepare_lossless before capturing a CUDA graph). No host sync otherwise. Returns out [T, H] in x's
+    dtype; with the same config it equals fused_moe on the decoded weights bit for bit."""
+    if escapes not in ("loop", "unrolled"):
+        raise ValueError(f"escapes must be loop or unrolled, got {escapes!r}")
     T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
     out = check_out_like(out, x)
     if T == 0:
         return out
     num_sms = sm_count(x.device)
-    cfg = config or default_config(T, A, E, H, I, x.dtype, num_sms)
+    cfg = config or lossless_config(T, A, E, H, I, x.dtype, num_sms)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     N = T * A
     sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
     num_blocks = block_expert.numel()
     meta = dict(SWAP_AB=cfg.swap_ab, BLOCK_M=cfg.block_m, DOT_PRECISION=dot_precision(x.dtype))
+    if escapes == "loop":  # from shapes only: no device read
+        cap13, cap2 = (-1 if t.escapes.numel() else 0 for t in (w13, w2))
+    else:
+        cap13, cap2 = escapes_cap(w13, cfg.block_n), escapes_cap(w2, cfg.block_n2)
     h = torch.empty((N, I), dtype=x.dtype, device=x.device)
     # the gated launch's num_slots is N; its a rows are slot // TOP_K (tokens)
     fused_moe_lossless_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
@@ -215,7 +286,8 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
         N, num_blocks, I, H, H, w13.part_rows, w13.tiles_per_part, w13.tile_rows_per_part, w13.tile_cols,
         x.stride(0), 0, h.stride(0),
         TOP_K=A, GATED=True, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_CAP=cap13, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta)
     splits, k_per_split = w2_splits(cfg, num_blocks, T, A, E, H, I, num_sms)
     y = torch.empty((splits, N, H), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     fused_moe_lossless_kernel[(num_blocks * triton.cdiv(H, cfg.block_n2), splits)](
@@ -223,12 +295,18 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
         N, num_blocks, H, I, k_per_split, w2.part_rows, w2.tiles_per_part, w2.tile_rows_per_part, w2.tile_cols,
         h.stride(0), y.stride(0), y.stride(1),
         TOP_K=1, GATED=False, EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **meta)
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, ESC_CAP=cap2, num_warps=cfg.num_warps2,
+        num_stages=cfg.num_stages2, **meta)
     return moe_sum(y, topk_weights, topk_ids, out, splits, E)
 
 
-def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, **kwargs) -> torch.Tensor:
-    """Decode-then-GEMM: the tiled experts decoded by the PyTorch reference (to x's dtype), then fused_moe."""
+def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, *, config: FusedMoEConfig | None = None,
+                                 **overrides) -> torch.Tensor:
+    """Decode-then-GEMM: the tiled experts decoded by the PyTorch reference (to x's dtype), then fused_moe with
+    the tiles fused_moe_lossless would use (so the reductions, and the bits, are the same)."""
+    T, A = topk_ids.shape
+    E, two_i, H = w13.shape
+    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device))
     d13 = tiled.decode_reference(w13).to(x.dtype)
     d2 = tiled.decode_reference(w2).to(x.dtype)
-    return fused_moe(x, d13, d2, topk_weights, topk_ids, **kwargs)
+    return fused_moe(x, d13, d2, topk_weights, topk_ids, config=cfg, **overrides)
