@@ -201,3 +201,17 @@ def test_lossless_formats_quick(tmp_path):
         assert r["rows"]["huffman"]["ratio"] < r["rows"]["tiled"]["ratio"] < 0.8
         assert r["rows"]["tiled"]["escape_rate"] < 1e-3 < r["rows"]["nib3-row"]["escape_rate"]
     assert "default model" in out
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """benchmarks/lossless_ptxas.py --quick: both GEMMs at lossless_config's tiles (Mixtral and Qwen3 at 64 tokens),
+    compiled for sm_90 by Triton's ptxas on any machine: no stack (spills) in the decode loop."""
+    import shutil
+    from pathlib import Path
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists() and not shutil.which("cuobjdump"):
+        pytest.skip("Triton's NVIDIA tools are not installed")
+    _, res = _run_script(tmp_path, "benchmarks/lossless_ptxas.py")
+    assert len(res["rows"]) >= 4 and {r["gemm"] for r in res["rows"]} == {"w13", "w2"}
+    assert all(r["stack_bytes"] == 0 for r in res["rows"]), res["rows"]

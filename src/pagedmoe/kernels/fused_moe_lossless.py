@@ -245,12 +245,14 @@ def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, i
 def lossless_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
                     num_sms: int = 132) -> FusedMoEConfig:
     """fused_moe's tile table with what the in-register decode needs to stay within 255 registers without
-    spilling (ptxas for sm_90, 64 x 64 tiles): 8 warps for the gated GEMM, 64-wide K steps for w2 (a decoded
-    [64, 128] tile spilled ~900 bytes per thread). Untuned on a GPU: benchmarks/bench_fused_lossless.py."""
+    spilling (benchmarks/lossless_ptxas.py, sm_90): 8 warps for the gated GEMM at 64 columns, 64-wide K steps
+    for w2 (a decoded [64, 128] tile spilled ~900 bytes per thread), 8 warps for w2 at 64-row blocks. Untuned on
+    a GPU: benchmarks/bench_fused_lossless.py."""
     cfg = default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
     if dtype == torch.float32:  # the interpreter's small tiles
         return cfg
-    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps, block_k2=64)
+    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps, block_k2=64,
+                               num_warps2=8 if cfg.block_m >= 64 else cfg.num_warps2)
 
 
 def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,

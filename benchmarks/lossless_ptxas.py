@@ -1,0 +1,115 @@
+"""Registers and spills of the fused lossless MoE kernels (kernels/fused_moe_lossless.py), compiled ahead of time
+for a GPU target with Triton's own ptxas; runs on a machine without a GPU.
+
+    PYTHONPATH=src python benchmarks/lossless_ptxas.py [--arch 90] [--quick] [--out DIR]
+
+For the tiles lossless_config picks on the Mixtral-8x7B and Qwen3-30B-A3B layers at 1, 16, 64 and 256 tokens
+(each distinct configuration once), both GEMMs (gated w13, split-K w2) and both escape modes (ESC_CAP -1: the
+loop; 8: unrolled branches), plus the bf16 fused_moe kernel at its own tiles for comparison. A spill (stack
+bytes > 0) in the decode loop costs local-memory traffic on every K step. Writes lossless_ptxas.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagedmoe.kernels.fused_moe import default_config, fused_moe_kernel  # noqa: E402
+from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless_kernel, lossless_config  # noqa: E402
+
+MODELS = {"mixtral-8x7b": dict(E=8, H=4096, I=14336, A=2), "qwen3-30b-a3b": dict(E=128, H=2048, I=768, A=8)}
+LOSSLESS_ARGS = ["a_ptr", "raw_ptr", "nib_ptr", "base_ptr", "esc_off_ptr", "esc_ptr", "out_ptr", "sorted_slots_ptr",
+                 "block_expert_ptr", "num_slots", "num_blocks", "N", "K", "k_per_split", "part_rows", "tiles_per_part",
+                 "tile_rows_pp", "tile_cols", "stride_a", "stride_os", "stride_om"]
+BF16_ARGS = ["a_ptr", "w_ptr", "out_ptr", "sorted_slots_ptr", "block_expert_ptr", "ws_ptr", "slot_ptr", "num_slots",
+             "num_blocks", "N", "K", "k_per_split", "stride_a", "stride_we", "stride_wn", "stride_os", "stride_om",
+             "stride_se", "stride_sn"]
+
+
+def resource_usage(cubin: bytes) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+).*STACK:(\d+)", text)
+    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))}
+
+
+def compile_one(kernel, names, types, const, arch, num_warps, num_stages) -> dict:
+    sig = dict(zip(names, types))
+    sig.update({k: "constexpr" for k in const})
+    out = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=num_warps, num_stages=num_stages))
+    return resource_usage(out.asm["cubin"])
+
+
+def configs(quick: bool):
+    import torch
+
+    seen = {}
+    for name, m in MODELS.items():
+        for T in ((64,) if quick else (1, 16, 64, 256)):
+            cfg = lossless_config(T, m["A"], m["E"], m["H"], m["I"], torch.bfloat16)
+            seen.setdefault(cfg, []).append(f"{name} T={T}")
+    return seen
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--quick", action="store_true", help="Mixtral and Qwen3 at 64 tokens, loop mode only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    import torch
+
+    rows = []
+    for cfg, where in configs(args.quick).items():
+        for gated in (True, False):
+            bn, bk, nw, ns = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
+                              (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+            common = dict(TOP_K=2 if gated else 1, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_K=True, EVEN_N=True,
+                          BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee")
+            out_t = "*bf16" if gated else "*fp32"
+            for cap in ((-1,) if args.quick else (-1, 8)):
+                types = ["*bf16", "*u8", "*u8", "*u8", "*i32", "*i32", out_t, "*i32", "*i32"] + ["i32"] * 12
+                use = compile_one(fused_moe_lossless_kernel, LOSSLESS_ARGS, types, dict(common, ESC_CAP=cap),
+                                  args.arch, nw, ns)
+                rows.append(dict(kernel="lossless", gemm="w13" if gated else "w2", esc_cap=cap, block_m=cfg.block_m,
+                                 block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, used_by=where, **use))
+                print(f"lossless {rows[-1]['gemm']:3s} cap {cap:2d} m{cfg.block_m} n{bn} k{bk} w{nw} s{ns}: "
+                      f"{use['registers']} registers, {use['stack_bytes']} stack bytes  ({', '.join(where)})", flush=True)
+    if not args.quick:
+        for name, m in MODELS.items():  # the bf16 kernel at its own tiles, for comparison
+            cfg = default_config(64, m["A"], m["E"], m["H"], m["I"], torch.bfloat16)
+            for gated in (True, False):
+                bn, bk, nw, ns = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
+                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+                types = ["*bf16", "*bf16", "*bf16" if gated else "*fp32", "*i32", "*i32", "*fp32", "*i32"] + ["i32"] * 12
+                const = dict(TOP_K=2 if gated else 1, GATED=gated, SWAP_AB=False, EVEN_K=True, EVEN_N=True,
+                             BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee", QUANT=0, GROUP=128,
+                             USE_SLOTS=False)
+                use = compile_one(fused_moe_kernel, BF16_ARGS, types, const, args.arch, nw, ns)
+                rows.append(dict(kernel="bf16", gemm="w13" if gated else "w2", block_m=cfg.block_m, block_n=bn,
+                                 block_k=bk, num_warps=nw, num_stages=ns, used_by=[f"{name} T=64"], **use))
+                print(f"bf16     {rows[-1]['gemm']:3s} m{cfg.block_m} n{bn} k{bk} w{nw} s{ns}: {use['registers']} "
+                      f"registers, {use['stack_bytes']} stack bytes ({name} T=64)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "lossless_ptxas.json"), "w") as f:
+        json.dump(dict(arch=args.arch, triton=triton.__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
