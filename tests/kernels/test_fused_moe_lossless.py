@@ -6,6 +6,7 @@ bit (torch.equal). CPU: the Triton interpreter with float32 activations (its tl.
 integers; the decoded bf16 weights are exact in float32), small odd shapes, escapes forced into many tiles.
 GPU (@pytest.mark.gpu): bf16 activations, the Mixtral-8x7B and Qwen3-30B-A3B layer shapes.
 """
+import functools
 import os
 
 import torch
@@ -35,23 +36,28 @@ if INTERPRET:
     fix_interpreter_index()
 
 
-def make_layer(T, A, E, H, I, seed, escape_every=0, dtype=ACT):
-    """Tiled experts (bf16 weights; every escape_every-th weight tiny, so it escapes), x, top-A routing."""
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+@functools.lru_cache(maxsize=2)  # the GPU tests reuse a model-sized layer across token counts
+def _experts(E, H, I, seed, escape_every):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g, device=DEVICE) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g, device=DEVICE) * I ** -0.5).bfloat16()
     if escape_every:
         w13.view(-1)[3::escape_every] = 1e-30
         w2.view(-1)[5::escape_every] = -1e-30
+    return tiled.encode(w13, num_parts=E), tiled.encode(w2, num_parts=E), w13, w2
+
+
+def make_layer(T, A, E, H, I, seed, escape_every=0, dtype=ACT, weight_seed=None):
+    """Tiled experts (bf16 weights; every escape_every-th weight tiny, so it escapes), x, top-A routing."""
+    t13, t2, w13, w2 = _experts(E, H, I, seed if weight_seed is None else weight_seed, escape_every)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
     weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), A, dim=-1)
-    t13 = tiled.encode(w13.to(DEVICE), num_parts=E)
-    t2 = tiled.encode(w2.to(DEVICE), num_parts=E)
-    return x.to(DEVICE), t13, t2, weights.to(DEVICE), ids.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE)
+    return x.to(DEVICE), t13, t2, weights.to(DEVICE), ids.to(DEVICE), w13, w2
 
 
-def check(T, A, E, H, I, seed=0, escape_every=0, escapes=("loop",), **overrides):
-    x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed, escape_every)
+def check(T, A, E, H, I, seed=0, escape_every=0, escapes=("loop",), weight_seed=None, **overrides):
+    x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed, escape_every, weight_seed=weight_seed)
     if escape_every:
         assert t13.escapes.numel() > 0 and t2.escapes.numel() > 0
     ref = fused_moe_lossless_reference(x, t13, t2, weights, ids, **overrides)
@@ -143,7 +149,7 @@ def test_launcher_checks():
 @pytest.mark.parametrize("E,A,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
 def test_gpu_model_shapes(T, E, A, H, I):
     # Mixtral-8x7B and Qwen3-30B-A3B layers at decode sizes, bf16, default tiles: bit-equal to decode-then-GEMM
-    check(T, A, E, H, I, seed=T + E, escapes=BOTH)
+    check(T, A, E, H, I, seed=T + E, escapes=BOTH, weight_seed=E)
 
 
 @pytest.mark.gpu

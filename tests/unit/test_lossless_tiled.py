@@ -228,3 +228,14 @@ def test_encoder_chunks_do_not_change_the_bytes(monkeypatch):
     b = tiled.encode(x, num_parts=2)
     assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in tiled.ARRAYS) and a.checksums == b.checksums
     assert np.array_equal(a.escape_offsets.numpy(), b.escape_offsets.numpy())
+
+
+def test_parts_with_more_rows_than_an_entry_holds():
+    """Escape entries keep a row mod 2**17; a part of 140,000 rows (an embedding, --all-weights) decodes its
+    escapes past row 131,072 to their own rows, not to the rows 2**17 earlier."""
+    x = (torch.randn(140_000, 3) * 0.02).bfloat16()
+    for r in (5, 131_072 + 5, 131_072 + 16 * 3 + 2, 139_999):
+        x[r, 1] = 1e-30
+    tt = roundtrip(x)
+    _, col, grow = tiled._escape_positions(tt)
+    assert {131_077, 131_122, 139_999, 5} <= set(grow.tolist())

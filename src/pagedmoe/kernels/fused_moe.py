@@ -67,6 +67,53 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr
     return w
 
 
+@triton.jit
+def _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """A block's slots (padding rows hold the sentinel num_slots), their rows of a (slot // TOP_K), its output
+    columns and their masks."""
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_mask = offs_n < N
+    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """fp32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the weight tile on the MMA's M side."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def _mma(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += a @ w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc += w @ a^T ([BLOCK_N, BLOCK_M]: the weight tile
+    on the MMA's M side)."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask,
+                 GATED: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Writes a block's rows: silu(gate) * up when GATED, else the plain product (of split pid_k)."""
+    if GATED:
+        res = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        res = acc_g
+    if SWAP_AB:
+        res = tl.trans(res)
+    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
+                + offs_n[None, :])
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_kernel(
     a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, ws_ptr, slot_ptr,
@@ -98,15 +145,8 @@ def fused_moe_kernel(
         if expert < 0:  # another precision group's expert: its own launch computes these rows
             return
 
-    offs_m = tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + offs_m)
-    m_mask = slots < num_slots  # padding rows hold the sentinel num_slots
-    a_rows = (slots // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        n_mask = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        n_mask = offs_n < N
+    slots, m_mask, a_rows, offs_n, n_mask = _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
+                                                        BLOCK_M, BLOCK_N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -121,12 +161,8 @@ def fused_moe_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
     sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
     su_ptrs = sg_ptrs + N * stride_sn
-    if SWAP_AB:  # the weight tile is the MMA's M side: dot(w [N, K], a^T [K, M]) -> [N, M]
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # a constant-true mask keeps the K direction unmasked (16-byte loads)
             k_mask = tl.full([BLOCK_K], 1, tl.int1)
@@ -138,30 +174,16 @@ def fused_moe_kernel(
         else:
             w_mask = n_mask[:, None] & k_mask[None, :]
         wg = _weight_tile(wg_ptrs, sg_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
-        if SWAP_AB:
-            acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
-        else:
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        acc_g = _mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
         w_step = BLOCK_K // 2 if QUANT == 2 else BLOCK_K
         if GATED:
             wu = _weight_tile(wu_ptrs, su_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
-            if SWAP_AB:
-                acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
-            else:
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            acc_u = _mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
             wu_ptrs += w_step
         a_ptrs += BLOCK_K
         wg_ptrs += w_step
 
-    if GATED:
-        res = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:
-        res = acc_g
-    if SWAP_AB:
-        res = tl.trans(res)
-    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
-                + offs_n[None, :])
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits"])

@@ -29,7 +29,8 @@ from pagedmoe.codecs import tiled
 
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision
 from .device_info import sm_count
-from .fused_moe import FusedMoEConfig, check_out_like, default_config, fused_moe, moe_sum, w2_splits
+from .fused_moe import (FusedMoEConfig, _acc_zeros, _block_rows, _mma, _store_block, check_out_like, default_config,
+                        fused_moe, moe_sum, w2_splits)
 from .moe_align import moe_align
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
@@ -104,15 +105,8 @@ def fused_moe_lossless_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:  # past the last used block
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + offs_m)
-    m_mask = slots < num_slots
-    a_rows = (slots // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        n_mask = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        n_mask = offs_n < N
+    slots, m_mask, a_rows, offs_n, n_mask = _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
+                                                        BLOCK_M, BLOCK_N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kh = tl.arange(0, BLOCK_K // 2)
     k_start = pid_k * k_per_split  # even: a whole number of BLOCK_K steps
@@ -135,12 +129,8 @@ def fused_moe_lossless_kernel(
         base_u = tl.load(base_ptr + e64 * part_rows + N + offs_n, mask=n_mask, other=0).to(tl.int32)
         rows17_u = (offs_n + N) & 0x1FFFF
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
-    if SWAP_AB:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             k_mask = tl.full([BLOCK_K], 1, tl.int1)
@@ -151,30 +141,18 @@ def fused_moe_lossless_kernel(
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
         nib_mask = n_mask[:, None] & kh_mask[None, :]
-        wg = _decode_tile(raw_e + k0 + raw_off, nib_e + k0 // 2 + nib_off, base_g, esc_off_ptr, esc_ptr, rows17_g, pid_n * BLOCK_N, n_end, tile0,
-                          k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
-        if SWAP_AB:
-            acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=DOT_PRECISION)
-        else:
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = _decode_tile(raw_e + N * K + k0 + raw_off, nib_e + N * half + k0 // 2 + nib_off, base_u, esc_off_ptr, esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end,
-                              tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
-            if SWAP_AB:
-                acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=DOT_PRECISION)
-            else:
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        wg = _decode_tile(raw_e + k0 + raw_off, nib_e + k0 // 2 + nib_off, base_g, esc_off_ptr, esc_ptr, rows17_g,
+                          pid_n * BLOCK_N, n_end, tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr,
+                          BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
+        acc_g = _mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
+        if GATED:  # the up rows: N rows further in the part
+            wu = _decode_tile(raw_e + N * K + k0 + raw_off, nib_e + N * half + k0 // 2 + nib_off, base_u, esc_off_ptr,
+                              esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end, tile0, k0, offs_k, w_mask, nib_mask,
+                              tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
+            acc_u = _mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
 
-    if GATED:
-        res = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:
-        res = acc_g
-    if SWAP_AB:
-        res = tl.trans(res)
-    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
-                + offs_n[None, :])
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
 def _check_tiled(tt, name: str, shape: tuple, device) -> None:
