@@ -165,14 +165,16 @@ def test_file_roundtrip_and_corruption(tmp_path):
     assert set(got) == set(c) and torch.equal(plain["norm.weight"], torch.ones(7))
     assert isinstance(got["tiny"], tiled.TiledTensor)
     assert torch.equal(bits(tiled.decode_reference(got["model.layers.0.mlp.experts.w1"])), bits(x))
-    data = bytearray(path.read_bytes())
-    header_len = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8:8 + header_len])
-    assert json.loads(meta["__metadata__"][METADATA_KEY])["version"] == 2
-    begin, _ = meta["model.layers.0.mlp.experts.w1.lx.raw"]["data_offsets"]
-    data[8 + header_len + begin + 3 * 3000 + 17] ^= 0x01  # one bit of expert 3's raw bytes
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    assert json.loads(meta[METADATA_KEY])["version"] == 2
+    tensors["model.layers.0.mlp.experts.w1.lx.raw"][3 * 3000 + 17] ^= 0x01  # one bit of expert 3's raw bytes
     bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(bytes(data))
+    save_file(tensors, str(bad), metadata=meta)
     with pytest.raises(CorruptCheckpointError, match=r"mlp\.experts\.w1: part 3"):
         load_compressed(str(bad))
 
