@@ -51,6 +51,7 @@ declare -A STAGES=(
   [hf-offload-24]="~2.8 min [pcie] | HF generate with accelerate offload at 24 GiB on the GPU (Mixtral-8x7B shape, batch 8, 512 in / 8 out)"
   [hf-offload-64]="~1.2 min [pcie] | the same at 64 GiB"
   [codec]="~0.5 min | lossless codec table: bit-exactness, decoder variants back to back at 256 Mi weights per call, encoder (benchmarks/bench_codec.py)"
+  [fused-lossless]="~4 min | MoE layer with every expert in lossless format v2, decoded inside the GEMM, vs bf16-resident, Mixtral-8x7B and Qwen3-30B-A3B at 1/16/64/256 tokens, floors, tile variants, v2 encode rate (issue 23; benchmarks/bench_fused_lossless.py)"
   [dequant]="~0.7 min | dequantisation into the compute buffer vs its HBM floor, per precision and launch shape (benchmarks/bench_dequant.py)"
   [attention]="~0.4 min | paged attention decode/prefill vs floors (benchmarks/bench_attention.py)"
   [dynamic]="~1.8 min | dynamic precision: controller cost on a steady workload and the preemption burst (benchmarks/bench_dynamic.py)"
@@ -70,7 +71,7 @@ declare -A STAGES=(
   [sweep-mixtral-w4_64-dynamic]="~3 min | sweep Mixtral-8x7B at weights + 4 and 64 GiB under dynamic precision (lossy rungs under KV pressure; the KV memory lent to experts goes back to the device)"
   [sweep-qwen3-w4_64-dynamic]="~7 min | the same for Qwen3-30B-A3B"
 )
-ORDER=(gputests latency throughput-mixtral throughput-qwen3 hf hf-offload-24 hf-offload-64 codec dequant attention dynamic serve-resident serve-paged glm-air
+ORDER=(gputests latency throughput-mixtral throughput-qwen3 hf hf-offload-24 hf-offload-64 codec fused-lossless dequant attention dynamic serve-resident serve-paged glm-air
        sweep-mixtral-24-paged sweep-mixtral-24-paged+host-lossless sweep-mixtral-64-paged
        sweep-mixtral-64-paged+host-lossless sweep-mixtral-w4-resident,paged,paged+lossless sweep-mixtral-139-resident
        sweep-qwen3-24-paged,paged+host-lossless sweep-qwen3-64-resident,paged,paged+lossless
@@ -151,6 +152,10 @@ run_stage() {  # $1 = stage
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_codec.py --numel 268435456 --out "$d" > "$d/bench_codec.log" 2>&1 \
         || rc=$?
       tail -30 "$d/bench_codec.log" ;;
+    fused-lossless)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_fused_lossless.py --out "$d" \
+        > "$d/bench_fused_lossless.log" 2>&1 || rc=$?
+      grep -E "encode|default|wrote" "$d/bench_fused_lossless.log" | tail -12 ;;
     dequant)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python benchmarks/bench_dequant.py --out "$d" > "$d/bench_dequant.log" \
         2>&1 || rc=$?
