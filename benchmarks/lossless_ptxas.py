@@ -29,7 +29,7 @@ from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless_kernel, lossl
 
 MODELS = {"mixtral-8x7b": dict(E=8, H=4096, I=14336, A=2), "qwen3-30b-a3b": dict(E=128, H=2048, I=768, A=8)}
 LOSSLESS_ARGS = ["a_ptr", "raw_ptr", "nib_ptr", "base_ptr", "esc_off_ptr", "esc_ptr", "out_ptr", "sorted_slots_ptr",
-                 "block_expert_ptr", "num_slots", "num_blocks", "N", "K", "k_per_split", "part_rows", "tiles_per_part",
+                 "block_expert_ptr", "slot_ptr", "num_slots", "num_blocks", "N", "K", "k_per_split", "part_rows", "tiles_per_part",
                  "tile_rows_pp", "tile_cols", "stride_a", "stride_os", "stride_om"]
 BF16_ARGS = ["a_ptr", "w_ptr", "out_ptr", "sorted_slots_ptr", "block_expert_ptr", "ws_ptr", "slot_ptr", "num_slots",
              "num_blocks", "N", "K", "k_per_split", "stride_a", "stride_we", "stride_wn", "stride_os", "stride_om",
@@ -83,8 +83,9 @@ def main() -> int:
                           BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee")
             out_t = "*bf16" if gated else "*fp32"
             for cap in ((-1,) if args.quick else (-1, 8)):
-                types = ["*bf16", "*u8", "*u8", "*u8", "*i32", "*i32", out_t, "*i32", "*i32"] + ["i32"] * 12
-                use = compile_one(fused_moe_lossless_kernel, LOSSLESS_ARGS, types, dict(common, ESC_CAP=cap),
+                types = ["*bf16", "*u8", "*u8", "*u8", "*i32", "*i32", out_t, "*i32", "*i32", "*i32"] + ["i32"] * 12
+                use = compile_one(fused_moe_lossless_kernel, LOSSLESS_ARGS, types,
+                                  dict(common, ESC_CAP=cap, USE_SLOTS=False),
                                   args.arch, nw, ns)
                 rows.append(dict(kernel="lossless", gemm="w13" if gated else "w2", esc_cap=cap, block_m=cfg.block_m,
                                  block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, used_by=where, **use))

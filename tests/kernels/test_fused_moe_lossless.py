@@ -124,6 +124,45 @@ def test_up_rows_off_the_escape_tile_grid():
     check(4, 2, 2, 64, 24, seed=8, escape_every=4, block_n=16)
 
 
+@pytest.mark.parametrize("T,E,A,H,I", [(6, 5, 2, 72, 40), (3, 4, 3, 130, 24)])
+def test_mixed_layer_with_a_lossless_part(T, E, A, H, I):
+    """fused_moe_mixed with exact, lossless-v2 and int8 experts (one part each) equals fused_moe on the layer
+    assembled from the exact, decoded (= original) and dequantized weights, bit for bit: the v2 part runs
+    fused_moe_lossless_kernel over the same blocks and splits, skipping the other parts' experts."""
+    from pagedmoe.codecs.quant import dequantize, quantize
+    from pagedmoe.experts.quantized import _stack
+
+    g = torch.Generator().manual_seed(E * H + T)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+    w13.view(-1)[7::23] = 1e-30  # escapes in the lossless part's tiles
+    groups = {"exact": [0, 3], "lossless": [1] + ([4] if E > 4 else []), "int8": [2]}
+    full13, full2 = w13.to(DEVICE, ACT).clone(), w2.to(DEVICE, ACT).clone()
+    parts = []
+    for kind, ids in groups.items():
+        slots = torch.full((E,), -1, dtype=torch.int32)
+        slots[ids] = torch.arange(len(ids), dtype=torch.int32)
+        if kind == "exact":
+            parts.append((w13[ids].to(DEVICE, ACT), w2[ids].to(DEVICE, ACT), slots.to(DEVICE)))
+        elif kind == "lossless":
+            t13 = tiled.encode(w13[ids].contiguous().to(DEVICE), num_parts=len(ids))
+            t2 = tiled.encode(w2[ids].contiguous().to(DEVICE), num_parts=len(ids))
+            assert t13.escapes.numel() > 0
+            parts.append((t13, t2, slots.to(DEVICE)))
+        else:
+            q13 = _stack([quantize(w13[e].float().to(DEVICE), kind) for e in ids])
+            q2 = _stack([quantize(w2[e].float().to(DEVICE), kind) for e in ids])
+            full13[ids] = dequantize(q13, ACT).view(len(ids), 2 * I, H)
+            full2[ids] = dequantize(q2, ACT).view(len(ids), H, I)
+            parts.append((q13, q2, slots.to(DEVICE)))
+    x = torch.randn(T, H, generator=g).to(DEVICE, ACT)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g).to(DEVICE), -1), A, dim=-1)
+    got = fm.fused_moe_mixed(x, parts, E, weights, ids)
+    assert torch.equal(got, fm.fused_moe(x, full13, full2, weights, ids))
+    with pytest.raises(ValueError, match="bf16 activations"):
+        fm.fused_moe_mixed(x.half(), [parts[1]], E, weights, ids)  # the lossless part alone
+
+
 def test_launcher_checks():
     x, t13, t2, weights, ids, w13, w2 = make_layer(3, 2, 4, 32, 16, seed=4)
     with pytest.raises(ValueError, match="w2 must be"):

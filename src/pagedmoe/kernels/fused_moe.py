@@ -390,7 +390,8 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
                     *, out: torch.Tensor | None = None, config: FusedMoEConfig | None = None) -> torch.Tensor:
     """A layer whose experts are held at several precisions (--expert-precision dynamic). parts: one
     (w13, w2, slots) per group: float expert views w13 [n, 2I, H] / w2 [n, H, I] (exact experts, any
-    expert stride), or QuantizedTensor stacks as fused_moe_quantized takes them; slots int32 [E] on the
+    expert stride), QuantizedTensor stacks as fused_moe_quantized takes them, or lossless format v2
+    TiledTensors [n, 2I, H] / [n, H, I] (one part per expert, as fused_moe_lossless takes them); slots int32 [E] on the
     device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
     routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
     bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
@@ -410,6 +411,11 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
             raise ValueError(f"slots must be int32 [{E}] on {x.device}, got {slots.dtype} {tuple(slots.shape)}")
         if isinstance(w13, QuantizedTensor):
             groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
+            continue
+        if getattr(w13, "version", None) == 2:  # lossless format v2, decoded in the GEMM
+            from .fused_moe_lossless import tiled_pair
+
+            groups.append((*tiled_pair(w13, w2, H, I, x.device, x.dtype), slots))
             continue
         check_float(w13, "w13", 3)
         check_float(w2, "w2", 3)
@@ -436,8 +442,14 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
     num_blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
 
+    # A group whose weights have a `launch` (kernels/fused_moe_lossless.py: experts in lossless format v2) runs
+    # its own kernel over the same blocks, rows of h and y, and splits.
     h = torch.empty((N, I), dtype=x.dtype, device=x.device)
     for w13, _, slots in groups:
+        if hasattr(w13, "launch"):
+            w13.launch((num_blocks * triton.cdiv(I, cfg.block_n), 1), x, h, sorted_slots, block_expert, slots, N,
+                       num_blocks, I, H, H, 0, h.stride(0), A, True, cfg, precision)
+            continue
         fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
             x, w13.data, h, sorted_slots, block_expert, x if w13.scales is None else w13.scales,
             block_expert if slots is None else slots,
@@ -456,6 +468,10 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
     y_dtype = torch.float32 if splits > 1 else x.dtype
     y = torch.empty((splits, N, H), dtype=y_dtype, device=x.device)
     for _, w2, slots in groups:
+        if hasattr(w2, "launch"):
+            w2.launch((num_blocks * n_tiles2, splits), h, y, sorted_slots, block_expert, slots, N, num_blocks, H, I,
+                      k_per_split, y.stride(0), y.stride(1), 1, False, cfg, precision)
+            continue
         fused_moe_kernel[(num_blocks * n_tiles2, splits)](
             h, w2.data, y, sorted_slots, block_expert, x if w2.scales is None else w2.scales,
             block_expert if slots is None else slots,

@@ -27,11 +27,9 @@ import triton.language as tl
 
 from pagedmoe.codecs import tiled
 
-from ._attention_checks import check_float, check_index, check_same_device, dot_precision
+from ._attention_checks import check_float, check_index, check_same_device
 from .device_info import sm_count
-from .fused_moe import (FusedMoEConfig, _acc_zeros, _block_rows, _mma, _store_block, check_out_like, default_config,
-                        fused_moe, moe_sum, w2_splits)
-from .moe_align import moe_align
+from .fused_moe import FusedMoEConfig, _acc_zeros, _block_rows, _fused_moe, _mma, _store_block, default_config, fused_moe
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
 MAX_UNROLLED_ESCAPES = 32    # above this many escapes in one weight tile's column, the kernel loops over them
@@ -88,16 +86,17 @@ def _decode_tile(raw_ptrs, nib_ptrs, base, esc_off_ptr, esc_ptr, rows17, row0, r
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_lossless_kernel(
-    a_ptr, raw_ptr, nib_ptr, base_ptr, esc_off_ptr, esc_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
+    a_ptr, raw_ptr, nib_ptr, base_ptr, esc_off_ptr, esc_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, slot_ptr,
     num_slots, num_blocks, N, K, k_per_split, part_rows, tiles_per_part, tile_rows_pp, tile_cols,
     stride_a, stride_os, stride_om,
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ESC_CAP: tl.constexpr,
+    ESC_CAP: tl.constexpr, USE_SLOTS: tl.constexpr = False,
 ):
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ W[e, n, k-range]^T) for one block, W
     decoded from the tiled format tile by tile. GATED: rows n (gate) and N + n (up) of a part of 2N rows,
-    output silu(gate) * up. Not GATED: plain product of one split of K (part of N rows)."""
+    output silu(gate) * up. Not GATED: plain product of one split of K (part of N rows). USE_SLOTS: the tensor
+    holds some experts of the layer (fused_moe_mixed); slot_ptr [E] gives each expert's part, or -1 (skipped)."""
     pid = tl.program_id(0)
     pid_m = pid % num_blocks
     pid_n = pid // num_blocks
@@ -105,6 +104,10 @@ def fused_moe_lossless_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:  # past the last used block
         return
+    if USE_SLOTS:
+        expert = tl.load(slot_ptr + expert)
+        if expert < 0:  # another group's expert
+            return
     slots, m_mask, a_rows, offs_n, n_mask = _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
                                                         BLOCK_M, BLOCK_N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -197,6 +200,42 @@ def prepare_lossless(w13, w2, config: FusedMoEConfig) -> None:
     escapes_cap(w2, config.block_n2)
 
 
+@dataclasses.dataclass(frozen=True)
+class TiledExperts:
+    """One GEMM's experts in lossless format v2 as fused_moe.py's launcher runs them (its `launch` hook)."""
+    tt: "tiled.TiledTensor"
+    escapes: str = "loop"
+
+    def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
+               stride_os, stride_om, top_k, gated, cfg, precision) -> None:
+        tt = self.tt
+        bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
+                                 (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+        if self.escapes == "loop":  # from shapes only: no device read
+            cap = -1 if tt.escapes.numel() else 0
+        else:
+            cap = escapes_cap(tt, bn)
+        fused_moe_lossless_kernel[grid](
+            a, tt.raw, tt.nibbles, tt.base, tt.escape_offsets, tt.escapes, out, sorted_slots, block_expert,
+            block_expert if slots is None else slots,
+            num_slots, num_blocks, N, K, k_per_split, tt.part_rows, tt.tiles_per_part, tt.tile_rows_per_part,
+            tt.tile_cols, a.stride(0), stride_os, stride_om,
+            TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision, ESC_CAP=cap,
+            USE_SLOTS=slots is not None, num_warps=warps, num_stages=stages)
+
+
+def tiled_pair(w13, w2, H: int, I: int, device, dtype) -> tuple[TiledExperts, TiledExperts]:
+    """A group of n experts in lossless format v2 (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, for
+    activations of dtype (bf16, or float32 in the interpreter: both hold the bf16 weights exactly)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"experts in lossless format v2 take bf16 activations (or float32), got {dtype}")
+    n = w13.shape[0] if len(getattr(w13, "shape", ())) == 3 else -1
+    _check_tiled(w13, "w13", (n, 2 * I, H), device)
+    _check_tiled(w2, "w2", (n, H, I), device)
+    return TiledExperts(w13), TiledExperts(w2)
+
+
 def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
     """Shapes, dtypes, contiguity, one device; never reads device data. -> (T, A, E, H, I)."""
     check_float(x, "x", 2)
@@ -245,39 +284,10 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
     if escapes not in ("loop", "unrolled"):
         raise ValueError(f"escapes must be loop or unrolled, got {escapes!r}")
     T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
-    out = check_out_like(out, x)
-    if T == 0:
-        return out
-    num_sms = sm_count(x.device)
-    cfg = config or lossless_config(T, A, E, H, I, x.dtype, num_sms)
+    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device))
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    N = T * A
-    sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
-    num_blocks = block_expert.numel()
-    meta = dict(SWAP_AB=cfg.swap_ab, BLOCK_M=cfg.block_m, DOT_PRECISION=dot_precision(x.dtype))
-    if escapes == "loop":  # from shapes only: no device read
-        cap13, cap2 = (-1 if t.escapes.numel() else 0 for t in (w13, w2))
-    else:
-        cap13, cap2 = escapes_cap(w13, cfg.block_n), escapes_cap(w2, cfg.block_n2)
-    h = torch.empty((N, I), dtype=x.dtype, device=x.device)
-    # the gated launch's num_slots is N; its a rows are slot // TOP_K (tokens)
-    fused_moe_lossless_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
-        x, w13.raw, w13.nibbles, w13.base, w13.escape_offsets, w13.escapes, h, sorted_slots, block_expert,
-        N, num_blocks, I, H, H, w13.part_rows, w13.tiles_per_part, w13.tile_rows_per_part, w13.tile_cols,
-        x.stride(0), 0, h.stride(0),
-        TOP_K=A, GATED=True, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_CAP=cap13, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta)
-    splits, k_per_split = w2_splits(cfg, num_blocks, T, A, E, H, I, num_sms)
-    y = torch.empty((splits, N, H), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    fused_moe_lossless_kernel[(num_blocks * triton.cdiv(H, cfg.block_n2), splits)](
-        h, w2.raw, w2.nibbles, w2.base, w2.escape_offsets, w2.escapes, y, sorted_slots, block_expert,
-        N, num_blocks, H, I, k_per_split, w2.part_rows, w2.tiles_per_part, w2.tile_rows_per_part, w2.tile_cols,
-        h.stride(0), y.stride(0), y.stride(1),
-        TOP_K=1, GATED=False, EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, ESC_CAP=cap2, num_warps=cfg.num_warps2,
-        num_stages=cfg.num_stages2, **meta)
-    return moe_sum(y, topk_weights, topk_ids, out, splits, E)
+    return _fused_moe(x, [(TiledExperts(w13, escapes), TiledExperts(w2, escapes), None)], topk_weights, topk_ids,
+                      T, A, E, H, I, out, cfg, {})
 
 
 def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, *, config: FusedMoEConfig | None = None,
