@@ -200,6 +200,24 @@ def test_gpu_variants_with_escapes(overrides):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_gpu_mixed_layer_qwen3_shape(T):
+    """A Qwen3-30B-A3B layer with 96 of its 128 experts in lossless format v2 and 32 resident bf16 (the
+    compressed tier of a paged layer): fused_moe_mixed equals fused_moe on the bf16 layer bit for bit."""
+    E, A, H, I = 128, 8, 2048, 768
+    x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed=T, weight_seed=E)
+    comp = torch.arange(32, E)
+    slots_c = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
+    slots_c[comp] = torch.arange(E - 32, dtype=torch.int32, device=DEVICE)
+    slots_r = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
+    slots_r[:32] = torch.arange(32, dtype=torch.int32, device=DEVICE)
+    c13 = tiled.encode(w13[32:].contiguous(), num_parts=E - 32)
+    c2 = tiled.encode(w2[32:].contiguous(), num_parts=E - 32)
+    got = fm.fused_moe_mixed(x, [(w13[:32], w2[:32], slots_r), (c13, c2, slots_c)], E, weights, ids)
+    assert torch.equal(got, fm.fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph():
     x, t13, t2, weights, ids, _, _ = make_layer(48, 2, 8, 512, 704, seed=14, escape_every=301)
     out = fused_moe_lossless(x, t13, t2, weights, ids)  # compile outside the capture
