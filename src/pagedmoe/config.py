@@ -22,7 +22,7 @@ _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 # exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
 # format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
-# the ladder by the pressure controller (experts/controller.py).
+# the ladder by the pressure controller (experts/dynamic/controller.py).
 _EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
 _MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")

@@ -1,4 +1,4 @@
-"""--gpu-memory-gb against the device (LLMEngine._clamp_to_device), with the CUDA memory queries faked:
+"""--gpu-memory-gb against the device (engine/startup.py::clamp_to_device), with the CUDA memory queries faked:
 above the device's total it is refused, above what it can still give it is cut (with a warning), below
 it is kept."""
 import logging
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedmoe.engine.llm_engine import DEVICE_RESERVE, LLMEngine
-from pagedmoe.engine.memory import GiB
+from pagedmoe.engine.startup import DEVICE_RESERVE, clamp_to_device
+from pagedmoe.planning.kv_sizing import GiB
 
 
 @pytest.fixture
@@ -22,15 +22,15 @@ def device(monkeypatch):
 
 def test_budget_above_the_device_is_refused(device):
     with pytest.raises(ValueError, match="exceeds this device's 140.00 GiB"):
-        LLMEngine._clamp_to_device(device, 141 * GiB, 88 * GiB)
+        clamp_to_device(device.device, 141 * GiB, 88 * GiB)
 
 
 def test_budget_above_what_is_left_is_cut(device, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedmoe"):
-        got = LLMEngine._clamp_to_device(device, 139 * GiB, 88 * GiB)
+        got = clamp_to_device(device.device, 139 * GiB, 88 * GiB)
     assert got == 88 * GiB + 50 * GiB + 1 * GiB - DEVICE_RESERVE
     assert "is more than this device can give" in caplog.text
 
 
 def test_budget_that_fits_is_kept(device):
-    assert LLMEngine._clamp_to_device(device, 100 * GiB, 88 * GiB) == 100 * GiB
+    assert clamp_to_device(device.device, 100 * GiB, 88 * GiB) == 100 * GiB

@@ -95,7 +95,7 @@ def placement_flags(name: str) -> dict[str, Any]:
 def point_config(args, name: str, budget_bytes: int):
     """The EngineConfig of one point: the sweep's engine flags, the budget, the placement's flags."""
     from pagedmoe.config import engine_config_from_args
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     return engine_config_from_args(args, model=args.model, gpu_memory_gb=budget_bytes / GiB, **placement_flags(name))
 
@@ -106,7 +106,7 @@ def _placement_fields(config) -> dict[str, Any]:
 
 def _needs_gib(err: Exception) -> Optional[float]:
     """The minimum budget an engine refusal names (PlacementBudgetError carries it; BudgetError says it)."""
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     if getattr(err, "min_budget_bytes", None) is not None:
         return err.min_budget_bytes / GiB
@@ -146,7 +146,7 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
     one-request warm-up; running the same warm-up twice before it (the first compiles, the second is
     warm) gives the warm-up's own counters to subtract. With `steady_steps`, run_steady_state instead
     (num_prompts caps its batch), its breakdown the window's own."""
-    from pagedmoe.bench.throughput import _warm_up, run_steady_state, run_throughput
+    from pagedmoe.bench.throughput import warm_up, run_steady_state, run_throughput
 
     if steady_steps:
         r = run_steady_state(engine, input_len, output_len, steady_steps, seed, max_seqs=num_prompts)
@@ -161,9 +161,9 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
                                    "d2d_bytes": w.get("expert_bytes_d2d", 0),
                                    "decoded_bytes": w.get("expert_bytes_decoded", 0),
                                    "pager_steps": w.get("expert_steps", 0)}}
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     a = _pager_counters(engine.get_stats())
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     b = _pager_counters(engine.get_stats())
     r = run_throughput(engine, num_prompts, input_len, output_len, seed=seed)
     c = _pager_counters(engine.get_stats())
@@ -176,7 +176,7 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
 
 def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int, output_len: int, hw) -> dict:
     """The planner's figures for the placement this engine holds, on this workload (pure Python model)."""
-    from pagedmoe.experts.placement import Placement
+    from pagedmoe.planning.placement import Placement
     from pagedmoe.experts.table import COMPRESSED, HOST, RESIDENT
 
     store, c = engine.expert_store, engine.config
@@ -192,8 +192,7 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
         comp = tuple(table.count(layer, COMPRESSED) for layer in range(L))
         ratio = store.compressed_bytes / (sum(comp) * shape.expert_bytes) if sum(comp) else 0.0
         placement = Placement(E, gpu, comp, ratio)
-        buffers = ("plain" if not getattr(store.buffers, "maps_resident", False)
-                   else "vmm-ring" if getattr(store.buffers, "ring", False) else "vmm")
+        buffers = engine.expert_plan.buffers   # settled at start-up (engine/startup.py)
     n_host = sum(table.count(layer, HOST) for layer in range(L)) if store.paged else 0
     host_ratio = (store.host_bytes / (n_host * shape.expert_bytes)
                   if store.paged and store.host_compression == "lossless" and n_host else 0.0)
@@ -208,7 +207,7 @@ def model_placement(shape, placement, buffers: str, budget_bytes: int, activatio
     """The planner's figures for one placement on one workload: what `modelled` reports for an engine, and
     `--remodel` recomputes from a stored point. host_compression_ratio: the host tier's bytes over bf16
     (--host-compression lossless; 0: raw), which sets its PCIe traffic and adds its decode."""
-    from pagedmoe.experts.planner import PlacementBudgetError, PlanInputs, plan_placement
+    from pagedmoe.planning.planner import PlacementBudgetError, PlanInputs, plan_placement
 
     # The engine gives the KV cache at most what max_num_seqs full-length sequences can use: so does the model.
     useful_blocks = max_num_seqs * -(-max_model_len // block_size)
@@ -235,12 +234,12 @@ def model_placement(shape, placement, buffers: str, budget_bytes: int, activatio
 
 def remodel(point: dict, config: dict, hw) -> dict:
     """A stored point with its `modelled` figures recomputed by the current cost model (and `hw`)."""
-    from pagedmoe.experts.model_shape import ModelShape
-    from pagedmoe.experts.placement import Placement
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.placement import Placement
 
     if point.get("status") != "ok":
         return point
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     shape = ModelShape(**config["shape"])
     ep, eng = point.get("engine_plan"), config["engine"]
@@ -272,7 +271,7 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
     import torch
 
     from pagedmoe.engine.llm_engine import LLMEngine
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     engine = None
     t0 = time.perf_counter()
@@ -371,7 +370,7 @@ def device_memory(engine, watch: Optional[_PeakDeviceUse] = None) -> dict:
     polled; CUDA context included), torch's peak reservation, and the KV memory lent to experts at the end."""
     import torch
 
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     if engine.device.type != "cuda":
         return {}
@@ -428,7 +427,7 @@ def _write_outputs(result: dict, out_dir: Path, plots: bool) -> None:
 
 def replot(args) -> int:
     """Merge earlier sweeps' points (later files win for the same model, budget and placement) and redraw."""
-    from pagedmoe.experts.cost_model import H200, HardwareProfile
+    from pagedmoe.planning.cost_model import H200, HardwareProfile
 
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
     merged: dict = {}
@@ -453,10 +452,10 @@ def run(args) -> int:
     import torch
 
     from pagedmoe.config import resolve_model
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
     from pagedmoe.entrypoints.plan import parse_budget
-    from pagedmoe.experts.cost_model import H200, HardwareProfile
-    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.planning.cost_model import H200, HardwareProfile
+    from pagedmoe.planning.model_shape import ModelShape
     from pagedmoe.models.loader import load_hf_config, resolve_dtype
 
     if not args.budgets:

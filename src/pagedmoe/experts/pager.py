@@ -38,10 +38,12 @@ from typing import Optional
 
 import torch
 
-from pagedmoe.experts.cost_model import ring_wait_layers
+from pagedmoe.experts.interface import (TRITON_MAX_TOKENS, DenseOperand, ExpertOperand, MixedOperand,
+                                       QuantizedOperand)
 from pagedmoe.experts.layout import consecutive_runs
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT
+from pagedmoe.planning.cost_model import ring_wait_layers
 
 
 @dataclass
@@ -60,12 +62,12 @@ class PagerStats:
 
 
 class ExpertPager:
-    def __init__(self, store: ExpertStore, timing: bool = True, direct_quantized: bool = False) -> None:
+    def __init__(self, store: ExpertStore, timing: bool = True, direct_quantized: bool = False,
+                 activity=None) -> None:
         self.store = store
+        self.activity = activity   # ActivityTable (optional): counts the router's ids, on the device
         # --quantized-gemm direct: forwards of few tokens leave the quantized experts as they are and the
-        # MoE layer multiplies them directly (weights() hands it the QuantizedLayer); set per forward.
-        from pagedmoe.models.layers.moe import TRITON_MAX_TOKENS
-
+        # MoE layer multiplies them directly (weights() hands it the quantized operand); set per forward.
         self.direct_quantized = direct_quantized
         self._direct_max_tokens = TRITON_MAX_TOKENS  # larger forwards dequantise for grouped_mm
         self._direct = False
@@ -189,8 +191,11 @@ class ExpertPager:
         if not self.ring and layer + 1 < self.num_layers:
             self._issue(layer + 1)
 
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (w13, w2) views, once its experts are in place (the compute stream waits)."""
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> ExpertOperand:
+        """The layer's expert operand, once its experts are in place (the compute stream waits). `topk_ids`
+        [T, A] (the router's ids, a device tensor: never read on the host) go to the activity table."""
+        if self.activity is not None and topk_ids is not None:
+            self.activity.record(layer, topk_ids)
         if not self._issued[layer]:
             self._issue(layer)
         if self.cuda:
@@ -203,11 +208,12 @@ class ExpertPager:
         if self._direct:
             dyn = self.store.dynamic
             if dyn is not None:  # NOTE: the published version; a publish happens only between steps
-                return dyn.versions[layer].parts
-            return self.store.quantized[layer]
-        return self.store.views(layer)
+                return MixedOperand(dyn.versions[layer].parts)
+            q = self.store.quantized[layer]   # every expert of the layer quantized, in id order
+            return QuantizedOperand(q.w13, q.w2)
+        return DenseOperand(*self.store.views(layer))
 
-    def after_experts(self, layer: int) -> None:
+    def done(self, layer: int) -> None:
         """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""
         if self.ring:
             self.free[layer].record()

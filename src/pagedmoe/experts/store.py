@@ -27,9 +27,12 @@ from typing import Optional
 
 import torch
 
+from pagedmoe.experts.buffers import PlainDoubleBuffer
+from pagedmoe.experts.dynamic.versions import DynamicExperts
 from pagedmoe.experts.layout import consecutive_runs, expert_stride, expert_views, row_part
-from pagedmoe.experts.placement import HOST_STAGING_SLOTS, host_group_experts
+from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, ExpertTable
+from pagedmoe.experts.tiers.quantized import QuantizedLayer
 
 
 # the parts of an expert row each checkpoint tensor kind covers (experts/layout.py::row_part)
@@ -64,22 +67,6 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the process is going away anyway
         pass
-
-
-class PlainDoubleBuffer:
-    """Two [E, stride] device buffers; layer l uses buffer l % 2. Works anywhere (CPU included)."""
-
-    maps_resident = False  # resident rows must be copied in
-
-    def __init__(self, num_experts: int, stride: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.buffers = [torch.empty(num_experts, stride, dtype=dtype, device=device) for _ in range(2)]
-
-    def packed(self, layer: int) -> torch.Tensor:
-        return self.buffers[layer % 2]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 class ExpertStore:
@@ -152,7 +139,7 @@ class ExpertStore:
             return self.resident[layer][expert]
         if self.dynamic is not None:   # the host master (experts live at their current rung on the device)
             return self.host[layer][expert]
-        entry = self.table._entries[layer][expert]
+        entry = self.table.lookup(layer, expert)
         if entry.tier == COMPRESSED:
             if self._staging[layer] is None:
                 raise RuntimeError(f"expert {expert} of MoE layer {layer} is compressed; it has no raw row "
@@ -176,7 +163,7 @@ class ExpertStore:
             raise ValueError(f"expert {expert} of MoE layer {layer}: {kind} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
         dst.copy_(tensor)
-        entry = self.table._entries[layer][expert] if self.paged and self.dynamic is None else None
+        entry = self.table.lookup(layer, expert) if self.paged and self.dynamic is None else None
         if entry is not None and entry.tier == COMPRESSED:
             # Encode the layer as soon as every part of every staged row has been written (a part
             # written twice counts once); finalize() encodes rows a checkpoint left incomplete.
@@ -209,10 +196,8 @@ class ExpertStore:
 
     def _quantize(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
         """Quantise the layer's quantized experts: their staged rows, or `rows` (slot order) given."""
-        from pagedmoe.experts.quantized import QuantizedLayer
-
         ids = self.table.ids(layer, QUANTIZED)  # slot order = expert-id order
-        precision = self.table._entries[layer][ids[0]].precision
+        precision = self.table.lookup(layer, ids[0]).precision
         self.quantized[layer] = QuantizedLayer.quantize_rows(self._qstaging[layer] if rows is None else rows,
                                                              precision, self.hidden, self.inter, ids, self.device)
         self._qstaging[layer] = None
@@ -305,7 +290,7 @@ class ExpertStore:
             # compressed weight device -> host -> device, through pageable memory (GLM-4.5-Air: 95 GB).
             encoded: dict[str, dict[int, int]] = {COMPRESSED: {}, QUANTIZED: {}, HOST: {}}
             for e in range(self.table.num_experts):
-                entry = self.table._entries[layer][e] if self.paged and self.dynamic is None else None
+                entry = self.table.lookup(layer, e) if self.paged and self.dynamic is None else None
                 if entry is not None and (entry.tier in (COMPRESSED, QUANTIZED)
                                           or entry.tier == HOST and self.host_compression == "lossless"):
                     encoded[entry.tier][entry.slot] = e
@@ -355,15 +340,13 @@ class ExpertStore:
     @property
     def dynamic_bytes(self) -> int:
         """Device bytes of the experts under dynamic precision: the floor every expert is guaranteed
-        (what the KV cache is sized around; the rest is lent from the KV cache: experts/controller.py)."""
+        (what the KV cache is sized around; the rest is lent from the KV cache: experts/dynamic/controller.py)."""
         return self.dynamic_floor_bytes if self.dynamic is not None else 0
 
     def enable_dynamic(self, min_precision: str, lossless: bool = True):
         """--expert-precision dynamic: every expert paged from the host tier becomes the master of a
         DynamicExperts (its device forms are built by the DynamicPrecisionManager). `lossless`: offer the
         lossless rung (bf16 weights, and compute buffers filled every forward)."""
-        from pagedmoe.experts.quantized import DynamicExperts
-
         if not self.paged or self.buffers.maps_resident or any(
                 self.table.count(l, t) for l in range(self.table.num_layers) for t in (RESIDENT, COMPRESSED,
                                                                                      QUANTIZED)):

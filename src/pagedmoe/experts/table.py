@@ -105,6 +105,10 @@ class ExpertTable:
         """[layer][expert] -> precision (for stats and plots)."""
         return [[e.precision if e is not None else "" for e in row] for row in self._entries]
 
+    def lookup(self, layer: int, expert: int) -> Optional[ExpertEntry]:
+        """The entry of (layer, expert); None before it is placed."""
+        return self._entries[layer][expert]
+
     def entry(self, key: ExpertKey) -> ExpertEntry:
         entry = self._entries[key.layer_idx][key.expert_id]
         if entry is None:

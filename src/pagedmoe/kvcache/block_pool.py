@@ -101,11 +101,11 @@ class KVCacheManager:
     (kvcache/kv_cache.py::LendableKVCache): withholding gives the tail's memory back to the device, and
     releasing maps it again first."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, backing=None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
-        self.backing = None
+        self.backing = backing
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks for the request to hold `num_tokens` positions in total."""

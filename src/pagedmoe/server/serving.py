@@ -14,7 +14,7 @@ from typing import AsyncIterator, Optional
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
-                                      CompletionRequest, _SamplingFields, invalid)
+                                      CompletionRequest, SamplingFields, invalid)
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                              "continue_final_message", "chat_template", "tools", "documents"}
@@ -95,7 +95,7 @@ class OpenAIServing:
                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
                           f"Please reduce the length of the prompt or completion.", "max_tokens")
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
+    def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
                         ) -> SamplingParams:
         try:
             return SamplingParams(

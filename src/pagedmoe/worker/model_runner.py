@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from pagedmoe.engine.scheduler import SchedulerOutput
+from pagedmoe.scheduler_output import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
@@ -34,14 +35,13 @@ class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 lendable_kv: bool = False) -> None:
+                 kv_backing: Optional[LendableKVCache] = None) -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
-        # lendable_kv (dynamic precision on CUDA): the pool's withheld tail gives its memory back to the device
-        self.kv_backing = (LendableKVCache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                           dims.head_dim, dtype, device) if lendable_kv else None)
-        self.kv_caches = (self.kv_backing.caches if lendable_kv else
+        # kv_backing (dynamic precision on CUDA): KV tensors whose withheld tail gives its memory back
+        self.kv_backing = kv_backing
+        self.kv_caches = (kv_backing.caches if kv_backing is not None else
                           allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
                                             dims.head_dim, dtype, device))
         backend = make_attention_backend(attention_backend, device)

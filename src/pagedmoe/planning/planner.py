@@ -1,7 +1,7 @@
 """Memory planner: one device budget -> backbone, activations, expert tiers, expert buffers, KV blocks.
 
 Pure Python (no torch): the engine calls `plan_memory` at start-up with a `ModelShape` and measured
-sizes; `pagedmoe plan` calls it from a config.json alone. The cost model is in experts/cost_model.py.
+sizes; `pagedmoe plan` calls it from a config.json alone. The cost model is in planning/cost_model.py.
 
 Device budget = backbone + activations + resident experts + compressed tier + expert buffers + KV blocks
 (+ less than one block left over, or more when `max_kv_blocks` caps the KV cache). The host tier lives
@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from pagedmoe.engine.memory import GiB, BudgetError, KVBlocks
-from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload,
+from pagedmoe.planning.kv_sizing import GiB, BudgetError, KVBlocks
+from pagedmoe.planning.cost_model import (H200, HardwareProfile, StepTraffic, WorkloadEstimate, estimate_workload,
                                          ring_wait_layers)
-from pagedmoe.experts.model_shape import ModelShape
-from pagedmoe.experts.placement import HOST_STAGING_SLOTS, Placement, host_group_experts
+from pagedmoe.planning.model_shape import ModelShape
+from pagedmoe.planning.placement import HOST_STAGING_SLOTS, Placement, host_group_experts
 
 # NOTE: must match experts/layout.py::VMM_GRANULARITY_BYTES (kept here so the planner needs no torch).
 VMM_GRANULARITY_BYTES = 2 << 20
@@ -71,7 +71,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryPlan(KVBlocks):
+class PlacementPlan(KVBlocks):
     """The split of one budget for one placement, and its modelled performance."""
 
     placement: Placement
@@ -263,7 +263,7 @@ def minimum_budget_bytes(inputs: PlanInputs, placement: Placement) -> int:
     return _fixed_bytes(inputs, _sizes(inputs, placement)) + inputs.min_kv_blocks * inputs.kv_bytes_per_block
 
 
-def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
+def plan_placement(inputs: PlanInputs, placement: Placement) -> PlacementPlan:
     """Size one placement: KV blocks get everything left; raises PlacementBudgetError if it cannot fit."""
     shape = inputs.shape
     if placement.num_experts != shape.experts_per_gpu or len(placement.num_gpu_experts) != shape.num_moe_layers:
@@ -302,13 +302,13 @@ def plan_placement(inputs: PlanInputs, placement: Placement) -> MemoryPlan:
     estimate = estimate_workload(shape, inputs.hw, s["traffic"], num_seqs, input_len, output_len,
                                  inputs.max_num_batched_tokens)
     buffers = inputs.buffers if not placement.is_resident else "none"
-    return MemoryPlan(placement, buffers, inputs.budget_bytes, s["backbone_bytes"], inputs.activation_bytes,
+    return PlacementPlan(placement, buffers, inputs.budget_bytes, s["backbone_bytes"], inputs.activation_bytes,
                       s["expert_slot_bytes"], s["resident_expert_bytes"], s["compressed_expert_bytes"],
                       s["buffer_bytes"], s["host_tier_bytes"], per_block, int(num_blocks), inputs.block_size,
                       inputs.max_model_len, s["traffic"], estimate)
 
 
-def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> MemoryPlan:
+def best_plan(inputs: PlanInputs, candidates: Iterable[Placement]) -> PlacementPlan:
     """The candidate with the best modelled output throughput (ties: more resident experts). When none fits,
     the error names the cheapest placement within the host memory limit, and says when that limit is why."""
     best, cheapest, host_err = None, None, None
@@ -384,7 +384,7 @@ def host_limited_candidates(inputs: PlanInputs, compression_ratio: Optional[floa
     return out
 
 
-def _refine(inputs: PlanInputs, plan: MemoryPlan, paged_only: bool) -> MemoryPlan:
+def _refine(inputs: PlanInputs, plan: PlacementPlan, paged_only: bool) -> PlacementPlan:
     """Around the best N, try every total resident count within one expert per layer (spread evenly),
     keeping the compressed counts: one more resident expert in a few layers frees less KV than a whole N
     step. Each goes through plan_placement, so the host memory limit holds for the refined plan too."""
@@ -406,7 +406,7 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
                 max_num_batched_tokens: int = 8192, hw: HardwareProfile = H200,
                 backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
                 buffers: str = "vmm", compression_ratio: Optional[float] = None,
-                host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None) -> MemoryPlan:
+                host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None) -> PlacementPlan:
     """Split `budget_bytes` for `placement_mode`:
     - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
     - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest

@@ -1,6 +1,7 @@
-"""How the device budget splits between weights, activations and KV blocks. Pure Python.
+"""The KV sizing measured at start-up: how the device budget splits between the loaded weights, the
+activation estimate and KV blocks; and the host-memory limit of the host tier. Pure Python.
 
-(The expert-paging planner will extend this with expert buffers and tiers.)
+The planner (planning/planner.py) *models* the same split from the config alone, before loading.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ class KVBlocks:
 
 
 @dataclass(frozen=True)
-class MemoryPlan(KVBlocks):
+class KVSizing(KVBlocks):
+    """The measured split at start-up (after loading): the budget less the loaded weights and the
+    activation estimate, given to KV blocks (planning/planner.py models the same split from the config)."""
+
     budget_bytes: int
     weight_bytes: int
     activation_bytes: int
@@ -41,8 +45,8 @@ class MemoryPlan(KVBlocks):
                 f"({self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens)")
 
 
-def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_bytes_per_block: int,
-                block_size: int, max_model_len: int, max_useful_blocks: int) -> MemoryPlan:
+def size_kv_cache(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_bytes_per_block: int,
+                block_size: int, max_model_len: int, max_useful_blocks: int) -> KVSizing:
     """Give the KV cache everything the weights and activations leave, up to what can be used."""
     min_blocks = -(-max_model_len // block_size)
     free = budget_bytes - weight_bytes - activation_bytes
@@ -53,7 +57,7 @@ def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_
             f"a budget of {budget_bytes / GiB:.2f} GiB cannot hold the weights ({weight_bytes / GiB:.2f} GiB), "
             f"activations ({activation_bytes / GiB:.2f} GiB) and one sequence of max_model_len="
             f"{max_model_len} tokens; the minimum is {need / GiB:.2f} GiB (or lower --max-model-len)")
-    return MemoryPlan(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
+    return KVSizing(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
                       block_size)
 
 

@@ -1,0 +1,252 @@
+"""Start-up in one place: EngineConfig + the model's config + the device -> one frozen ExpertPlan -> the
+model built with its experts -> the KV sizing -> the KV cache, the model runner and dynamic precision.
+
+    config ──> device, dtype, max_model_len
+           ──> resolve_expert_plan (planning/resolve.py; `pagedmoe plan` and `bench sweep` read the same
+               flags through it) ──> ExpertPlan (frozen)
+           ──> build_experts (experts/build.py): table, store, buffers, and the experts object
+           ──> build_model(experts=...) ──> weights loaded into the store's tiers ──> finalize
+           ──> size_kv_cache (planning/kv_sizing.py): the budget less what was loaded
+           ──> KV cache (lendable under dynamic precision) ──> ModelRunner ──> dynamic precision
+
+LLMEngine (engine/llm_engine.py) keeps the serving loop and calls `start_engine` once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagedmoe import cuda_vmm
+from pagedmoe.config import EngineConfig, resolve_model
+from pagedmoe.experts.activity import ActivityTable
+from pagedmoe.experts.build import build_experts, settle_buffers
+from pagedmoe.experts.dynamic.start import load_expert_stats, start_dynamic_precision
+from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block
+from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
+                                    resolve_dtype)
+from pagedmoe.models.registry import spec_builder
+from pagedmoe.planning.kv_sizing import GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes, size_kv_cache
+from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
+from pagedmoe.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedmoe")
+# Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
+DEVICE_RESERVE = 2 * GiB
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class EngineParts:
+    """Everything start-up made, handed to LLMEngine."""
+    model_path: str
+    hf_config: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    expert_plan: ExpertPlan
+    model: Any
+    activity: ActivityTable
+    plan: KVSizing
+    kv: KVCacheManager
+    runner: ModelRunner
+    precision: Any            # DynamicPrecisionManager under --expert-precision dynamic, else None
+
+
+def start_engine(config: EngineConfig) -> EngineParts:
+    model_path = resolve_model(config.model)
+    hf_config = load_hf_config(model_path)
+    tokenizer = load_tokenizer(config.tokenizer or model_path, config.load_format)
+    device = pick_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, hf_config)
+    max_model_len = resolve_max_model_len(config, hf_config)
+    name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+
+    t0 = time.perf_counter()
+    expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len)
+    dims, spec = spec_builder(hf_config)(hf_config)
+    activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
+    model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
+                       expert_plan, activity)
+    store = model.expert_store
+    if expert_plan.dynamic_min_precision is not None:  # before sizing the KV cache: sized around the floor
+        # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
+        store.enable_dynamic(expert_plan.dynamic_min_precision, lossless=expert_plan.quantized_gemm != "direct")
+    plan = plan_kv_cache(config, model, device, dtype, max_model_len)
+    logger.info("loaded %s (%s, %s) in %.1f s; %s", name, device, dtype, time.perf_counter() - t0, plan.summary())
+    logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
+                "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
+                store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
+                config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
+    dynamic = expert_plan.dynamic_min_precision is not None
+    # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
+    backing = None
+    if dynamic and cuda_vmm.available(device):
+        backing = LendableKVCache(dims.num_layers, plan.num_kv_blocks, config.block_size, dims.num_kv_heads,
+                                  dims.head_dim, dtype, device)
+    elif dynamic and device.type == "cuda":
+        logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
+                       "their memory, so the GPU holds up to the budget plus the experts' bytes above "
+                       "--min-expert-precision")
+    kv = KVCacheManager(plan.num_kv_blocks, config.block_size, backing=backing)
+    runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
+                         config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                         # MLA runs a PyTorch path that reads host copies of the sequence lengths: not
+                         # capturable in a CUDA graph; dynamic precision: graphs would bake old expert versions
+                         enforce_eager=config.enforce_eager or dims.mla is not None or dynamic,
+                         kv_backing=backing)
+    activity.reset()  # CUDA-graph capture warm-ups routed tokens too
+    precision = None
+    stats = load_expert_stats(config.expert_stats, activity)
+    if store.dynamic is not None:
+        precision = start_dynamic_precision(config, model_path, store, kv, plan.kv_bytes_per_block,
+                                            -(-max_model_len // config.block_size), activity, stats)
+    return EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
+                       activity, plan, kv, runner, precision)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}")
+    max_model_len = config.max_model_len or max_pos
+    if not max_model_len:
+        raise ValueError("the config has no max_position_embeddings; pass max_model_len")
+    return max_model_len
+
+
+def load_tokenizer(path: str, load_format: str):
+    from transformers import AutoTokenizer  # heavy: only when an engine starts
+
+    has_files = any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+    try:
+        if not has_files:
+            # transformers may build an empty tokenizer from config.json alone: treat it as none.
+            raise FileNotFoundError("no tokenizer files")
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        if load_format == "dummy":
+            # Shape-only benchmark folders (a config.json) need no tokenizer: prompts are token ids.
+            logger.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
+            return None
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
+
+
+# -- the expert plan ------------------------------------------------------------------------------------
+def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
+                       max_model_len: int) -> ExpertPlan:
+    """The resolver's plan (planning/resolve.py) with what the device decides: the compute buffers, the
+    static lossy format, the quantized GEMM path and the dynamic floor."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
+                               max_model_len=max_model_len, budget=lambda: planning_budget(config, device),
+                               host_budget=lambda: host_budget(config))
+    dynamic = config.expert_precision == "dynamic"
+    return plan.replace(buffers=settle_buffers("plain" if dynamic else config.expert_buffers, plan.paged, device),
+                        quantized_precision=config.quantized_precision(),
+                        quantized_gemm=config.resolved_quantized_gemm(device.type),
+                        dynamic_min_precision=(config.min_expert_precision or "int4") if dynamic else None)
+
+
+def planning_budget(config: EngineConfig, device: torch.device) -> Optional[int]:
+    """Device bytes the planner splits: --gpu-memory-gb, else 90% of what CUDA has free; None on CPU."""
+    if config.gpu_memory_gb is not None:
+        return int(config.gpu_memory_gb * GiB)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return None
+
+
+def host_budget(config: EngineConfig) -> Optional[int]:
+    """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
+    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded."""
+    if config.host_memory_gb is not None:
+        return int(config.host_memory_gb * GiB)
+    budget = detect_host_budget_bytes()
+    if budget is None:
+        logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
+    else:
+        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
+                    budget / GiB)
+    return budget
+
+
+def load_model(path: str, hf_config, load_format: str, max_position: int, device: torch.device,
+               dtype: torch.dtype, seed: int, plan: ExpertPlan, activity: Optional[ActivityTable] = None):
+    """The model built with its experts object (laid out by `plan`), its weights loaded (or random for
+    --load-format dummy) and its GPU tiers encoded."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    experts = build_experts(plan, dims.num_layers - len(spec.dense_layers), dims, device, dtype, activity)
+    model = build_model(hf_config, max_position, device, dtype, experts)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        experts.store.init_random(seed)
+    else:
+        load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
+    experts.store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
+    if model.pager is not None:
+        model.pager.refresh()  # finalize may have compressed the host tier
+    return model
+
+
+# -- the KV cache ---------------------------------------------------------------------------------------
+def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torch.dtype,
+                  max_model_len: int) -> KVSizing:
+    """The measured split: the budget less what was loaded and the activation estimate, in KV blocks."""
+    c, dims = config, model.dims
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + model.expert_store.device_bytes
+    per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size, dtype)
+    blocks_per_seq = -(-max_model_len // c.block_size)
+    useful = c.max_num_seqs * blocks_per_seq
+    act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+                                    dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype.itemsize)
+    if c.num_kv_blocks is not None:
+        budget = weight_bytes + act + c.num_kv_blocks * per_block
+        return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, c.num_kv_blocks)
+    if c.gpu_memory_gb is not None:
+        budget = int(c.gpu_memory_gb * GiB)
+        if device.type == "cuda":
+            budget = clamp_to_device(device, budget, weight_bytes)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = weight_bytes + int(free * 0.9)
+    else:
+        # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
+        useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
+        budget = weight_bytes + act + useful * per_block
+    return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful)
+
+
+def clamp_to_device(device: torch.device, budget: int, weight_bytes: int) -> int:
+    """A budget above the device's memory is refused. One above what the device can still give (its total
+    less the CUDA context, cuBLAS workspaces and graph pools: DEVICE_RESERVE) would run out of memory
+    mid-run: use what there is, and say so."""
+    free, total = torch.cuda.mem_get_info(device)
+    if budget > total:
+        raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = weight_bytes + free + cached - DEVICE_RESERVE
+    if budget > available:
+        logger.warning("--gpu-memory-gb %.2f is more than this device can give after loading (%.2f GiB with "
+                       "%.2f GiB kept for the CUDA context and workspaces): planning the KV cache for %.2f GiB",
+                       budget / GiB, available / GiB, DEVICE_RESERVE / GiB, available / GiB)
+        return available
+    return budget
