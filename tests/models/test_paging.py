@@ -360,7 +360,7 @@ def test_compressed_host_tier_in_groups_into_padded_rows(bf16_ckpt, monkeypatch)
     HOST_GROUP_BYTES of bf16 each; one copy per array and one decode per group), into rows padded past the
     expert: logits equal resident placement."""
     import pagedmoe.experts.build as manager
-    import pagedmoe.experts.store as store_mod
+    import pagedmoe.experts.tiers.host as store_mod
 
     ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
     monkeypatch.setattr(manager, "STRIDE_ALIGN_BYTES", 8192)

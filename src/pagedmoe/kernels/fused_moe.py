@@ -35,7 +35,7 @@ import triton.language as tl
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision
 from .device_info import sm_count
 from .moe_align import moe_align
-from pagedmoe.codecs.quant import INT4_GROUP
+from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
@@ -372,8 +372,6 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
     routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
     bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
-    from pagedmoe.codecs.quant import QuantizedTensor
-
     if not parts:
         raise ValueError("fused_moe_mixed needs at least one part")
     E, H = num_experts, x.shape[1]

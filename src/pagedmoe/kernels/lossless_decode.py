@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmoe.codecs.lossless import CompressedTensor
+from pagedmoe.codecs.lossless import CompressedTensor, decode_reference
 
 
 @triton.jit
@@ -138,8 +138,6 @@ def decode_runs(ct: CompressedTensor, runs) -> None:
         for p0, p1, dst in runs:
             lossless_decode(ct, dst, parts=(p0, p1))
         return
-    from pagedmoe.codecs.lossless import decode_reference
-
     rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
     for p0, p1, dst in runs:
         dst.copy_(rows[p0:p1].reshape(dst.shape))

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from pagedmoe.codecs.lossless import CorruptCheckpointError
+from pagedmoe.models.compressed import iter_file_tensors
 from pagedmoe.models.fp8 import Fp8Dequantizer, fp8_block_size
 from pagedmoe.models.hf_config import CheckpointError, load_hf_config
 from pagedmoe.models.moe_decoder import MoEForCausalLM
@@ -64,9 +66,6 @@ def checkpoint_files(path: str) -> list[Path]:
 
 def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -> None:
     from safetensors import SafetensorError
-
-    from pagedmoe.codecs.lossless import CorruptCheckpointError
-    from pagedmoe.models.compressed import iter_file_tensors
 
     params = dict(model.named_parameters())
     # compressed shards (pagedmoe compress) decode where the model lives: Triton on CUDA

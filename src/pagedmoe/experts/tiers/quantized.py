@@ -11,11 +11,12 @@ on CUDA kernels/dequant.py writes the rows directly, bit-identical to it). Bytes
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from pagedmoe.codecs.quant import QuantizedTensor, dequantize, quantize
+from pagedmoe.experts.table import QUANTIZED
 
 
 class QuantizedLayer:
@@ -97,3 +98,41 @@ def stack_quantized(parts: list[QuantizedTensor]) -> QuantizedTensor:
     n_rows = sum(p.shape[0] for p in parts)
     return QuantizedTensor(parts[0].precision, (n_rows, parts[0].shape[1]),
                            torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
+
+
+class QuantizedTier:
+    """The quantized GPU tier (static --expert-precision fp8/int8/int4): one QuantizedLayer per layer.
+    Loading stages raw rows in host memory until the layer's rows are complete, then quantises them on the
+    device and drops the raw rows (static modes keep no bf16 master)."""
+
+    def __init__(self, table, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
+                 paged: bool) -> None:
+        L = table.num_layers
+        self.table, self.hidden, self.inter, self.device = table, hidden, inter, device
+        self.layers: list = [None] * L          # QuantizedLayer per layer
+        self.staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_quant, 3*I*H] until quantised
+        self.staged_parts: list[set] = [set() for _ in range(L)]
+        if not paged:
+            return
+        for layer in range(L):
+            n_quant = table.count(layer, QUANTIZED)
+            if n_quant:
+                self.staging[layer] = torch.empty(n_quant, 3 * inter * hidden, dtype=dtype)
+
+    def stage(self, layer: int, slot: int, parts) -> bool:
+        self.staged_parts[layer].update((slot, p) for p in parts)
+        return len(self.staged_parts[layer]) == 3 * self.staging[layer].shape[0]
+
+    def quantize(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Quantise the layer's quantized experts: their staged rows, or `rows` (slot order) given."""
+        ids = self.table.ids(layer, QUANTIZED)  # slot order = expert-id order
+        precision = self.table.lookup(layer, ids[0]).precision
+        self.layers[layer] = QuantizedLayer.quantize_rows(self.staging[layer] if rows is None else rows,
+                                                          precision, self.hidden, self.inter, ids, self.device)
+        self.staging[layer] = None
+        self.staged_parts[layer] = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes: data + scales, exactly `quant.bytes_of` per weight."""
+        return sum(q.nbytes for q in self.layers if q is not None)
