@@ -148,7 +148,7 @@ def test_compressed_tier_into_padded_rows(bf16_ckpt, monkeypatch):
     got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", num_gpu_experts=1, num_compressed_experts=5)
     store = engine.expert_store
     assert store.stride > store.expert_numel  # rows are padded
-    assert all(len(runs) == 1 for runs in engine.pager._decodes)  # one decode per layer
+    assert all(len(runs) == 1 for runs in engine.pager.fill.decodes)  # one decode per layer
     assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
 
 

@@ -233,7 +233,7 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
 
 
 def _ring_waits(placement: Placement) -> tuple[int, ...]:
-    """ring_wait_layers for the rows experts/vmm.py gives this placement (streamed rows layer by layer)."""
+    """ring_wait_layers for the rows experts/buffers.py gives this placement (streamed rows layer by layer)."""
     rows, k = [], 0
     for layer in range(len(placement.num_gpu_experts)):
         n = placement.num_streamed(layer)

@@ -40,7 +40,7 @@ class ControllerStats:
 class DynamicPrecisionManager:
     """Between engine steps: publish finished builds, read pressure, start the next moves.
 
-    `runtime` is an experts/quantized.py::DynamicExperts; `kv` a kvcache KVCacheManager (its pool
+    `runtime` is an experts/dynamic/versions.py::DynamicExperts; `kv` a kvcache KVCacheManager (its pool
     withholds and releases blocks); `activity` the ActivityTable (read on the host on ticks that act)."""
 
     def __init__(self, runtime, kv, block_bytes: int, low: float, high: float, min_precision: str,
