@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: kernel time per kernel class (torch profiler, CUPTI) and wall time per step.
+
+Runs the engine to a steady decode batch of B sequences, then profiles N decode steps and prints, per kernel
+class (MoE GEMMs, attention, norms, rope, routing, GEMMs of the backbone, copies, other), the GPU time per
+step, the number of launches per step, and the share of the step's wall time; last, the wall time of a step
+against the sum of its kernels (the gap is host work or idle GPU). One JSON per batch size under --out.
+
+    python benchmarks/profile_step.py benchmarks/configs/qwen3-30b-a3b --load-format dummy \
+        --expert-placement resident --batch-size 1 256 --input-len 512 --max-model-len 2048 --out $OUT/prof
+
+Engine flags are pagedmoe's own (`pagedmoe bench latency --help`). Issue 25 uses this for the step-time
+breakdown before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, random_prompts
+from pagedmoe.sampling_params import SamplingParams
+
+# First matching pattern names the class; kernel names come from Triton (our own *_kernel bodies),
+# cuBLAS/CUTLASS and torch's elementwise/reduction kernels.
+CLASSES = [
+    ("moe", r"fused_moe|moe_|grouped|expert|silu_and_mul|topk_sum"),
+    ("attention", r"paged_|attention|attn|flash|softmax_kernel|sdpa"),
+    ("kv-write", r"kv_write|reshape_and_cache|index_put|scatter"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("router", r"topk|sort|argsort|cumsum|align"),
+    ("gemm", r"gemm|cutlass|cublas|sm90_xmma|nvjet|matmul|mm_"),
+    ("copy", r"memcpy|memset|copy|cat_|fill"),
+    ("sampling", r"argmax|multinomial|exponential|log_softmax|max_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
+]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, pat in CLASSES:
+        if re.search(pat, low):
+            return cls
+    return "other"
+
+
+def steady_batch(engine, batch: int, input_len: int, output_len: int, seed: int) -> None:
+    vocab = engine.model.dims.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, input_len, vocab, seed)):
+        engine.add_request(f"prof-{batch}-{i}", None, params, prompt_token_ids=p)
+    while engine.step_time["decode_steps"] == 0 or any(
+            r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    for _ in range(5):  # warm decode steps (graph capture happened at start-up)
+        engine.step()
+
+
+def profile_steps(engine, num_steps: int) -> tuple[list[float], dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - t0)
+    per_class = defaultdict(lambda: {"us": 0.0, "launches": 0, "kernels": defaultdict(float)})
+    for evt in prof.events():
+        # on a CPU-only machine (smoke runs) the CPU ops stand in for kernels
+        if cuda and evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and (evt.cpu_parent is not None or not evt.name.startswith("aten::")):
+            continue
+        us = (evt.device_time if hasattr(evt, "device_time") else evt.cuda_time) if cuda else evt.cpu_time
+        c = per_class[kernel_class(evt.name)]
+        c["us"] += us
+        c["launches"] += 1
+        c["kernels"][evt.name[:90]] += us
+    return walls, per_class
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_offline_bench_args(p)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 256])
+    p.add_argument("--num-steps", type=int, default=10)
+    p.add_argument("--out", default=None, help="folder for one JSON per batch size")
+    args = p.parse_args()
+    engine, config = make_engine(args)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    for batch in args.batch_size:
+        steady_batch(engine, batch, args.input_len, args.output_len, args.seed)
+        walls, per_class = profile_steps(engine, args.num_steps)
+        while engine.has_unfinished_requests():  # drain before the next batch size
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            engine.step()
+        wall_us = 1e6 * sum(walls) / len(walls)
+        gpu_us = sum(c["us"] for c in per_class.values()) / args.num_steps
+        print(f"\n=== batch {batch}: wall {wall_us / 1e3:.3f} ms per decode step (median "
+              f"{1e3 * sorted(walls)[len(walls) // 2]:.3f}), kernels {gpu_us / 1e3:.3f} ms, gap "
+              f"{(wall_us - gpu_us) / 1e3:.3f} ms")
+        print(f"{'class':<12} {'ms/step':>9} {'launches/step':>14} {'share':>7}  top kernel")
+        rows = sorted(per_class.items(), key=lambda kv: -kv[1]["us"])
+        for cls, c in rows:
+            top = max(c["kernels"].items(), key=lambda kv: kv[1])[0]
+            print(f"{cls:<12} {c['us'] / args.num_steps / 1e3:9.3f} {c['launches'] / args.num_steps:14.1f} "
+                  f"{c['us'] / args.num_steps / wall_us:7.1%}  {top[:60]}")
+        if out:
+            record = {"batch_size": batch, "num_steps": args.num_steps, "wall_ms": [1e3 * w for w in walls],
+                      "kernel_ms_per_step": gpu_us / 1e3, "config": config,
+                      "classes": {cls: {"ms_per_step": c["us"] / args.num_steps / 1e3,
+                                        "launches_per_step": c["launches"] / args.num_steps,
+                                        "kernels_ms_per_step": {k: v / args.num_steps / 1e3 for k, v in
+                                                                sorted(c["kernels"].items(), key=lambda kv: -kv[1])}}
+                                  for cls, c in rows}}
+            (out / f"profile_b{batch}.json").write_text(json.dumps(record, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
