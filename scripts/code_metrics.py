@@ -78,6 +78,7 @@ def main(root: Path) -> None:
                     graph[mod].add(dst)
                 if name and name.startswith("_") and not name.startswith("__") and dst != mod:
                     private_reads.append(f"{mod} <- {target}.{name}")
+    private_reads += _private_attribute_reads(mods)
     cycles = _cycles(graph)
     print(f"files in src/: {len(files)}, lines: {sum(s for s, _ in sizes)}")
     print(f"files over 400 lines: {sum(s > 400 for s, _ in sizes)}, over 300: {sum(s > 300 for s, _ in sizes)}")
@@ -89,8 +90,37 @@ def main(root: Path) -> None:
     print(f"internal imports: {n_internal}, inside functions: {n_local}")
     print(f"import cycles (module level and local): {len(cycles)}",
           *("  " + " -> ".join(c) for c in cycles[:10]), sep="\n")
-    print(f"imports of another module's _private names: {len(private_reads)}",
+    print(f"reads of another module's _private names (imports and attributes): {len(private_reads)}",
           *("  " + r for r in private_reads[:20]), sep="\n")
+
+
+EXTERNAL = {"torch", "np", "os", "sys", "tl", "triton", "cu", "json", "logging"}
+
+
+def _private_attribute_reads(mods) -> list[str]:
+    """`obj._name` in one module where `_name` is defined by no class or function of that module (so it
+    belongs to another module's object); receivers self/cls and external packages excluded."""
+    out = []
+    for mod, (p, tree, _) in mods.items():
+        own = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+            elif isinstance(node, ast.Assign):
+                own.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in own):
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else None
+                if name in ("self", "cls") or name in EXTERNAL:
+                    continue
+                out.append(f"{mod}:{node.lineno} .{node.attr}")
+    return out
 
 
 def _cycles(graph):

@@ -78,7 +78,7 @@ class CompressedTensor:
     lane_bits: torch.Tensor  # layout.lane_bits_dtype (uint8 or int16) [num_blocks, lanes]
     raw: torch.Tensor  # uint8 [numel], sign << 7 | mantissa
     checksums: tuple[int, ...] = ()  # crc32 per part over its stored bytes (checksum_parts)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # decode tables, launch info
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # decode tables, launch info
 
     @property
     def numel(self) -> int:
@@ -144,11 +144,11 @@ class CompressedTensor:
         """Decode table on this tensor's device (``huffman.decode_table``), built once, then cached."""
         short_bits = self.layout.max_code_len if short_bits is None else short_bits
         key = (short_bits, dtype)
-        if key not in self._cache:
+        if key not in self.cache:
             t = huffman.decode_table(self.code_lengths.numpy(), self.layout.max_code_len,
                                      short_bits, self.fill_exponent)
-            self._cache[key] = t.to(dtype).to(self.device)
-        return self._cache[key]
+            self.cache[key] = t.to(dtype).to(self.device)
+        return self.cache[key]
 
 
 # ---------------------------------------------------------------------------------------------

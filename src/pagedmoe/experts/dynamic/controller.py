@@ -142,7 +142,7 @@ class PressureController:
         self._zero = zero
         for i in self._dirty:
             k, p = self.keys[i], LADDER[self._cur[i]]
-            down, up = pol._neighbour(k, p, +1), pol._neighbour(k, p, -1)
+            down, up = pol.neighbour(k, p, +1), pol.neighbour(k, p, -1)
             self._down[i] = -1 if down is None else rung_index(down)
             self._up[i] = -1 if up is None else rung_index(up)
             rel = pol.costs.rel_error.get(k, {})

@@ -155,7 +155,7 @@ class PrecisionPolicy:
                 out.append(p)
         return out
 
-    def _neighbour(self, key: ExpertKey, current: str, step: int) -> Optional[str]:
+    def neighbour(self, key: ExpertKey, current: str, step: int) -> Optional[str]:
         f = self.frontier(key)
         if current in f:
             j = f.index(current) + step
@@ -168,13 +168,13 @@ class PrecisionPolicy:
         return cands[0] if step > 0 else cands[-1]
 
     def demotion(self, key: ExpertKey, current: str) -> Optional[Move]:
-        dst = self._neighbour(key, current, +1)
+        dst = self.neighbour(key, current, +1)
         if dst is None:
             return None
         return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
 
     def promotion(self, key: ExpertKey, current: str) -> Optional[Move]:
-        dst = self._neighbour(key, current, -1)
+        dst = self.neighbour(key, current, -1)
         if dst is None:
             return None
         return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
