@@ -105,6 +105,16 @@ class EngineConfig:
                                               "loaded at start when it exists, saved at exit")
 
     def __post_init__(self) -> None:
+        """Every cross-flag rule, once, in this order: sizes and limits, placement, dynamic and static precision,
+        choices, the quantized GEMM path."""
+        self._check_limits()
+        self._check_placement()
+        self._check_dynamic()
+        self._check_static_precision()
+        self._check_choices()
+        self._check_quantized_gemm()
+
+    def _check_limits(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -119,6 +129,8 @@ class EngineConfig:
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
             raise ValueError(f"host_memory_gb must be > 0 (GiB of host memory for the pinned host tier), got "
                              f"{self.host_memory_gb}")
+
+    def _check_placement(self) -> None:
         if self.num_gpu_experts is not None and self.num_gpu_experts < 0:
             raise ValueError(f"num_gpu_experts must be >= 0, got {self.num_gpu_experts}")
         if self.expert_placement == "resident" and (self.cpu_moe or self.num_gpu_experts is not None):
@@ -148,7 +160,8 @@ class EngineConfig:
             if self.expert_precision != "exact":
                 raise ValueError(f"--host-compression {self.host_compression} keeps exact experts; it contradicts "
                                  f"--expert-precision {self.expert_precision}")
-        self._check_dynamic()
+
+    def _check_static_precision(self) -> None:
         if self.quantized_precision() is not None:
             flag = self.expert_precision
             if self.expert_placement == "resident":
@@ -160,6 +173,8 @@ class EngineConfig:
                 if given:
                     raise ValueError(f"--expert-precision {flag} holds every expert in one lossy format; it "
                                      f"contradicts {name}")
+
+    def _check_choices(self) -> None:
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
@@ -168,6 +183,8 @@ class EngineConfig:
                               ("expert_precision", _EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+
+    def _check_quantized_gemm(self) -> None:
         if self.quantized_gemm == "direct":
             if not (self.expert_precision.startswith("static-") or self.expert_precision == "dynamic"):
                 raise ValueError("--quantized-gemm direct multiplies lossy experts; it needs --expert-precision "
