@@ -90,3 +90,17 @@ def test_one_buffer_kind_for_engine_and_plan():
         ["vmm", "vmm", "vmm-ring", "plain"]
     assert {planning_buffer_kind(b, False) for b in ("auto", "vmm", "vmm-ring", "plain")} == {"plain"}
     assert ExpertPlan("paged", (1, 2)).paged and not ExpertPlan("resident").paged
+
+
+def test_config_nests_every_flag_in_one_section():
+    from pagedmoe.config_sections import SECTIONS
+
+    flat = [f.name for f in dataclasses.fields(EngineConfig)]
+    nested = [name for _, names in SECTIONS.values() for name in names]
+    assert sorted(flat) == sorted(nested)                      # each flag in exactly one section
+    c = EngineConfig(device="cpu", cpu_moe=True, block_size=32, max_num_seqs=4)
+    assert (c.experts.cpu_moe, c.cache.block_size, c.scheduler.max_num_seqs, c.model_config.device) == \
+        (True, 32, 4, "cpu")
+    assert c.experts.placement_mode() == c.placement() == ("paged", 0)
+    with pytest.raises(ValueError, match="contradicts --num-gpu-experts"):   # the rules run on construction
+        EngineConfig(cpu_moe=True, num_gpu_experts=2)

@@ -158,11 +158,12 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
     plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
                                max_model_len=max_model_len, budget=lambda: planning_budget(config, device),
                                host_budget=lambda: host_budget(config))
-    dynamic = config.expert_precision == "dynamic"
-    return plan.replace(buffers=settle_buffers("plain" if dynamic else config.expert_buffers, plan.paged, device),
-                        quantized_precision=config.quantized_precision(),
+    x = config.experts
+    dynamic = x.precision == "dynamic"
+    return plan.replace(buffers=settle_buffers("plain" if dynamic else x.buffers, plan.paged, device),
+                        quantized_precision=x.quantized_precision(),
                         quantized_gemm=config.resolved_quantized_gemm(device.type),
-                        dynamic_min_precision=(config.min_expert_precision or "int4") if dynamic else None)
+                        dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
 
 
 def planning_budget(config: EngineConfig, device: torch.device) -> Optional[int]:

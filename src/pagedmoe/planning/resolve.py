@@ -72,19 +72,19 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     --expert-compression lossless). `budget()`: the device bytes to plan for (None: CPU without a
     budget); `host_budget()`: the host tier's limit (None: unbounded). `dtype`: the model's torch dtype
     (read by name and size only)."""
-    c = config
+    c, x = config, config.experts
     is_bf16, dtype_bytes = str(dtype) == "torch.bfloat16", dtype.itemsize
-    host_compression = "none" if c.host_compression == "auto" else c.host_compression
-    placement, n = c.placement()
+    host_compression = "none" if x.host_compression == "auto" else x.host_compression
+    placement, n = x.placement_mode()
     num_moe = dims.num_layers - len(spec.dense_layers)
-    lossless = c.expert_compression == "lossless" or bool(c.num_compressed_experts)
+    lossless = x.compression == "lossless" or bool(x.num_compressed_experts)
     if lossless and not is_bf16:
         raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
                          "(use --dtype bfloat16)")
     if n is not None:
         if n > dims.num_experts:
             raise ValueError(f"--num-gpu-experts {n} exceeds the model's {dims.num_experts} experts per layer")
-        comp = c.num_compressed_experts or 0
+        comp = x.num_compressed_experts or 0
         if n + comp > dims.num_experts:
             raise ValueError(f"--num-gpu-experts {n} + --num-compressed-experts {comp} exceeds the model's "
                              f"{dims.num_experts} experts per layer")
@@ -94,8 +94,8 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
         return ExpertPlan("resident", host_compression=host_compression)
     budget_bytes = budget()
     if budget_bytes is None:  # CPU without a budget: nothing to trade
-        if c.expert_compression != "none":
-            raise ValueError(f"--expert-compression {c.expert_compression} lets the planner trade memory for "
+        if x.compression != "none":
+            raise ValueError(f"--expert-compression {x.compression} lets the planner trade memory for "
                              "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
                              "(give --num-compressed-experts)")
         if placement == "auto":
@@ -110,7 +110,7 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     per_layer = tuple(plan.placement.num_gpu_experts)
     comp = tuple(plan.placement.num_compressed_experts)
     if all(k == dims.num_experts for k in per_layer):
-        if c.host_compression == "lossless":
+        if x.host_compression == "lossless":
             raise ValueError("--host-compression lossless cannot take effect: at this budget the planner "
                              "keeps every expert resident, so nothing streams from the host (page anyway "
                              "with --expert-placement paged, or use --host-compression auto)")
@@ -122,18 +122,20 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                      dtype_bytes: int, max_model_len: int, host_compression: str, host_budget) -> dict:
     """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16)."""
     shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
-    act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+    x, sch = c.experts, c.scheduler
+    act = estimate_activation_bytes(sch.max_num_batched_tokens, sch.max_num_seqs, dims.hidden_size,
                                     dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
-    buffers = planning_buffer_kind(c.expert_buffers, device_type == "cuda")
-    ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
-    host_modes = ["none", "lossless"] if c.host_compression == "auto" and is_bf16 else [host_compression]
+    buffers = planning_buffer_kind(x.buffers, device_type == "cuda")
+    ratio = LOSSLESS_PLANNING_RATIO if x.compression == "lossless" else None
+    host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
     plans, errors = {}, []
     for mode in host_modes:
         try:
             plans[mode] = planner.plan_memory(
-                shape, budget_bytes, act, placement, None, max_model_len=max_model_len, block_size=c.block_size,
-                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
+                shape, budget_bytes, act, placement, None, max_model_len=max_model_len,
+                block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
+                max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers,
                 compression_ratio=ratio,
                 host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
                 host_budget_bytes=host_limit)
@@ -156,7 +158,7 @@ def _check_fixed_host_tier(c, dims, spec, num_gpu: int, num_comp: int, device_ty
     shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
     placement = Placement.uniform(num_moe, dims.num_experts, num_gpu, num_comp,
                                   LOSSLESS_PLANNING_RATIO if num_comp else 0.0)
-    buffers = planning_buffer_kind(c.expert_buffers, device_type == "cuda")
+    buffers = planning_buffer_kind(c.experts.buffers, device_type == "cuda")
     need = planner.host_tier_bytes(shape, placement, buffers,
                                    LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 0.0)
     if need > limit:

@@ -45,7 +45,7 @@ def start_dynamic_precision(config, model_path: str, store, kv, block_bytes: int
         store.dynamic.offline = offline
         rel = rel if rel is not None else offline.rel_error()
         logger.info("dynamic expert precision: offline lossy forms %s", sorted(offline.files))
-    low, high = config.watermarks()
+    low, high = config.experts.watermarks()
     mgr = DynamicPrecisionManager(store.dynamic, kv, block_bytes, low, high, store.dynamic.min_precision,
                                   activity=activity, min_usable_blocks=min_usable_blocks, initial=initial,
                                   rel_error=rel)
