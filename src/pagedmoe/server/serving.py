@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from pagedmoe.engine.limits import context_length_error
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
@@ -100,14 +101,9 @@ class OpenAIServing:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise invalid(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
-        n, limit = len(ids), self.max_model_len
-        if n >= limit:
-            raise invalid(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                          f"{n} tokens (at most {limit - 1} leave room for one new token).", param)
-        if max_tokens is not None and n + max_tokens > limit:
-            raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                          f"Please reduce the length of the prompt or completion.", "max_tokens")
+        err = context_length_error(self.max_model_len, len(ids), max_tokens)
+        if err is not None:
+            raise invalid(err[0], param if err[1] == "prompt" else err[1])
 
     def sampling_params(self, req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
                         ) -> SamplingParams:
