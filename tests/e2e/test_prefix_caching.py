@@ -33,7 +33,9 @@ def _outputs(llm, prompts, max_tokens=6):
     {"max_num_batched_tokens": 20},                           # chunked prefill
     {"num_kv_blocks": 9, "max_num_batched_tokens": 32},       # preemption (and eviction)
     {"expert_placement": "paged", "num_gpu_experts": 3},      # paged experts
-], ids=["plain", "chunked", "preempt", "paged"])
+    {"expert_placement": "paged", "num_gpu_experts": 2, "num_compressed_experts": 2, "dtype": "bfloat16"},
+    {"expert_precision": "static-int8"},                      # every expert quantized, paged
+], ids=["plain", "chunked", "preempt", "paged", "compressed", "static-int8"])
 def test_outputs_match_cache_off(ckpt, flags):
     from pagedmoe import LLM
 
@@ -78,3 +80,36 @@ def test_parallel_samples_share_the_prompt(ckpt):
     assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 5 for c in out.outputs)
     # the prompt is computed once: the two siblings only compute its last, partial block
     assert llm.engine.get_stats()["prefix_cache_hits_total"] == 2 * 48
+
+
+def test_mla_model(tmp_path):
+    """DeepSeek-V2's latent KV cache: the same sharing, the same greedy outputs."""
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("deepseek_v2", tmp_path)
+    on = LLM(str(tmp_path), device="cpu", max_model_len=128)
+    off = LLM(str(tmp_path), device="cpu", max_model_len=128, enable_prefix_caching=False)
+    _outputs(on, PROMPTS[:1])
+    assert _outputs(on, PROMPTS) == _outputs(off, PROMPTS)
+    assert on.engine.get_stats()["prefix_cache_hits_total"] >= 4 * 48
+
+
+def test_dynamic_precision_runs_clean(tmp_path):
+    """Dynamic precision lends free KV blocks to experts: cached blocks are dropped when withheld, and
+    nothing leaks."""
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=7, num_hidden_layers=4)
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16,
+              gpu_memory_gb=0.0040, expert_precision="dynamic")
+    burst = [[(7 * i + j) % 100 + 3 for j in range(150)] for i in range(8)]  # more KV than the plan has
+    shared = [SYSTEM * 2 + [(7 * i + j) % 100 + 3 for j in range(60)] for i in range(8)]
+    for prompts in (burst, shared, burst):
+        assert all(len(o) == 80 for o in _outputs(llm, prompts, 80))
+        llm.engine.kv.pool.check_invariants()
+    stats = llm.engine.get_stats()
+    assert stats["precision_demotions"] > 0  # KV blocks were lent to experts while the cache held prefixes
+    assert stats["prefix_cache_hits_total"] >= 7 * 96
+    kv = llm.engine.kv
+    kv.pool.check_invariants()
+    assert kv.num_free_blocks + kv.pool.num_withheld_blocks == kv.num_blocks and not kv._tables

@@ -57,6 +57,18 @@ def test_pool_refcounts_lru_and_eviction():
     pool.check_invariants()
 
 
+def test_reset_forgets_cached_blocks():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add_request(_req("a", range(1, 14), max_tokens=1))
+    _drain(sched)
+    assert kv.pool.num_cached_blocks == 3
+    kv.reset_prefix_cache()
+    kv.pool.check_invariants()
+    sched.add_request(_req("b", range(1, 14), max_tokens=1))
+    assert _step(sched).scheduled[0].num_computed_tokens == 0
+
+
 def test_withholding_drops_cached_contents():
     pool = BlockPool(4)
     blocks = pool.allocate(4)

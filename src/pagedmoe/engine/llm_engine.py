@@ -362,6 +362,10 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (vLLM's name): later requests compute every token again."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -151,6 +151,16 @@ class BlockPool:
         self._hash[b] = block_hash
         return True
 
+    def reset_cache(self) -> None:
+        """Forget every cached block (contents are no longer found; referenced blocks stay in use)."""
+        for b in self._lru:
+            self._state[b] = self._FREE
+            self._push(b)
+        self._lru.clear()
+        for b in self._cached.values():
+            self._hash[b] = None
+        self._cached.clear()
+
     def _uncache(self, b: int) -> None:
         del self._cached[self._hash[b]]
         self._hash[b] = None
@@ -288,6 +298,10 @@ class KVCacheManager:
             if self._pending.get(h) == rid:
                 del self._pending[h]
         self._num_cached[rid] = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget what is cached (benchmarks: a warm-up must not make the measured run's prefill free)."""
+        self.pool.reset_cache()
 
     def _drop_pending(self, request_id: str) -> None:
         for h in self._hasher.known(request_id)[self._num_cached.get(request_id, 0):]:
