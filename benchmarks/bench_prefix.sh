@@ -7,7 +7,7 @@
 #   bash benchmarks/bench_prefix.sh
 #
 # Environment (defaults in brackets): MODEL [benchmarks/configs/qwen3-30b-a3b], BUDGET_GB [60],
-# PREFIX_LEN [2000], INPUT_LEN [100], OUTPUT_LEN [64], NUM_PROMPTS [64], MAX_CONCURRENCY [64],
+# PREFIX_LEN [2000], INPUT_LEN [100], OUTPUT_LEN [32], NUM_PROMPTS [64], MAX_CONCURRENCY [64],
 # REQUEST_RATE [inf], MAX_MODEL_LEN [4096], PLACEMENTS ["resident paged"], RESIDENT_FLAGS
 # [--expert-placement resident], PAGED_FLAGS [--expert-placement paged --num-gpu-experts 96],
 # SERVE_FLAGS [--max-num-seqs 64: extra flags for every run], OUT [./out], PYTHON [python].
@@ -16,7 +16,7 @@ set -euo pipefail
 
 export PREFIX_LEN=${PREFIX_LEN:-2000}
 export INPUT_LEN=${INPUT_LEN:-100}
-export OUTPUT_LEN=${OUTPUT_LEN:-64}
+export OUTPUT_LEN=${OUTPUT_LEN:-32}
 export NUM_PROMPTS=${NUM_PROMPTS:-64}
 export MAX_CONCURRENCY=${MAX_CONCURRENCY:-64}
 export OUT=${OUT:-./out}

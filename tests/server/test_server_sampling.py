@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from server_utils import MAX_MODEL_LEN, MODEL_NAME
+from server_utils import MODEL_NAME
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")  # the serve extra
 
 PROMPT = "for i in range(10):"
 MESSAGES = [{"role": "user", "content": "Tell me about points."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir):
-    from pagedmoe.llm import LLM
-
-    return LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
 
 
 def offline(ref, prompt, **kw):

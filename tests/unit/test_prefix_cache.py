@@ -201,3 +201,20 @@ def test_random_requests_keep_the_pool_consistent():
     assert kv.num_free_blocks == 16 and not kv._tables and not kv._pending
     assert sched.num_preemptions_total > 0 and kv.prefix_cache_hits > 0
     kv.pool.check_invariants()
+
+
+def test_flag_env_and_kwarg(monkeypatch):
+    import argparse
+
+    from pagedmoe.config import EngineConfig, add_engine_args, engine_config_from_kwargs
+
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        return p.parse_args(argv).enable_prefix_caching
+
+    assert parse([]) is True and EngineConfig().enable_prefix_caching is True
+    assert parse(["--no-enable-prefix-caching"]) is False
+    monkeypatch.setenv("PAGEDMOE_ENABLE_PREFIX_CACHING", "0")
+    assert parse([]) is False and parse(["--enable-prefix-caching"]) is True
+    assert engine_config_from_kwargs(None, enable_prefix_caching=False).enable_prefix_caching is False
