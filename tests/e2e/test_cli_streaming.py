@@ -100,3 +100,44 @@ def test_chat_streams_and_keeps_within_the_context(ckpt):
     bad = subprocess.run(_cli("chat", ckpt, "--device", "cpu", "--max-model-len", "96", "--max-tokens", "500"),
                          input="hi\n", capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "maximum context length is 96 tokens" in bad.stderr
+
+
+def test_chat_line_editing_on_a_terminal(ckpt):
+    """On a terminal, chat reads lines with readline: Up recalls the previous message (no `^[[A`)."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: chat on the pty
+        os.execve(sys.executable, _cli("chat", ckpt, "--device", "cpu", "--max-model-len", "96", "--max-tokens",
+                                       "3", "--ignore-eos"), ENV)
+    seen = b""
+
+    def read_until(marker: bytes, count: int, timeout: float = 120) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while seen.count(marker) < count:
+            assert time.monotonic() < deadline, seen[-2000:]
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+
+    try:
+        read_until(b"> ", 1)
+        os.write(fd, b"hello there\r")
+        read_until(b"tok/s", 1)
+        read_until(b"> ", 2)
+        time.sleep(0.5)            # typed by a person: readline has the terminal by then
+        os.write(fd, b"\x1b[A")    # Up: the previous message comes back, ready to edit
+        read_until(b"hello there", 2, timeout=30)
+        os.write(fd, b"\r")
+        read_until(b"tok/s", 2)
+        os.write(fd, b"\r")        # an empty line quits
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    text = seen.decode(errors="replace")
+    assert os.WEXITSTATUS(status) == 0, text[-2000:]
+    assert "^[[A" not in text and text.count("hello there") >= 2
