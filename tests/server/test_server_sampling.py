@@ -90,3 +90,14 @@ def test_prefix_cache_metrics(server, client):
     hits = m["pagedmoe:prefix_cache_hits_total"] - before["pagedmoe:prefix_cache_hits_total"]
     queries = m["pagedmoe:prefix_cache_queries_total"] - before["pagedmoe:prefix_cache_queries_total"]
     assert hits >= 16 and queries > hits
+
+
+def test_completions_n2_streamed_equals_whole(client):
+    kw = dict(model=MODEL_NAME, prompt=[PROMPT, "x = 1"], n=2, temperature=1.0, seed=9, max_tokens=6,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    texts = [""] * 4
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in whole.choices]

@@ -104,6 +104,7 @@ class LLMEngine:
                     store.compressed_bytes / GiB, store.quantized_bytes / GiB, config.expert_precision,
                     store.host_bytes / GiB, store.buffer_bytes / GiB)
         self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)")
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
