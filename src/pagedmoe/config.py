@@ -63,6 +63,9 @@ class EngineConfig:
     load_format: str = _flag("auto", "auto: read safetensors; dummy: random weights of the right shapes",
                              _LOAD_FORMATS)
     enforce_eager: bool = _flag(False, "disable CUDA graphs", type_=bool)
+    enable_prefix_caching: bool = _flag(True, "automatic prefix caching: requests whose tokens start alike share "
+                                              "the KV blocks of that start, computed once (vLLM's default)",
+                                        type_=bool)
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
     moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)

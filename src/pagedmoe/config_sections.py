@@ -42,6 +42,7 @@ class CacheConfig:
     num_kv_blocks: Optional[int]
     gpu_memory_gb: Optional[float]
     host_memory_gb: Optional[float]
+    enable_prefix_caching: bool
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ SECTIONS = {
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens"}),
     "cache": (CacheConfig, {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
-                            "gpu_memory_gb": "gpu_memory_gb", "host_memory_gb": "host_memory_gb"}),
+                            "gpu_memory_gb": "gpu_memory_gb", "host_memory_gb": "host_memory_gb",
+                            "enable_prefix_caching": "enable_prefix_caching"}),
     "experts": (ExpertConfig, {"expert_placement": "placement", "num_gpu_experts": "num_gpu_experts",
                                "cpu_moe": "cpu_moe", "num_compressed_experts": "num_compressed_experts",
                                "expert_compression": "compression", "host_compression": "host_compression",

@@ -33,6 +33,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])
     while engine.has_unfinished_requests():
         engine.step()
+    engine.reset_prefix_cache()
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []

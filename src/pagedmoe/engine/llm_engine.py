@@ -60,6 +60,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request: give each of n samples its own request "
+                             "(SamplingParams.for_sample; LLM.generate and the server do)")
+        if params.logit_bias and max(params.logit_bias) >= self.model.dims.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model.dims.vocab_size}")
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -99,6 +104,10 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (vLLM's name): later requests compute every token again."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -135,8 +144,11 @@ class LLMEngine:
             return []
         sampling = [sched.scheduled[r].request for r in rows]
         logits = self.outputs.mask_min_tokens(logits, sampling)
-        sample = self.sampler.sample(logits, [r.params for r in sampling],
-                                     [self._generators.get(r.request_id) for r in sampling])
+        params = [r.params for r in sampling]
+        histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+                     if any(p.penalised for p in params) else None)
+        sample = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in sampling],
+                                     histories)
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
         results = []
@@ -183,6 +195,8 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks,
             "num_free_kv_blocks": self.kv.num_free_blocks,
             "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "prefix_cache_queries_total": self.kv.prefix_cache_queries,
+            "prefix_cache_hits_total": self.kv.prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,

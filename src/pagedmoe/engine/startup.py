@@ -96,7 +96,8 @@ def start_engine(config: EngineConfig) -> EngineParts:
         logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
                        "their memory, so the GPU holds up to the budget plus the experts' bytes above "
                        "--min-expert-precision")
-    kv = KVCacheManager(plan.num_kv_blocks, config.block_size, backing=backing)
+    kv = KVCacheManager(plan.num_kv_blocks, config.block_size, config.enable_prefix_caching, backing=backing)
+    logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)")
     runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
                          config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          # MLA runs a PyTorch path that reads host copies of the sequence lengths: not

@@ -278,7 +278,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         if req.stream:
             return SSEResponse(_stream_errors(serving.completion_stream(response_id, req, prepared, handle)),
                                handle.close)
-        outputs = await _run(request, handle, len(prepared.prompts))
+        outputs = await _run(request, handle, prepared.num_choices)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         return JSONResponse(serving.completion_response(response_id, req, prepared, outputs))
@@ -294,7 +294,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         if req.stream:
             return SSEResponse(_stream_errors(serving.chat_stream(response_id, req, prepared, handle)),
                                handle.close)
-        outputs = await _run(request, handle, 1)
+        outputs = await _run(request, handle, prepared.num_choices)
         if outputs is None:
             return Response(status_code=499)
         return JSONResponse(serving.chat_response(response_id, req, outputs))

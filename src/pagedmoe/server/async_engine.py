@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 
@@ -128,8 +128,10 @@ class AsyncEngine:
         return int(min(60, max(1, math.ceil(self.num_waiting / (recent / window)))))
 
     def submit(self, request_id: str, prompts: list[tuple[Optional[str], list[int]]],
-               params: SamplingParams, arrival: Optional[float] = None) -> "RequestHandle":
-        """Queue one engine request per prompt (ids `{request_id}-{i}`) and return their handle.
+               params: Union[SamplingParams, list[SamplingParams]], arrival: Optional[float] = None
+               ) -> "RequestHandle":
+        """Queue one engine request per prompt (ids `{request_id}-{i}`; `params` one for all, or one per
+        prompt) and return their handle.
 
         Synchronous on purpose: the capacity check and the enqueue happen in one go on the loop thread,
         so concurrent handlers cannot overshoot --max-waiting-requests. The caller must see that
@@ -143,9 +145,10 @@ class AsyncEngine:
             self._streams[rid] = (handle, i)  # registered before the add: no output can be missed
         with self._lock:
             self._num_pending_adds += len(prompts)
-        for rid, (text, ids) in zip(handle.rids, prompts):
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        for rid, (text, ids), p in zip(handle.rids, prompts, per_prompt):
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.append(("add", rid, text, ids, params, arrival, fut))
+            self._commands.append(("add", rid, text, ids, p, arrival, fut))
             handle.add_futures.append(asyncio.wrap_future(fut))
         self._wakeup.set()
         return handle

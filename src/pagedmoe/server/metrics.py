@@ -116,6 +116,10 @@ class EngineStatsCollector:
         yield counter("generation_tokens_total", "Tokens generated.", s.get("generation_tokens_total", 0))
         yield counter("num_preemptions_total", "Preemptions (recompute) so far.", s.get("num_preemptions_total", 0))
         yield counter("num_engine_steps_total", "Engine steps run.", s.get("num_steps", 0))
+        yield counter("prefix_cache_queries_total", "Prefix cache: tokens of admitted requests looked up.",
+                      s.get("prefix_cache_queries_total", 0))
+        yield counter("prefix_cache_hits_total", "Prefix cache: of those, tokens found cached (not computed).",
+                      s.get("prefix_cache_hits_total", 0))
 
         loaded = CounterMetricFamily(P + "expert_bytes_loaded_total",
                                      "Expert bytes brought into the compute buffers, per source tier.",
