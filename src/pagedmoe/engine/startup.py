@@ -32,7 +32,8 @@ from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block
 from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
                                     resolve_dtype)
 from pagedmoe.models.registry import spec_builder
-from pagedmoe.planning.kv_sizing import GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes, size_kv_cache
+from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
+                                         size_kv_cache)
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
 from pagedmoe.worker.model_runner import ModelRunner
 

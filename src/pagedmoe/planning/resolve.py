@@ -63,7 +63,8 @@ def planning_buffer_kind(requested: str, cuda: bool) -> str:
     return "vmm-ring" if requested == "vmm-ring" else "vmm"
 
 
-def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_model_len: int, budget: Callable[[], Optional[int]],
+def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_model_len: int,
+                        budget: Callable[[], Optional[int]],
                         host_budget: Callable[[], Optional[int]]) -> ExpertPlan:
     """Placement, tier counts and host compression of `config` (an EngineConfig) for a model of `dims` and
     `spec` (models/moe_decoder.py). Flags decide when they fix it (a static --expert-precision pages every
