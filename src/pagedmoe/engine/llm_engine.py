@@ -229,7 +229,10 @@ class LLMEngine:
         from pagedmoe.experts.planner import host_tier_bytes
 
         num_moe = dims.num_layers - len(spec.dense_layers)
-        num_host = (dims.num_experts - num_gpu - num_comp) * num_moe
+        # NOTE: a static lossy precision holds every expert quantized on the device (experts/manager.py): its
+        # host tier is empty, so no host limit can refuse it.
+        lossy = self.config.quantized_precision() is not None
+        num_host = 0 if lossy else (dims.num_experts - num_gpu - num_comp) * num_moe
         limit = self._host_budget() if num_host > 0 else None
         if limit is None:
             return
