@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    from pagedmoe.extras import MissingPackageError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingPackageError) as e:
         # Bad input: one clear line, no traceback.
         print(f"pagedmoe {args.verb}: error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,14 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _check_gpu_packages(device: torch.device) -> None:
+    """The gpu extra, checked before any weight is read: pagedmoe's CUDA kernels are Triton kernels."""
+    if device.type == "cuda":
+        from pagedmoe.extras import require
+
+        require("triton", "gpu", "running on a CUDA device")
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -64,6 +72,7 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path, config.load_format)
         self.device = _pick_device(config.device)
+        _check_gpu_packages(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
         if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
