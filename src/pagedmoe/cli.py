@@ -45,7 +45,21 @@ def register_modules(subparsers, module_names: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C (chat, generate, a long load): quiet, with the shell's status for SIGINT
+        print(file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from pagedmoe.config import EnvVarError
+
+    try:
+        parser = build_parser()  # reads the PAGEDMOE_* defaults, so a bad one stops even --help
+    except EnvVarError as e:
+        print(f"pagedmoe: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.version:
         from pagedmoe import __version__
