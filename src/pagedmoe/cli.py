@@ -78,6 +78,24 @@ def _main(argv: list[str] | None) -> int:
         # Bad input: one clear line, no traceback.
         print(f"pagedmoe {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - only the kinds below; anything else keeps its traceback
+        if not _is_oom(e):
+            raise
+        # Out of device memory (pagedmoe/oom.py names what and the budget; torch's message is one line too).
+        print(f"pagedmoe {args.verb}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _is_oom(e: BaseException) -> bool:
+    """torch's OOM (pagedmoe's named one is a subclass), or generate() requests that failed of one; without
+    importing torch for verbs that never loaded it."""
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    from pagedmoe.llm import GenerationError
+
+    return isinstance(e, (torch.OutOfMemoryError, GenerationError))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,16 @@ logger = logging.getLogger("pagedmoe")
 PromptType = Union[str, list[int], dict]
 
 
+class GenerationError(RuntimeError):
+    """Requests of one generate() / chat() call failed (out of GPU memory in their step); the others ran to the
+    end. `outputs` holds every output in prompt order, the failed ones with finish_reason "error". The LLM
+    serves on."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
 class LLM:
     """`LLM("path/to/model", gpu_memory_gb=48)`; no model means the embedded default model."""
 
@@ -86,7 +96,11 @@ class LLM:
         summary = self.engine.expert_traffic_summary(before)
         if summary:
             logger.info(summary)
-        return [finished[rid] for rid in ids]
+        outputs = [finished[rid] for rid in ids]
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise GenerationError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0].error}", outputs)
+        return outputs
 
 
 def _split_prompt(prompt: PromptType):

@@ -70,22 +70,30 @@ def _read_prompts(args) -> list[str]:
 
 
 def run_generate(args) -> int:
-    from pagedmoe.llm import LLM
+    from pagedmoe.llm import LLM, GenerationError
 
     prompts = _read_prompts(args)
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args, model=args.model)
     llm = LLM(**vars(config))
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    except GenerationError as e:  # print what did finish, then the one-line error (cli.py)
+        _print_outputs([o for o in e.outputs if o.error is None], args.output_json)
+        raise
+    _print_outputs(outputs, args.output_json)
+    return 0
+
+
+def _print_outputs(outputs, output_json) -> None:
     for out in outputs:
         print(f"--- prompt: {out.prompt!r}")
         print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
         print(f"--- ({len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason})")
-    if args.output_json:
-        args.output_json.write_text(json.dumps([
+    if output_json:
+        output_json.write_text(json.dumps([
             {"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
              "finish_reason": o.outputs[0].finish_reason} for o in outputs], indent=2))
-    return 0
 
 
 def run_chat(args) -> int:

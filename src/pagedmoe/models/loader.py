@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagedmoe.models.fp8 import Fp8Dequantizer, fp8_block_size
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.models.registry import spec_builder
+from pagedmoe.oom import DeviceOutOfMemoryError, naming_oom
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def build_model(hf_config, max_position: int, device: torch.device, dtype: torch
     dims, spec = spec_builder(hf_config)(hf_config)
     with torch.device("meta"):
         model = MoEForCausalLM(hf_config, dims, spec, max_position)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    with naming_oom("allocating the backbone", sum(p.numel() * p.element_size() for p in model.parameters())):
+        model = model.to_empty(device=device)
     model.model.rotary.build(device)
     model.tie_weights()
     model.eval().requires_grad_(False)
@@ -139,6 +142,10 @@ def _load_file(model, file: Path, params: dict, fp8, decode_device: torch.device
                     raise CheckpointError(f"{file.name}: tensor {name!r}: {e}") from None
             current = None
         bad = _read_flags(flags, decode_device)
+    except torch.OutOfMemoryError as e:  # before RuntimeError: running out of memory is not a bad file
+        if current is None:
+            raise DeviceOutOfMemoryError(f"reading {file.name}") from e
+        raise DeviceOutOfMemoryError(f"loading tensor {current[0]!r} of {file.name}", current[1]) from e
     except CorruptCheckpointError as e:
         raise CheckpointError(f"{file}: {e}") from e
     except (SafetensorError, OSError, RuntimeError) as e:
@@ -190,14 +197,17 @@ def get_model(path: str, hf_config, load_format: str, max_position: int, device:
     from pagedmoe.experts.manager import attach_experts
 
     model = build_model(hf_config, max_position, device, dtype)
-    attach_experts(model, placement, num_gpu_experts, device, dtype, expert_buffers, num_compressed_experts,
-                   quantized_precision, host_compression, quantized_gemm)
+    with naming_oom(f"allocating the experts ({placement} placement)"):
+        attach_experts(model, placement, num_gpu_experts, device, dtype, expert_buffers, num_compressed_experts,
+                       quantized_precision, host_compression, quantized_gemm)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
-        model.expert_store.init_random(seed)
+        with naming_oom("generating random weights (--load-format dummy)"):
+            init_dummy_weights(model, seed)
+            model.expert_store.init_random(seed)
     else:
         load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
-    model.expert_store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
+    with naming_oom("encoding the compressed / quantized expert tiers"):
+        model.expert_store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
     if model.pager is not None:
         model.pager.refresh()  # finalize may have compressed the host tier
     return model
