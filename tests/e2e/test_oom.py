@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fault_injection import OOM, OomOnce, raise_oom
 from pagedmoe.cli import main
 from tiny_models import make_tiny_checkpoint
-
-OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB"
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +17,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("mixtral_oom")
     make_tiny_checkpoint("mixtral", path, seed=5, num_hidden_layers=2)
     return path
-
-
-def _raise_oom(*_args, **_kwargs):
-    raise torch.OutOfMemoryError(OOM)
 
 
 # -- while starting --------------------------------------------------------------------------------------------
@@ -57,7 +52,7 @@ def test_oom_while_allocating_the_kv_cache_is_named(ckpt, monkeypatch):
     from pagedmoe.oom import DeviceOutOfMemoryError
     from pagedmoe.worker import model_runner
 
-    monkeypatch.setattr(model_runner, "allocate_kv_cache", _raise_oom)
+    monkeypatch.setattr(model_runner, "allocate_kv_cache", raise_oom)
     with pytest.raises(DeviceOutOfMemoryError, match=r"^out of GPU memory while allocating the KV cache \(\d+ "
                                                      r"blocks\) \(\d+\.\d\d GiB\), budget 0\.25 GiB$"):
         LLM(str(ckpt), device="cpu", max_model_len=64, gpu_memory_gb=0.25)
@@ -68,25 +63,12 @@ def test_oom_elsewhere_at_start_still_names_the_budget(ckpt, monkeypatch):
     from pagedmoe.engine import llm_engine
     from pagedmoe.oom import DeviceOutOfMemoryError
 
-    monkeypatch.setattr(llm_engine, "ActivityTable", _raise_oom)
+    monkeypatch.setattr(llm_engine, "ActivityTable", raise_oom)
     with pytest.raises(DeviceOutOfMemoryError, match=r"^out of GPU memory while starting the engine, budget 1\.00"):
         LLM(str(ckpt), device="cpu", max_model_len=64, gpu_memory_gb=1)
 
 
 # -- inside a step ---------------------------------------------------------------------------------------------
-class _OomOnce:
-    """Wrap `fn`: its `at`-th call (1-based) raises torch's OOM, every other call runs it."""
-
-    def __init__(self, fn, at: int) -> None:
-        self.fn, self.at, self.calls = fn, at, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            raise torch.OutOfMemoryError(OOM)
-        return self.fn(*args, **kwargs)
-
-
 def _greedy(max_tokens):
     from pagedmoe import SamplingParams
 
@@ -109,10 +91,10 @@ def test_oom_in_a_step_fails_its_requests_and_the_engine_serves_on(ckpt, where):
     engine = llm.engine
     free = engine.kv.num_free_blocks
     if where == "runner":
-        engine.runner.execute = _OomOnce(engine.runner.execute, at=4)
+        engine.runner.execute = OomOnce(engine.runner.execute, at=4)
     else:
         moe = engine.model.moe_layers()[1]
-        moe.experts_fn = _OomOnce(moe.experts_fn, at=4)
+        moe.experts_fn = OomOnce(moe.experts_fn, at=4)
     with pytest.raises(GenerationError, match=r"^1 of 2 requests failed: out of GPU memory while running a step "
                                               r"of 1 request \(1 token\), no --gpu-memory-gb budget") as info:
         llm.generate(prompts, params, use_tqdm=False)
@@ -134,7 +116,7 @@ def test_generate_cli_prints_what_finished_then_one_line(ckpt, monkeypatch, caps
     def failing_second_step(self):
         counter["n"] += 1
         if counter["n"] == 2:
-            self.runner.execute = _OomOnce(self.runner.execute, at=1)
+            self.runner.execute = OomOnce(self.runner.execute, at=1)
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", failing_second_step)
@@ -145,3 +127,17 @@ def test_generate_cli_prints_what_finished_then_one_line(ckpt, monkeypatch, caps
     err = captured.err.strip().splitlines()[-1]
     assert err.startswith("pagedmoe generate: error: 1 of 1 requests failed: out of GPU memory while running a step")
     assert "Traceback" not in captured.err
+
+
+def test_benchmarks_let_a_step_oom_stop_them(ckpt):
+    """A benchmark with failed requests would report a throughput of what was left: its OOM propagates (bench
+    sweep records the point as out of memory)."""
+    from pagedmoe.bench.throughput import run_throughput
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_model_len=64))
+    engine.runner.execute = OomOnce(engine.runner.execute, at=5)  # past run_throughput's warm-up
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        run_throughput(engine, 2, 8, 4, show_progress=False)
+    assert not engine.survive_step_oom

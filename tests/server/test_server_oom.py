@@ -6,25 +6,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import torch
 
+from fault_injection import OomOnce
 from server_utils import MODEL_NAME, ServerThread, make_engine
 from tiny_models import make_tiny_checkpoint
-
-OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
-
-
-class _OomOnce:
-    """Wrap `fn`: its `at`-th call (1-based) raises torch's OOM, every other call runs it."""
-
-    def __init__(self, fn, at: int) -> None:
-        self.fn, self.at, self.calls = fn, at, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            raise torch.OutOfMemoryError(OOM)
-        return self.fn(*args, **kwargs)
 
 
 def test_server_survives_an_oom_in_a_step(tmp_path):
@@ -35,7 +20,7 @@ def test_server_survives_an_oom_in_a_step(tmp_path):
     with ServerThread(engine) as s:
         url = s.base_url + "/v1/completions"
         good = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
-        engine.runner.execute = _OomOnce(execute, at=3)
+        engine.runner.execute = OomOnce(execute, at=3)
         resp = httpx.post(url, json=body, timeout=60)
         assert resp.status_code == 500, resp.text
         err = resp.json()["error"]
@@ -44,7 +29,7 @@ def test_server_survives_an_oom_in_a_step(tmp_path):
         assert httpx.get(s.base_url + "/health", timeout=10).status_code == 200
         assert httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"] == good
 
-        engine.runner.execute = _OomOnce(execute, at=2)
+        engine.runner.execute = OomOnce(execute, at=2)
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

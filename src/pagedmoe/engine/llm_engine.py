@@ -86,6 +86,10 @@ _CPU = torch.device("cpu")
 
 
 class LLMEngine:
+    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # turn this off: a run with failed requests measures nothing, so their OOM propagates.
+    survive_step_oom = True
+
     @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -408,7 +412,9 @@ class LLMEngine:
             finally:
                 self._record_step_time(sched, time.perf_counter() - t0)
         except torch.OutOfMemoryError:
-            pass  # failed below, once the traceback (and the step's tensors it holds) is gone
+            if not self.survive_step_oom:
+                raise
+            # failed below, once the traceback (and the step's tensors it holds) is gone
         return self._fail_step(sched)
 
     def _fail_step(self, sched) -> list[RequestOutput]:
