@@ -141,3 +141,28 @@ def test_benchmarks_let_a_step_oom_stop_them(ckpt):
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
         run_throughput(engine, 2, 8, 4, show_progress=False)
     assert not engine.survive_step_oom
+
+
+def test_chat_reports_a_failed_turn_and_chats_on(ckpt, monkeypatch, capsys):
+    """`pagedmoe chat`: a turn whose step runs out of memory is one error line; the next turn is answered."""
+    import builtins
+
+    from pagedmoe.llm import LLM
+
+    lines = iter(["first", "second", ""])
+    monkeypatch.setattr(builtins, "input", lambda _prompt="": next(lines))
+    generate, calls = LLM.generate, {"n": 0}
+
+    def oom_on_first_turn(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            self.engine.runner.execute = OomOnce(self.engine.runner.execute, at=1)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", oom_on_first_turn)
+    assert main(["chat", "--device", "cpu", "--max-model-len", "256", "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("chat: error: ")]
+    assert len(errors) == 1 and "out of GPU memory while running a step" in errors[0], captured.err
+    assert calls["n"] == 2 and captured.out.strip(), captured.out  # the second turn's reply
+    assert "Traceback" not in captured.err

@@ -97,7 +97,7 @@ def _print_outputs(outputs, output_json) -> None:
 
 
 def run_chat(args) -> int:
-    from pagedmoe.llm import LLM
+    from pagedmoe.llm import LLM, GenerationError
 
     params = sampling_params_from_args(args)
     llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
@@ -111,7 +111,12 @@ def run_chat(args) -> int:
         if not line.strip():
             break
         history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        try:
+            reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        except GenerationError as e:  # out of memory in its step: say so, forget the turn, chat on
+            print(f"chat: error: {e}", file=sys.stderr)
+            history.pop()
+            continue
         print(reply)
         history.append({"role": "assistant", "content": reply})
     return 0
