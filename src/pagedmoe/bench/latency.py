@@ -28,6 +28,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         raise ValueError(f"--batch-size {batch_size} exceeds --max-num-seqs {engine.config.max_num_seqs}")
     if input_len + output_len > engine.max_model_len:
         raise ValueError(f"input + output ({input_len + output_len}) exceeds max_model_len {engine.max_model_len}")
+    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
     prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])

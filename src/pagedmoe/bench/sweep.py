@@ -448,6 +448,10 @@ def replot(args) -> int:
 
 
 def run(args) -> int:
+    if not args.no_plots:  # before the sweep, not after it
+        from pagedmoe.extras import require
+
+        require("matplotlib", "plot", "bench sweep's plots (or pass --no-plots)")
     if args.replot:
         return replot(args)
     import torch

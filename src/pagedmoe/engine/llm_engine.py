@@ -1,6 +1,7 @@
 """The engine: requests in, one step at a time (schedule -> execute -> update), outputs out."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -18,6 +19,7 @@ from pagedmoe.engine.scheduler import Scheduler
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
 from pagedmoe.models.loader import CheckpointError, get_model, load_hf_config, resolve_dtype
+from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
@@ -33,6 +35,14 @@ def _pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+def _check_gpu_packages(device: torch.device) -> None:
+    """The gpu extra, checked before any weight is read: pagedmoe's CUDA kernels are Triton kernels."""
+    if device.type == "cuda":
+        from pagedmoe.extras import require
+
+        require("triton", "gpu", "running on a CUDA device")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -57,13 +67,37 @@ def _load_tokenizer(path: str, load_format: str):
         raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
 
 
+def _name_oom_at_start(init):
+    """LLMEngine.__init__: running out of device memory while starting says what was being built (the loader,
+    the KV cache, graph capture name it: pagedmoe/oom.py) and the budget, never a corrupt checkpoint."""
+    @functools.wraps(init)
+    def wrapper(self, config: EngineConfig) -> None:
+        try:
+            init(self, config)
+        except DeviceOutOfMemoryError as e:
+            raise e.with_budget(budget_text(config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+        except torch.OutOfMemoryError as e:
+            raise DeviceOutOfMemoryError("starting the engine", None, budget_text(
+                config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+    return wrapper
+
+
+_CPU = torch.device("cpu")
+
+
 class LLMEngine:
+    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # turn this off: a run with failed requests measures nothing, so their OOM propagates.
+    survive_step_oom = True
+
+    @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path, config.load_format)
         self.device = _pick_device(config.device)
+        _check_gpu_packages(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
         if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
@@ -230,7 +264,10 @@ class LLMEngine:
         from pagedmoe.experts.planner import host_tier_bytes
 
         num_moe = dims.num_layers - len(spec.dense_layers)
-        num_host = (dims.num_experts - num_gpu - num_comp) * num_moe
+        # NOTE: a static lossy precision holds every expert quantized on the device (experts/manager.py): its
+        # host tier is empty, so no host limit can refuse it.
+        lossy = self.config.quantized_precision() is not None
+        num_host = 0 if lossy else (dims.num_experts - num_gpu - num_comp) * num_moe
         limit = self._host_budget() if num_host > 0 else None
         if limit is None:
             return
@@ -378,11 +415,41 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        logits, rows = self.runner.execute(sched, self.kv)
         try:
-            return self._finish_step(sched, logits, rows)
-        finally:
-            self._record_step_time(sched, time.perf_counter() - t0)
+            logits, rows = self.runner.execute(sched, self.kv)
+            try:
+                return self._finish_step(sched, logits, rows)
+            finally:
+                self._record_step_time(sched, time.perf_counter() - t0)
+        except torch.OutOfMemoryError:
+            if not self.survive_step_oom:
+                raise
+            # failed below, once the traceback (and the step's tensors it holds) is gone
+        return self._fail_step(sched)
+
+    def _fail_step(self, sched) -> list[RequestOutput]:
+        """Out of device memory inside a step: the step's requests finish with status "error" and the reason,
+        their KV blocks are freed, and the engine serves on (the next step allocates afresh; the memory the
+        failed one held is back in torch's pool)."""
+        n, tokens = len(sched.scheduled), sched.num_batched_tokens
+        what = f"running a step of {n} request{'s' * (n != 1)} ({tokens} token{'s' * (tokens != 1)})"
+        error = (f"{DeviceOutOfMemoryError(what)}, "
+                 f"{budget_text(self.config.gpu_memory_gb, self.device)}: the step's requests failed (lower "
+                 "--max-num-batched-tokens / --max-num-seqs, or raise --gpu-memory-gb)")
+        logger.error("%s", error)
+        if self.pager is not None:
+            self.pager.abort_step()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        now, outputs = time.monotonic(), []
+        for s in sched.scheduled:
+            request = s.request
+            request.error, request.finish_time = error, now
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            self.requests.pop(request.request_id, None)
+            self._generators.pop(request.request_id, None)
+            outputs.append(self.outputs.make_output(request))
+        return outputs
 
     def _record_step_time(self, sched, seconds: float) -> None:
         st = self.step_time

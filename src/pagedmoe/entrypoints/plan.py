@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,9 +19,10 @@ _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _env(flag: str, default, conv=str):
-    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win)."""
-    value = os.environ.get("PAGEDMOE_" + flag.upper())
-    return default if value is None else conv(value)
+    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win; a bad value: one line)."""
+    from pagedmoe.config import env_default
+
+    return env_default(flag, conv, default)
 
 
 def register(sub) -> None:

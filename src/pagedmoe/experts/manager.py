@@ -84,7 +84,10 @@ def attach_experts(model, placement: str, num_gpu_experts: Union[int, Sequence[i
     factory, align = None, STRIDE_ALIGN_BYTES
     if paged and buffers in ("auto", "vmm", "vmm-ring") and device.type == "cuda":
         from pagedmoe.experts import vmm
+        from pagedmoe.extras import require
 
+        if buffers != "auto":  # asked for by name: say which package is missing rather than "unavailable"
+            require("cuda.bindings", "gpu", f"--expert-buffers {buffers}", package="cuda-python")
         if vmm.available(device):
             factory = functools.partial(vmm.VmmExpertBuffers, ring=buffers == "vmm-ring")
             align = vmm.granularity(device)

@@ -177,7 +177,7 @@ class ServerMetrics:
         self._success = Counter(P + "request_success", "Requests finished, by finish reason.",
                                 lab + ["finished_reason"], registry=r)
         self._aborted = Counter(P + "num_requests_aborted", "Requests aborted before finishing, by reason "
-                                "(disconnect, timeout, client).", lab + ["reason"], registry=r)
+                                "(disconnect, timeout, client, error: their step failed).", lab + ["reason"], registry=r)
         self._rejected = Counter(P + "num_requests_rejected", "Requests refused, by reason (queue_full).",
                                  lab + ["reason"], registry=r)
 

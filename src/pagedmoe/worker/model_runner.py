@@ -11,10 +11,11 @@ import torch
 
 from pagedmoe.engine.scheduler import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
-from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache
+from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_bytes_per_block
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.oom import naming_oom
 from pagedmoe.worker.block_tables import BlockTables
 from pagedmoe.worker.cuda_graph import DecodeCudaGraphs
 
@@ -38,12 +39,15 @@ class ModelRunner:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
-        # lendable_kv (dynamic precision on CUDA): the pool's withheld tail gives its memory back to the device
-        self.kv_backing = (LendableKVCache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                           dims.head_dim, dtype, device) if lendable_kv else None)
-        self.kv_caches = (self.kv_backing.caches if lendable_kv else
-                          allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                            dims.head_dim, dtype, device))
+        kv_bytes = num_kv_blocks * kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size,
+                                                      dtype)
+        with naming_oom(f"allocating the KV cache ({num_kv_blocks} blocks)", kv_bytes):
+            # lendable_kv (dynamic precision on CUDA): the pool's withheld tail gives its memory back to the device
+            self.kv_backing = (LendableKVCache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                               dims.head_dim, dtype, device) if lendable_kv else None)
+            self.kv_caches = (self.kv_backing.caches if lendable_kv else
+                              allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                                dims.head_dim, dtype, device))
         backend = make_attention_backend(attention_backend, device)
         for attn, (k_cache, v_cache) in zip(model.attention_layers(), self.kv_caches):
             attn.k_cache, attn.v_cache, attn.backend = k_cache, v_cache, backend
@@ -62,7 +66,8 @@ class ModelRunner:
             else:
                 self.graphs = DecodeCudaGraphs(model, max_num_seqs, -(-max_model_len // block_size),
                                                max_model_len, device)
-                self.graphs.capture()
+                with naming_oom("capturing CUDA graphs (--enforce-eager runs without them)"):
+                    self.graphs.capture()
                 if model.pager is not None:
                     model.pager.reset_stats()  # capture warm-ups are not traffic of the workload
 
