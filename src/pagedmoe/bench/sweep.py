@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pagedmoe.bench.common import environment, write_json
+from pagedmoe.bench.common import device_memory_line, environment, write_json
+from pagedmoe.bench.engine_args import device_memory
 
 logger = logging.getLogger("pagedmoe")
 
@@ -276,16 +277,13 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
 
     engine = None
     t0 = time.perf_counter()
-    watch = _PeakDeviceUse() if torch.cuda.is_available() else None
     try:
         engine = LLMEngine(config)
         load_s = time.perf_counter() - t0
         r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed, args.steady_decode_steps)
-        device = device_memory(engine, watch)
+        device = device_memory(engine, budget_bytes)
         if device:
-            logger.info("sweep: device memory in use: peak %.2f GiB over the start, %.2f at the end (budget %.2f "
-                        "GiB; torch's peak reservation %.2f)", device["peak_used_over_start"], device["used_at_end"],
-                        budget_bytes / GiB, device["torch_peak_reserved"])
+            logger.info("sweep: %s", device_memory_line(device))
         stats, store = engine.get_stats(), engine.expert_store
         point = {"status": "ok", "load_s": load_s, **r,
                  "num_kv_blocks": engine.plan.num_kv_blocks,
@@ -295,7 +293,7 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
                                 "resident_experts": store.resident_bytes / GiB,
                                 "compressed_experts": store.compressed_bytes / GiB,
                                 "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
-                 **({"device_memory_gib": device} if device else {}),
+                 **({"device_memory": device} if device else {}),
                  "engine_plan": engine.placement_plan.to_dict() if engine.placement_plan is not None else None,
                  "modelled": modelled(engine, shape, budget_bytes, r["num_requests"], args.input_len,
                                       args.output_len, hw)}
@@ -326,64 +324,6 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
         if kv is not None:
             closers.append(kv.close)
         engine = None
-        if watch is not None:
-            watch.stop()
-
-
-class _PeakDeviceUse:
-    """The device memory in use (the driver's count: torch, VMM ranges and the CUDA context alike), polled
-    every 20 ms on a thread from load to the end of the run; `peak` in bytes, over the baseline at start
-    (what other points or processes left)."""
-
-    def __init__(self, period_s: float = 0.02) -> None:
-        import threading
-
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.baseline = self._used()
-        self.peak = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, args=(period_s,), daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _used() -> int:
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        return total - free
-
-    def _poll(self, period_s: float) -> None:
-        while not self._done.wait(period_s):
-            self.peak = max(self.peak, self._used() - self.baseline)
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return self.peak
-
-
-def device_memory(engine, watch: Optional[_PeakDeviceUse] = None) -> dict:
-    """What the device held (GiB): in use by the process after the run and at its peak (the driver's count,
-    polled; CUDA context included), torch's peak reservation, and the KV memory lent to experts at the end."""
-    import torch
-
-    from pagedmoe.engine.memory import GiB
-
-    if engine.device.type != "cuda":
-        return {}
-    torch.cuda.synchronize(engine.device)
-    free, total = torch.cuda.mem_get_info(engine.device)
-    out = {"used_at_end": (total - free) / GiB, "torch_peak_reserved": torch.cuda.max_memory_reserved() / GiB}
-    if watch is not None:
-        out["peak_used_over_start"] = watch.stop() / GiB
-    kv = engine.runner.kv_backing
-    if kv is not None:
-        out["kv_lent_to_experts_at_end"] = kv.lent_bytes / GiB
-    return out
 
 
 def describe(point: dict) -> str:

@@ -279,6 +279,13 @@ class DynamicExperts:
                 self._event = torch.cuda.Event()
                 self._event.record(self.stream)
 
+    # DynamicPrecisionManager builds and publishes one layer at a time (bounded transient), waiting for each.
+    layer_by_layer = True
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
     def ready(self) -> bool:
         return self._event is None or self._event.query()
 
