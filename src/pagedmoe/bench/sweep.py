@@ -198,7 +198,9 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
     n_host = sum(table.count(layer, HOST) for layer in range(L)) if store.paged else 0
     host_ratio = (store.host_bytes / (n_host * shape.expert_bytes)
                   if store.paged and store.host_compression == "lossless" and n_host else 0.0)
-    return model_placement(shape, placement, buffers, budget_bytes, engine.plan.activation_bytes,
+    # the model sizes KV from what the engine kept out of it: activations and the start-up reserve
+    return model_placement(shape, placement, buffers, budget_bytes,
+                           engine.plan.activation_bytes + engine.plan.reserve_bytes,
                            engine.max_model_len, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                            num_prompts, input_len, output_len, hw, host_ratio)
 
@@ -254,7 +256,7 @@ def remodel(point: dict, config: dict, hw) -> dict:
         buffers = ep["buffers"] if ep["buffers"] in ("vmm", "vmm-ring", "plain") else "vmm"
     else:  # paged by flags: no planner split was stored
         return point
-    activation_bytes = int(round(point["memory_gib"]["activations"] * GiB))
+    activation_bytes = int(round((point["memory_gib"]["activations"] + point["memory_gib"].get("reserve", 0)) * GiB))
     n_host = sum(n for tier, n in point.get("experts", {}).items() if tier.startswith("host/"))
     host_ratio = (point["memory_gib"]["host_tier"] * GiB / (n_host * shape.expert_bytes)
                   if point.get("engine_flags", {}).get("host_compression") == "lossless" and n_host else 0.0)
@@ -289,7 +291,8 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
                  "num_kv_blocks": engine.plan.num_kv_blocks,
                  "expert_placement": stats["expert_placement"], "experts": stats["experts"],
                  "memory_gib": {"budget": budget_bytes / GiB, "weights": engine.plan.weight_bytes / GiB,
-                                "activations": engine.plan.activation_bytes / GiB, "kv": engine.plan.kv_bytes / GiB,
+                                "activations": engine.plan.activation_bytes / GiB,
+                                "reserve": engine.plan.reserve_bytes / GiB, "kv": engine.plan.kv_bytes / GiB,
                                 "resident_experts": store.resident_bytes / GiB,
                                 "compressed_experts": store.compressed_bytes / GiB,
                                 "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
@@ -334,10 +337,18 @@ def describe(point: dict) -> str:
     return f"{point['status']}: {point.get('message', '')}"
 
 
+def _peak_columns(point: dict) -> str:
+    """The process's peak device memory (the driver's count) and its ratio to the budget; '-' off CUDA."""
+    d = point.get("device_memory") or {}
+    if "peak_gib" not in d:
+        return f"{'-':>9}{'-':>12}"
+    return f"{d['peak_gib']:>9.2f}{d['peak_gib'] / point['budget_gib']:>12.3f}"
+
+
 def format_table(points: list[dict]) -> str:
     head = (f"{'budget GiB':>10}  {'placement':<10}{'out tok/s':>11}{'model tok/s':>12}{'KV tokens':>11}"
             f"{'seqs':>6}{'prefill s':>10}{'decode s':>10}{'step ms':>9}{'copy s':>8}{'wait s':>8}{'H2D GB':>9}"
-            f"{'GB/s':>7}{'step/floor':>11}")
+            f"{'GB/s':>7}{'step/floor':>11}{'peak GiB':>9}{'peak/budget':>12}")
     lines = [head, "-" * len(head)]
     for p in points:
         lead = f"{p['budget_gib']:>10.3f}  {p['placement']:<10}"
@@ -351,7 +362,7 @@ def format_table(points: list[dict]) -> str:
         lines.append(lead + f"{p['output_tokens_per_second']:>11.2f}{model}{p['kv_capacity_tokens']:>11}"
                      f"{p['num_requests']:>6}{b['prefill_s']:>10.2f}{b['decode_s']:>10.2f}"
                      f"{p['mean_decode_step_ms']:>9.1f}{b['expert_copy_s']:>8.2f}"
-                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{gbps}{ratio}")
+                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{gbps}{ratio}{_peak_columns(p)}")
     return "\n".join(lines)
 
 

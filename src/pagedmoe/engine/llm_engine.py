@@ -9,8 +9,8 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig, resolve_model
-from pagedmoe.engine.memory import (CUDA_CONTEXT_BYTES, GiB, detect_host_budget_bytes, device_reserve_bytes,
-                                    dynamic_build_bytes, estimate_activation_bytes, graph_pool_bytes, plan_memory)
+from pagedmoe.engine.memory import (CUDA_CONTEXT_BYTES, GiB, detect_host_budget_bytes, dynamic_build_bytes,
+                                    estimate_activation_bytes, plan_memory, start_up_reserve_bytes)
 from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.experts.vmm import available as vmm_available
 from pagedmoe.engine.output import OutputProcessor
@@ -20,7 +20,6 @@ from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
 from pagedmoe.models.loader import CheckpointError, get_model, load_hf_config, resolve_dtype
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
-from pagedmoe.worker.cuda_graph import decode_buckets
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.profile_run import profile_step_bytes
@@ -182,12 +181,10 @@ class LLMEngine:
     def _reserve_bytes(self, dims, activation_bytes: int, build_bytes: int, context_bytes: int = 0) -> int:
         """Device memory start-up keeps out of the KV cache for what it cannot measure before sizing it
         (engine/memory.py::device_reserve_bytes): graph pools, a dynamic build, workspaces, fragmentation."""
-        c = self.config
-        graphs = 0
-        if self.device.type == "cuda" and not self._eager:
-            graphs = graph_pool_bytes(decode_buckets(c.max_num_seqs), dims.hidden_size, dims.moe_intermediate_size,
-                                      dims.top_k, dims.vocab_size, self.dtype.itemsize)
-        return device_reserve_bytes(activation_bytes, graphs, build_bytes, context_bytes)
+        return start_up_reserve_bytes(activation_bytes, self.config.max_num_seqs, dims.hidden_size,
+                                      dims.moe_intermediate_size, dims.top_k, dims.vocab_size, self.dtype.itemsize,
+                                      cuda_graphs=not self._eager, build_bytes=build_bytes,
+                                      context_bytes=context_bytes)
 
     def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
         """(resident|paged, resident experts per MoE layer, compressed experts per MoE layer). Flags

@@ -74,15 +74,33 @@ FRAGMENTATION_FRACTION = 0.10       # torch's pool rounds blocks up and keeps fr
                                     # what is allocated and freed while running (activations, graphs, builds)
 
 
-def graph_pool_bytes(decode_buckets: list[int], hidden_size: int, moe_intermediate_size: int, top_k: int,
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes the decode CUDA graphs are captured for (worker/cuda_graph.py); here because their pool
+    is part of the device budget."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    out = [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+    return sorted(set(out))
+
+
+def graph_pool_bytes(buckets: list[int], hidden_size: int, moe_intermediate_size: int, top_k: int,
                      vocab_size: int, dtype_bytes: int) -> int:
     """The CUDA-graph memory pool: one step's activations at the largest decode bucket (the graphs share
     the pool, largest first), plus every bucket's logits, which stay allocated as the graphs' outputs."""
-    if not decode_buckets:
+    if not buckets:
         return 0
-    top = max(decode_buckets)
+    top = max(buckets)
     act = estimate_activation_bytes(top, top, hidden_size, moe_intermediate_size, top_k, vocab_size, dtype_bytes)
-    return act + sum(decode_buckets) * vocab_size * dtype_bytes
+    return act + sum(buckets) * vocab_size * dtype_bytes
+
+
+def start_up_reserve_bytes(activation_bytes: int, max_num_seqs: int, hidden_size: int, moe_intermediate_size: int,
+                           top_k: int, vocab_size: int, dtype_bytes: int, cuda_graphs: bool = True,
+                           build_bytes: int = 0, context_bytes: int = 0) -> int:
+    """device_reserve_bytes for an engine's flags: the graph pool of its decode buckets when it captures
+    graphs. One formula for the engine, its placement search and `pagedmoe plan`."""
+    graphs = (graph_pool_bytes(decode_buckets(max_num_seqs), hidden_size, moe_intermediate_size, top_k, vocab_size,
+                               dtype_bytes) if cuda_graphs else 0)
+    return device_reserve_bytes(activation_bytes, graphs, build_bytes, context_bytes)
 
 
 def device_reserve_bytes(activation_bytes: int, graph_bytes: int = 0, build_bytes: int = 0,

@@ -16,16 +16,11 @@ import logging
 
 import torch
 
+from pagedmoe.engine.memory import decode_buckets
 from pagedmoe.models.layers.attention import AttentionMetadata
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 
 logger = logging.getLogger(__name__)
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    out = [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
-    return sorted(set(out))
 
 
 class DecodeCudaGraphs:
