@@ -163,3 +163,32 @@ def test_a_budget_too_small_is_refused_with_a_minimum_that_works(monkeypatch):
     need_gib = float(str(err.value).split("the minimum is ")[1].split(" GiB")[0])
     ok, _ = fake_engine(monkeypatch, need_gib + 0.01, measured=11 * GiB)
     assert ok._plan_memory().num_kv_blocks >= 1024 // 16
+
+
+# -- serving: the server exports its device memory, bench serve reads it back --------------------------------
+def test_server_exports_device_memory_and_bench_serve_reads_it(monkeypatch):
+    import httpx
+
+    from pagedmoe.bench.serve import server_device_memory
+    from pagedmoe.server.metrics import ServerMetrics
+
+    stats = {"device_memory_used_bytes": 20 * GiB, "device_memory_peak_bytes": 23 * GiB,
+             "gpu_memory_budget_bytes": 24 * GiB}
+    metrics = ServerMetrics("m")
+    metrics.attach_engine(lambda: stats, {})
+    text = metrics.render().decode()
+    assert 'pagedmoe:device_memory_peak_bytes{model_name="m"}' in text
+    seen = {}
+
+    def get(url, headers=None, timeout=None):
+        seen.update(url=url, headers=headers)
+        return httpx.Response(200, text=text, request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+    got = server_device_memory("http://h:1", "key")
+    assert seen == {"url": "http://h:1/metrics", "headers": {"Authorization": "Bearer key"}}
+    assert got == {"used_gib": 20.0, "peak_gib": 23.0, "budget_gib": 24.0, "peak_over_budget": 23 / 24}
+    # a server without the gauges (CPU, another server): nothing recorded
+    stats.clear()
+    text = metrics.render().decode()
+    assert "device_memory" not in text and server_device_memory("http://h:1", None) == {}

@@ -510,7 +510,16 @@ class LLMEngine:
             "num_steps": self.num_steps,
             **{f"step_{k}": v for k, v in self.step_time.items()},
             **self.expert_stats(),
+            **self.device_memory_stats(),
         }
+
+    def device_memory_stats(self) -> dict:
+        """The process's device memory now and at its peak since start-up, beside the budget (bytes; the
+        driver's count: worker/device_memory.py). Empty off CUDA."""
+        if self.memory is None:
+            return {}
+        return {"device_memory_used_bytes": self.memory.used_bytes(),
+                "device_memory_peak_bytes": self.memory.peak_bytes, "gpu_memory_budget_bytes": self.plan.budget_bytes}
 
     def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
         """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in
