@@ -39,6 +39,8 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "paged+host-lossless": {"expert_placement": "paged", "host_compression": "lossless"},
     # every expert at its own precision rung, moved by the KV pressure controller (issue 7)
     "dynamic": {"expert_placement": "auto", "expert_precision": "dynamic"},
+    # every expert int4 on the GPU (lossy, no host tier)
+    "static-int4": {"expert_placement": "paged", "expert_precision": "static-int4"},
 }
 # Flags that fix a paged split: the sweep's --num-gpu-experts etc. apply to "paged" entries only (they would
 # contradict resident, and silently turn auto into paged).
@@ -84,7 +86,7 @@ def placement_flags(name: str) -> dict[str, Any]:
     entry = dict(PLACEMENTS[name])
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     mode = entry["expert_placement"]
-    if mode == "resident" or entry.get("expert_precision") == "dynamic":  # dynamic places every expert itself
+    if mode == "resident" or entry.get("expert_precision", "exact") != "exact":  # lossy precisions place every expert
         reset = _NOT_RESIDENT_FLAGS
     else:
         reset = _PAGED_ONLY_FLAGS if mode != "paged" else ()
@@ -184,6 +186,9 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
     if store.dynamic is not None:
         return {"fits": False, "placement": "dynamic",
                 "error": "not modelled: under dynamic precision the experts' rungs change while it runs"}
+    if store.quantized_bytes:
+        return {"fits": False, "placement": c.expert_precision,
+                "error": "not modelled: the cost model has no quantized tier"}
     table = store.table
     L, E = table.num_layers, table.num_experts
     if not store.paged:
