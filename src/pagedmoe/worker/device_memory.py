@@ -42,7 +42,7 @@ class DeviceMemoryMonitor:
     """`used_bytes()`: the process's device memory now; `peak_bytes`: the largest reading since the last
     `reset_peak()` (polled every `period_s` while running, and at every `used_bytes()` / `mark()`)."""
 
-    def __init__(self, device: torch.device, period_s: float = 0.005) -> None:
+    def __init__(self, device: torch.device, period_s: float = 0.01) -> None:
         self.device = device
         self.idx = device.index if device.index is not None else torch.cuda.current_device()
         free, total = torch.cuda.mem_get_info(self.idx)   # creates the context if nothing did
