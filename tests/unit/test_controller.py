@@ -304,3 +304,10 @@ def test_layer_by_layer_builds_land_in_the_same_tick_with_one_layer_of_transient
     one_layer = rt.num_experts * BYTES["bf16"]
     start = rt.num_layers * one_layer              # every expert started bf16 (200 blocks fit them)
     assert rt.peak_bytes <= start + one_layer
+    # pressure eases: promotions in both layers, their blocks withheld before the first layer's build and
+    # kept until the last one's is published
+    kv.free("r")
+    rt.layers_built.clear()
+    moves = mgr.tick()
+    assert moves and all(m.bytes_delta > 0 for m in moves) and sorted(set(rt.layers_built)) == [0, 1]
+    check_invariant(kv, mgr)

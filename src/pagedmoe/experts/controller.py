@@ -408,17 +408,20 @@ class DynamicPrecisionManager:
             self.runtime.build({m.key: m.dst for m in layer_moves})
             self.runtime.wait()      # the GPU is idle between steps: the build runs alone
             self._pending = layer_moves
-            published += self._publish()
+            # NOTE: blocks withheld for the later layers' promotions must stay withheld: release once, at the end
+            published += self._publish(release=False)
+        self._release_to(self.controller.total_bytes())
         return published
 
-    def _publish(self) -> list[Move]:
+    def _publish(self, release: bool = True) -> list[Move]:
         moves, self._pending = self._pending, []
         measured = self.runtime.publish()
         self.controller.applied(moves)
         for k, errs in measured.items():
             self.costs.rel_error[k].update(errs)
         self.controller.costs_changed(measured)
-        self._release_to(self.controller.total_bytes())
+        if release:
+            self._release_to(self.controller.total_bytes())
         s = self.stats
         s.publishes += 1
         s.demotions += sum(m.bytes_delta < 0 for m in moves)
