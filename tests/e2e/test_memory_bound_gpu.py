@@ -92,7 +92,7 @@ def test_peak_device_memory_stays_within_the_budget(qwen3_8_layers, tmp_path, fl
     assert abs(rec["peak_gib"] - peak / GiB) < 0.75
     assert "device memory: peak" in proc.stdout
     # it is a tight budget: the KV cache took what was left, so the peak is close to the budget
-    assert peak >= 0.85 * budget * GiB
+    assert peak >= 0.75 * budget * GiB
 
 
 def test_a_budget_that_cannot_hold_the_model_is_refused_at_start_with_the_minimum(qwen3_8_layers, tmp_path):

@@ -344,6 +344,7 @@ class LLMEngine:
                 logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
                             c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
                             estimate / GiB)
+            torch.cuda.empty_cache()  # loading's temporaries: what the run re-grows is the reserve's to hold
             measured = self.memory.mark("loaded")
             overhead = max(0, measured - (weight_bytes - pending))
             reserve = overhead + self._reserve_bytes(dims, act, self.expert_store.dynamic_build_bytes)
