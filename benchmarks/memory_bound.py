@@ -27,6 +27,7 @@ CONFIGS = ROOT / "benchmarks" / "configs"
 ALL = ["resident", "paged", "paged+lossless", "paged+host-lossless", "static-int4", "dynamic"]
 NOT_RESIDENT = [p for p in ALL if p != "resident"]
 # (stage, model folder, budget, placements); estimates from the 88b5abf / d234426 runs at 16 steady steps
+# (load + fill + 16 + 8 steps per point: ~8.5 + ~9.5 minutes; the PCIe-bound paged points dominate)
 PARTS = {
     "a": [("mixtral-w4", "mixtral-8x7b", "weights+4", ALL),                                       # ~5.5 min
           ("mixtral-64-a", "mixtral-8x7b", "64", ["paged+lossless", "static-int4", "dynamic"])],  # ~3 min
@@ -41,11 +42,11 @@ DOCS_TOK_S = {
     ("mixtral-8x7b", "64", "dynamic"): 1307.46,
     ("qwen3-30b-a3b", "24", "paged"): 81.22, ("qwen3-30b-a3b", "24", "paged+host-lossless"): 108.42,
 }
-WORKLOAD = ["--load-format", "dummy", "--num-prompts", "256", "--input-len", "1024", "--output-len", "1024",
+WORKLOAD = ["--load-format", "dummy", "--input-len", "1024", "--output-len", "1024",
             "--max-model-len", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--no-plots"]
 
 
-def run_part(part: str, out: Path, budget_s: float, steps: int) -> int:
+def run_part(part: str, out: Path, budget_s: float, steps: int, num_prompts: int = 256) -> int:
     deadline = time.monotonic() + budget_s
     rc = 0
     for stage, model, budget, placements in PARTS[part]:
@@ -57,7 +58,8 @@ def run_part(part: str, out: Path, budget_s: float, steps: int) -> int:
         d = out / stage
         d.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pagedmoe.cli", "bench", "sweep", str(CONFIGS / model), "--budgets", budget,
-               "--placements", *placements, "--steady-decode-steps", str(steps), *WORKLOAD, "--output-dir", str(d)]
+               "--placements", *placements, "--steady-decode-steps", str(steps), "--num-prompts", str(num_prompts),
+               *WORKLOAD, "--output-dir", str(d)]
         print(f"=== {stage}: {' '.join(cmd[3:])} (cut at {left:.0f} s)", flush=True)
         t0 = time.monotonic()
         with open(d / "sweep.log", "w") as log:
@@ -127,6 +129,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "memory-bound-out")))
     ap.add_argument("--part-budget-s", type=float, default=570, help="stop starting (and cut) sweeps after this")
     ap.add_argument("--steady-decode-steps", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=256,
+                    help="sequences at most (256: the docs' points; fewer fill faster, but throughput is then not "
+                         "comparable with them; the exact placements' memory does not depend on it)")
     args = ap.parse_args()
     if args.part == "table":
         dirs = args.dirs or [args.out]
@@ -136,7 +141,7 @@ def main() -> int:
         out.write_text(json.dumps({"rows": collect(dirs)}, indent=2) + "\n")
         print(f"wrote {out}")
         return 0
-    rc = run_part(args.part, args.out, args.part_budget_s, args.steady_decode_steps)
+    rc = run_part(args.part, args.out, args.part_budget_s, args.steady_decode_steps, args.num_prompts)
     (args.out / f"memory_bound_{args.part}.json").write_text(json.dumps({"rows": collect([args.out])}, indent=2) + "\n")
     return rc
 
