@@ -95,9 +95,11 @@ def test_peak_device_memory_stays_within_the_budget(qwen3_8_layers, tmp_path, fl
     assert peak >= 0.75 * budget * GiB
 
 
-def test_a_budget_that_cannot_hold_the_model_is_refused_at_start_with_the_minimum(qwen3_8_layers, tmp_path):
+@pytest.mark.parametrize("placement,budget", [("paged", "5"), ("resident", "12")])
+def test_a_budget_that_cannot_hold_the_model_is_refused_at_start_with_the_minimum(qwen3_8_layers, tmp_path,
+                                                                                   placement, budget):
     proc, child = _run(tmp_path, ["bench", "throughput", str(qwen3_8_layers), *WORKLOAD,
-                                  "--expert-placement", "paged", "--gpu-memory-gb", "5"])
+                                  "--expert-placement", placement, "--gpu-memory-gb", budget])
     assert proc.returncode == 2 and child["rc"] == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pagedmoe bench: error:")]
     assert len(errors) == 1 and "needs" in errors[0] and "Traceback" not in proc.stderr

@@ -213,7 +213,7 @@ class LLMEngine:
                                  f"{dims.num_experts} experts per layer")
             self._check_fixed_host_tier(dims, spec, n, comp)
             return "paged", [n] * num_moe, [comp] * num_moe
-        if placement == "resident":
+        if placement == "resident" and (c.gpu_memory_gb is None or self.device.type != "cuda"):
             return "resident", None, None
         budget = self._planning_budget(dims)
         if budget is None:  # CPU without a budget: nothing to trade
@@ -232,6 +232,11 @@ class LLMEngine:
             act += self._reserve_bytes(dims, act, build, CUDA_CONTEXT_BYTES)
         buffers = ("plain" if self.device.type != "cuda" or c.expert_buffers == "plain"
                    else "vmm-ring" if c.expert_buffers == "vmm-ring" else "vmm")
+        if placement == "resident":  # refused before loading when the budget cannot hold it (names the minimum)
+            plan_placement_memory(shape, budget, act, "resident", max_model_len=self.max_model_len,
+                                  block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                  max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers)
+            return "resident", None, None
         ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
         host_modes = (["none", "lossless"] if c.host_compression == "auto" and self.dtype == torch.bfloat16
                       else [self.host_compression])

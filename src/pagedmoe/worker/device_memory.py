@@ -12,6 +12,7 @@ the process's own.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Optional
@@ -100,9 +101,12 @@ class DeviceMemoryMonitor:
             self._thread = None
 
     def _poll(self) -> None:
-        torch.cuda.set_device(self.idx)   # a thread's current device is 0 until told
-        while not self._done.wait(self.period_s):
-            self.used_bytes()
+        try:
+            torch.cuda.set_device(self.idx)   # a thread's current device is 0 until told
+            while not self._done.wait(self.period_s):
+                self.used_bytes()
+        except Exception:  # the driver (or the interpreter) shutting down at exit: stop quietly
+            return
 
     def record(self, budget_bytes: Optional[int] = None) -> dict:
         """What a bench JSON keeps (GiB): now, the peak, torch's share, the stages, the budget and the ratio."""
@@ -121,6 +125,13 @@ class DeviceMemoryMonitor:
 
 
 _MONITORS: dict[int, DeviceMemoryMonitor] = {}
+
+
+@atexit.register
+def _stop_monitors() -> None:
+    """Before CUDA tears down: a reading during its shutdown would fail."""
+    for mon in _MONITORS.values():
+        mon.stop()
 
 
 def process_monitor(device: torch.device) -> Optional[DeviceMemoryMonitor]:
