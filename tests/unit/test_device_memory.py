@@ -76,6 +76,27 @@ def test_poller_catches_a_peak_between_readings(fake_cuda):
     assert mon.peak_bytes == 40 * GiB + m.CUDA_CONTEXT_BYTES
 
 
+def test_polling_pauses_during_graph_capture(fake_cuda, monkeypatch):
+    """worker/cuda_graph.py captures inside polling_paused: no thread reads the device meanwhile."""
+    from pagedmoe.worker import device_memory as dm
+
+    mon = make_monitor()
+    monkeypatch.setitem(dm._MONITORS, 0, mon)
+    mon.start()
+    try:
+        with dm.polling_paused():
+            time.sleep(0.01)                           # a reading in flight finishes before the gate closes
+            before = mon.samples
+            time.sleep(0.05)
+            assert mon.samples == before
+        deadline = time.monotonic() + 5
+        while mon.samples == before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert mon.samples > before
+    finally:
+        mon.stop()
+
+
 def test_pure_accounting():
     assert m.process_device_bytes(100, 30, 20) == 50 and m.process_device_bytes(100, 90, 20) == 0
     assert m.others_at_start(100, 80, 5) == 15 and m.others_at_start(100, 99, 5) == 0

@@ -19,6 +19,7 @@ import torch
 from pagedmoe.engine.memory import decode_buckets
 from pagedmoe.models.layers.attention import AttentionMetadata
 from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.worker.device_memory import polling_paused
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class DecodeCudaGraphs:
                     self.model(self.input_ids[:B], self.positions[:B], meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with polling_paused(), torch.cuda.graph(graph, pool=self.pool):
                 self.logits[B] = self.model(self.input_ids[:B], self.positions[:B], meta)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -13,6 +13,7 @@ the process's own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 from typing import Optional
@@ -60,6 +61,7 @@ class DeviceMemoryMonitor:
         self.peak_bytes = 0
         self.samples = 0
         self._lock = threading.Lock()
+        self._gate = threading.Lock()   # held by `polling_paused` (CUDA-graph capture): no reading meanwhile
         self._done: Optional[threading.Event] = None
         self._thread: Optional[threading.Thread] = None
         self.period_s = period_s
@@ -104,7 +106,8 @@ class DeviceMemoryMonitor:
         try:
             torch.cuda.set_device(self.idx)   # a thread's current device is 0 until told
             while not self._done.wait(self.period_s):
-                self.used_bytes()
+                with self._gate:
+                    self.used_bytes()
         except Exception:  # the driver (or the interpreter) shutting down at exit: stop quietly
             return
 
@@ -125,6 +128,20 @@ class DeviceMemoryMonitor:
 
 
 _MONITORS: dict[int, DeviceMemoryMonitor] = {}
+
+
+@contextlib.contextmanager
+def polling_paused():
+    """No monitor reads the device meanwhile: a CUDA-graph capture in global mode may refuse driver calls
+    from other threads."""
+    monitors = list(_MONITORS.values())
+    for mon in monitors:
+        mon._gate.acquire()
+    try:
+        yield
+    finally:
+        for mon in monitors:
+            mon._gate.release()
 
 
 @atexit.register
