@@ -336,7 +336,10 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
 
 def describe(point: dict) -> str:
     if point["status"] == "ok":
-        return f"{point['output_tokens_per_second']:.2f} output tok/s"
+        mem = point.get("device_memory") or {}
+        peak = (f", device memory peak {mem['peak_gib']:.2f} GiB ({100 * mem['peak_over_budget']:.1f}% of the budget)"
+                if "peak_over_budget" in mem else "")
+        return f"{point['output_tokens_per_second']:.2f} output tok/s{peak}"
     if point["status"] == "does_not_fit":
         return f"does not fit (needs {point['needs_gib']:.2f} GiB)"
     return f"{point['status']}: {point.get('message', '')}"
