@@ -64,8 +64,10 @@ def run_part(part: str, out: Path, budget_s: float, steps: int, num_prompts: int
         t0 = time.monotonic()
         with open(d / "sweep.log", "w") as log:
             try:
+                # this checkout's pagedmoe, installed or not
+                path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
                 r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=left - 5,
-                                   env={**os.environ, "PAGEDMOE_NO_PROGRESS": "1"})
+                                   env={**os.environ, "PAGEDMOE_NO_PROGRESS": "1", "PYTHONPATH": path})
                 code = r.returncode
             except subprocess.TimeoutExpired:
                 code = 124
