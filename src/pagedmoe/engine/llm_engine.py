@@ -38,6 +38,19 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _expandable_segments() -> None:
+    """Dynamic precision frees expert versions of every size between steps; in fixed segments torch cannot
+    hand the freed parts back while a live version shares the segment (measured on the H200: 4.8 GiB stuck
+    in Mixtral's pool, so lent KV blocks could not come back within the budget). Expandable segments unmap
+    freed pages. A PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+    import os
+
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    setter("expandable_segments:True")
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -101,6 +114,8 @@ class LLMEngine:
                                quantized_gemm=self.quantized_gemm)
         self.expert_store = self.model.expert_store
         self._mark("model")
+        if dynamic and self.device.type == "cuda":
+            _expandable_segments()
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
             # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
             self.expert_store.enable_dynamic(config.min_expert_precision or "int4",
@@ -120,11 +135,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  # MLA runs a PyTorch path that reads host copies of the
-                                  # sequence lengths: not capturable in a CUDA graph.
-                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None
-                                  or dynamic,  # dynamic precision: graphs would bake old expert versions
-                                  lendable_kv=dynamic and vmm_available(self.device))
+                                  enforce_eager=self._eager, lendable_kv=dynamic and vmm_available(self.device),
+                                  memory=self.memory)
         self.kv.backing = self.runner.kv_backing   # blocks lent to experts give their memory back
         if self.kv.backing is not None and self.memory is not None and config.num_kv_blocks is None:
             # lent blocks come back only while the process stays within the budget with room for a step's
