@@ -84,7 +84,7 @@ def _declared() -> tuple[set, set]:
 
 
 # import name -> PyPI name, where they differ
-_PYPI = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "cuda": "cuda-python"}
+_PYPI = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "cuda": "cuda-python", "pynvml": "nvidia-ml-py"}
 # installed with another package listed (torch brings these; fastapi brings starlette, anyio, pydantic's core)
 _BROUGHT = {"starlette", "anyio", "triton"}
 

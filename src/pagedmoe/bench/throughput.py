@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pagedmoe.bench.common import environment, write_json
-from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, random_prompts
+from pagedmoe.bench.common import device_memory_line, environment, write_json
+from pagedmoe.bench.engine_args import add_offline_bench_args, device_memory, make_engine, random_prompts
 
 
 def register(sub) -> None:
@@ -207,8 +207,11 @@ def run(args) -> int:
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     if r.get("expert_traffic_summary"):
         print(r["expert_traffic_summary"])
+    memory = device_memory(engine)
+    if memory:
+        print(device_memory_line(memory))
     if args.output_json:
-        write_json(Path(args.output_json), {**r, "config": {**config, "num_prompts": args.num_prompts,
+        write_json(Path(args.output_json), {**r, "device_memory": memory, "config": {**config, "num_prompts": args.num_prompts,
                                                             "input_len": args.input_len,
                                                             "output_len": args.output_len},
                                             **environment()})

@@ -10,7 +10,8 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig, resolve_model
-from pagedmoe.engine.memory import GiB, detect_host_budget_bytes, estimate_activation_bytes, plan_memory
+from pagedmoe.engine.memory import (CUDA_CONTEXT_BYTES, GiB, detect_host_budget_bytes, dynamic_build_bytes,
+                                    estimate_activation_bytes, plan_memory, start_up_reserve_bytes)
 from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.experts.vmm import available as vmm_available
 from pagedmoe.engine.output import OutputProcessor
@@ -21,12 +22,14 @@ from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
 from pagedmoe.models.loader import CheckpointError, get_model, load_hf_config, resolve_dtype
 from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
+from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
+from pagedmoe.worker.profile_run import profile_step_bytes
 from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
-# Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
-DEVICE_RESERVE = 2 * GiB
+# The last device memory a budget of the whole device cannot have: the driver keeps some for itself.
+DEVICE_HEADROOM = 256 << 20
 
 
 def _pick_device(name: str) -> torch.device:
@@ -43,6 +46,19 @@ def _check_gpu_packages(device: torch.device) -> None:
         from pagedmoe.extras import require
 
         require("triton", "gpu", "running on a CUDA device")
+
+
+def _expandable_segments() -> None:
+    """Dynamic precision frees expert versions of every size between steps; in fixed segments torch cannot
+    hand the freed parts back while a live version shares the segment (measured on the H200: 4.8 GiB stuck
+    in Mixtral's pool, so lent KV blocks could not come back within the budget). Expandable segments unmap
+    freed pages. A PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+    import os
+
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    setter("expandable_segments:True")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -108,9 +124,18 @@ class LLMEngine:
             raise ValueError("the config has no max_position_embeddings; pass max_model_len")
         self.served_model_name = config.served_model_name or self.model_path.rstrip("/").split("/")[-1]
         self.placement_plan = None
+        # The process's device memory as the driver counts it (context, torch's pool, VMM mappings): what
+        # --gpu-memory-gb bounds. Its peak is reset here: this engine's start-up and run are one window.
+        self.memory = process_monitor(self.device)
+        if self.memory is not None:
+            self.memory.reset_peak()
+            self.memory.mark("engine_start")
 
         t0 = time.perf_counter()
         dynamic = config.expert_precision == "dynamic"
+        # MLA runs a PyTorch path that reads host copies of the sequence lengths: not capturable in a CUDA
+        # graph; under dynamic precision graphs would bake old expert versions.
+        self._eager = config.enforce_eager or dynamic or self._is_mla()
         # --host-compression auto is settled by the planner in _resolve_placement
         self.host_compression = "none" if config.host_compression == "auto" else config.host_compression
         placement, num_gpu_experts, num_compressed = self._resolve_placement()
@@ -122,6 +147,9 @@ class LLMEngine:
                                host_compression=self.host_compression,
                                quantized_gemm=self.quantized_gemm)
         self.expert_store = self.model.expert_store
+        self._mark("model")
+        if dynamic and self.device.type == "cuda":
+            _expandable_segments()
         if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
             # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
             self.expert_store.enable_dynamic(config.min_expert_precision or "int4",
@@ -142,18 +170,26 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  # MLA runs a PyTorch path that reads host copies of the
-                                  # sequence lengths: not capturable in a CUDA graph.
-                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None
-                                  or dynamic,  # dynamic precision: graphs would bake old expert versions
-                                  lendable_kv=dynamic and vmm_available(self.device))
+                                  enforce_eager=self._eager, lendable_kv=dynamic and vmm_available(self.device),
+                                  memory=self.memory)
         self.kv.backing = self.runner.kv_backing   # blocks lent to experts give their memory back
+        if self.kv.backing is not None and self.memory is not None and config.num_kv_blocks is None:
+            # lent blocks come back only while the process stays within the budget with room for a step's
+            # activations and the next build (not whenever the device has memory free)
+            mon = self.memory
+            limit = self.plan.budget_bytes - self.plan.activation_bytes - self.expert_store.dynamic_build_bytes
+            self.kv.backing.room = lambda: limit - mon.used_bytes()
         if dynamic and self.device.type == "cuda" and self.kv.backing is None:
             logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
                            "their memory, so the GPU holds up to the budget plus the experts' bytes above "
                            "--min-expert-precision")
         self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
         self._start_expert_precision(config)
+        self._mark("ready")
+        if self.memory is not None:
+            logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB)%s",
+                        self.memory.stages["ready"] / GiB, self.memory.peak_bytes / GiB,
+                        f" of the {self.plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
@@ -180,6 +216,23 @@ class LLMEngine:
                                                  self.precision)
 
     # -- memory ----------------------------------------------------------------------------------
+    def _is_mla(self) -> bool:
+        from pagedmoe.models.registry import spec_builder
+
+        return spec_builder(self.hf_config)(self.hf_config)[0].mla is not None
+
+    def _mark(self, stage: str) -> None:
+        if self.memory is not None:
+            self.memory.mark(stage)
+
+    def _reserve_bytes(self, dims, activation_bytes: int, build_bytes: int, context_bytes: int = 0) -> int:
+        """Device memory start-up keeps out of the KV cache for what it cannot measure before sizing it
+        (engine/memory.py::device_reserve_bytes): graph pools, a dynamic build, workspaces, fragmentation."""
+        return start_up_reserve_bytes(activation_bytes, self.config.max_num_seqs, dims.hidden_size,
+                                      dims.moe_intermediate_size, dims.top_k, dims.vocab_size, self.dtype.itemsize,
+                                      cuda_graphs=not self._eager, build_bytes=build_bytes,
+                                      context_bytes=context_bytes)
+
     def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
         """(resident|paged, resident experts per MoE layer, compressed experts per MoE layer). Flags
         decide when they fix it (a static --expert-precision pages every expert: all quantized); otherwise
@@ -207,7 +260,7 @@ class LLMEngine:
                                  f"{dims.num_experts} experts per layer")
             self._check_fixed_host_tier(dims, spec, n, comp)
             return "paged", [n] * num_moe, [comp] * num_moe
-        if placement == "resident":
+        if placement == "resident" and (c.gpu_memory_gb is None or self.device.type != "cuda"):
             return "resident", None, None
         budget = self._planning_budget(dims)
         if budget is None:  # CPU without a budget: nothing to trade
@@ -220,8 +273,17 @@ class LLMEngine:
         shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
         act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
                                         dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
+        if self.device.type == "cuda":  # what start-up will keep out of the KV cache (engine/memory.py)
+            build = (dynamic_build_bytes(shape.experts_per_gpu, shape.expert_bytes, shape.expert_bytes // dtype_bytes)
+                     if c.expert_precision == "dynamic" else 0)
+            act += self._reserve_bytes(dims, act, build, CUDA_CONTEXT_BYTES)
         buffers = ("plain" if self.device.type != "cuda" or c.expert_buffers == "plain"
                    else "vmm-ring" if c.expert_buffers == "vmm-ring" else "vmm")
+        if placement == "resident":  # refused before loading when the budget cannot hold it (names the minimum)
+            plan_placement_memory(shape, budget, act, "resident", max_model_len=self.max_model_len,
+                                  block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                  max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers)
+            return "resident", None, None
         ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
         host_modes = (["none", "lossless"] if c.host_compression == "auto" and self.dtype == torch.bfloat16
                       else [self.host_compression])
@@ -300,9 +362,13 @@ class LLMEngine:
         if self.config.gpu_memory_gb is not None:
             return int(self.config.gpu_memory_gb * GiB)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
+            return self._default_budget()
         return None
+
+    def _default_budget(self) -> int:
+        """Without --gpu-memory-gb on CUDA: 0.9 of what the device has beside other processes (vLLM's default
+        --gpu-memory-utilization)."""
+        return int(0.9 * (self.memory.total_bytes - self.memory.others_bytes))
 
     def _plan_memory(self):
         c, dims = self.config, self.model.dims
@@ -319,32 +385,45 @@ class LLMEngine:
             budget = weight_bytes + act + c.num_kv_blocks * per_block
             return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len,
                                c.num_kv_blocks)
+        if self.device.type == "cuda":
+            budget = int(c.gpu_memory_gb * GiB) if c.gpu_memory_gb is not None else self._default_budget()
+            budget = self._clamp_to_device(budget)
+            # Measured: everything the process holds now (context, weights, experts, buffers, torch's cache
+            # and fragmentation, VMM mappings) beyond the weights' own bytes; the dynamic experts' floor is
+            # counted in weight_bytes but built only once the KV cache exists.
+            pending = self.expert_store.dynamic_bytes
+            if self.expert_store.dynamic is None:  # dynamic experts are built after the KV cache: estimated
+                estimate, act = act, profile_step_bytes(
+                    self.model, c.block_size, self.device, self.dtype, c.attention_backend, c.moe_backend,
+                    c.max_num_seqs, self.max_model_len, c.max_num_batched_tokens, self.memory)
+                logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
+                            c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
+                            estimate / GiB)
+            torch.cuda.empty_cache()  # loading's temporaries: what the run re-grows is the reserve's to hold
+            measured = self.memory.mark("loaded")
+            overhead = max(0, measured - (weight_bytes - pending))
+            reserve = overhead + self._reserve_bytes(dims, act, self.expert_store.dynamic_build_bytes)
+            return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful,
+                               reserve)
         if c.gpu_memory_gb is not None:
             budget = int(c.gpu_memory_gb * GiB)
-            if self.device.type == "cuda":
-                budget = self._clamp_to_device(budget, weight_bytes)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = weight_bytes + int(free * 0.9)
         else:
             # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
             useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
             budget = weight_bytes + act + useful * per_block
         return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful)
 
-    def _clamp_to_device(self, budget: int, weight_bytes: int) -> int:
-        """A budget above the device's memory is refused. One above what the device can still give (its total
-        less the CUDA context, cuBLAS workspaces and graph pools: DEVICE_RESERVE) would run out of memory
-        mid-run: use what there is, and say so."""
-        free, total = torch.cuda.mem_get_info(self.device)
+    def _clamp_to_device(self, budget: int) -> int:
+        """A budget above the device's memory is refused. One above what it can give beside other processes
+        (less DEVICE_HEADROOM, which the driver keeps) is lowered to that, with a warning."""
+        total, others = self.memory.total_bytes, self.memory.others_bytes
         if budget > total:
             raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        available = weight_bytes + free + cached - DEVICE_RESERVE
+        available = total - others - DEVICE_HEADROOM
         if budget > available:
-            logger.warning("--gpu-memory-gb %.2f is more than this device can give after loading (%.2f GiB with "
-                           "%.2f GiB kept for the CUDA context and workspaces): planning the KV cache for %.2f GiB",
-                           budget / GiB, available / GiB, DEVICE_RESERVE / GiB, available / GiB)
+            logger.warning("--gpu-memory-gb %.2f is more than this device can give (%.2f GiB of %.2f, other "
+                           "processes hold %.2f): planning for %.2f GiB", budget / GiB, available / GiB,
+                           total / GiB, others / GiB, available / GiB)
             return available
         return budget
 
@@ -531,7 +610,16 @@ class LLMEngine:
             "num_steps": self.num_steps,
             **{f"step_{k}": v for k, v in self.step_time.items()},
             **self.expert_stats(),
+            **self.device_memory_stats(),
         }
+
+    def device_memory_stats(self) -> dict:
+        """The process's device memory now and at its peak since start-up, beside the budget (bytes; the
+        driver's count: worker/device_memory.py). Empty off CUDA."""
+        if self.memory is None:
+            return {}
+        return {"device_memory_used_bytes": self.memory.used_bytes(),
+                "device_memory_peak_bytes": self.memory.peak_bytes, "gpu_memory_budget_bytes": self.plan.budget_bytes}
 
     def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
         """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in

@@ -167,7 +167,7 @@ def format_table(rows) -> str:
 
 def run_plan(args) -> int:
     from pagedmoe.config import resolve_model
-    from pagedmoe.engine.memory import GiB, estimate_activation_bytes
+    from pagedmoe.engine.memory import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
     from pagedmoe.experts.cost_model import H200, HardwareProfile
     from pagedmoe.experts.model_shape import ModelShape
     from pagedmoe.experts.planner import PlanInputs
@@ -192,6 +192,10 @@ def run_plan(args) -> int:
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
+    # what the engine keeps out of the KV cache on the GPU beside the activations (engine/memory.py)
+    reserve = start_up_reserve_bytes(act, args.max_num_seqs, shape.hidden_size, shape.moe_intermediate_size,
+                                     shape.top_k, shape.vocab_size, shape.dtype_bytes, context_bytes=CUDA_CONTEXT_BYTES)
+    act += reserve
     buffers = "vmm" if args.expert_buffers == "auto" else args.expert_buffers
     from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
 
@@ -208,6 +212,8 @@ def run_plan(args) -> int:
           f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
           f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms + "
           f"{hw.layer_overhead_s * 1e3:.2f} ms/layer + {hw.seq_overhead_s * 1e6:.0f} us/sequence")
+    print(f"activations include {reserve / GiB:.2f} GiB the engine reserves on the GPU (CUDA context, graph pools, "
+          "workspaces, fragmentation): --gpu-memory-gb is all device memory the process holds")
     print("GiB columns; step = modelled decode step (max of the floors + pipeline fill + overhead); "
           "* = auto pick, > = selected by the flags")
     report = {"model": name, "shape": shape.to_dict(), "hardware": json.loads(hw.to_json()),

@@ -71,6 +71,9 @@ class LendableKVCache:
         for _ in range(2 * num_layers):
             self._ranges.append((int(vmm._check(cu.cuMemAddressReserve(reserve, gran, 0, 0))), reserve))
         self.mapped = 0                                  # chunks [0, mapped) are backed by memory
+        # bytes the budget has left for chunks mapped again (None: the device's free memory is the only limit);
+        # the engine sets it once the KV cache is mapped (engine/llm_engine.py)
+        self.room = None
         if self.set_top(num_blocks) != num_blocks:
             self.close()
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the KV cache's {num_blocks} blocks "
@@ -106,6 +109,8 @@ class LendableKVCache:
 
         cu = vmm._driver()
         size, offset, handles = self.chunk_bytes[c], _chunk_offset(self.chunk_bytes, c), []
+        if self.room is not None and self.room() < size * len(self._ranges):
+            return False    # within the device's free memory but not the budget's: tick tries again
         for _ in self._ranges:
             err, handle = cu.cuMemCreate(size, vmm._prop(self.device_idx), 0)
             if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:   # not yet: what the experts gave up is in use

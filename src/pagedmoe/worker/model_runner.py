@@ -35,7 +35,9 @@ class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 lendable_kv: bool = False) -> None:
+                 lendable_kv: bool = False, memory=None) -> None:
+        """`memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and the
+        CUDA graphs' stages; None off CUDA."""
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
@@ -48,6 +50,8 @@ class ModelRunner:
             self.kv_caches = (self.kv_backing.caches if lendable_kv else
                               allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
                                                 dims.head_dim, dtype, device))
+        if memory is not None:
+            memory.mark("kv_cache")
         backend = make_attention_backend(attention_backend, device)
         for attn, (k_cache, v_cache) in zip(model.attention_layers(), self.kv_caches):
             attn.k_cache, attn.v_cache, attn.backend = k_cache, v_cache, backend
@@ -68,6 +72,8 @@ class ModelRunner:
                                                max_model_len, device)
                 with naming_oom("capturing CUDA graphs (--enforce-eager runs without them)"):
                     self.graphs.capture()
+                if memory is not None:
+                    memory.mark("cuda_graphs")
                 if model.pager is not None:
                     model.pager.reset_stats()  # capture warm-ups are not traffic of the workload
 
