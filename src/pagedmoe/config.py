@@ -214,6 +214,32 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+class EnvVarError(ValueError):
+    """A PAGEDMOE_* variable whose value its flag cannot take (raised while the parser is built, so even
+    `--help` reports it, in one line: cli.py)."""
+
+
+_EXPECTED = {int: "an integer", float: "a number", _parse_bool: "a boolean (1/0, true/false, yes/no, on/off)"}
+
+
+def env_default(flag_name: str, conv: Any = str, default: Any = None, choices: Optional[tuple] = None,
+                expected: Optional[str] = None) -> Any:
+    """The default of `--flag-name` from PAGEDMOE_<FLAG_NAME> (empty or unset: `default`), converted by `conv`;
+    a value it refuses, or one outside `choices`, is an EnvVarError naming the variable and the expected type."""
+    var = _env_name(flag_name)
+    text = os.environ.get(var)
+    if text is None or text == "":
+        return default
+    try:
+        value = conv(text)
+    except (ValueError, TypeError):
+        raise EnvVarError(f"environment variable {var}={text!r}: expected "
+                          f"{expected or _EXPECTED.get(conv, getattr(conv, '__name__', 'another value'))}") from None
+    if choices and value not in choices:
+        raise EnvVarError(f"environment variable {var}={text!r}: expected one of {', '.join(map(str, choices))}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
     """Add one `--flag-name` per EngineConfig field (defaults from PAGEDMOE_* env vars, then the field)."""
     group = parser.add_argument_group("engine")
@@ -222,13 +248,12 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             continue
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
-        env = os.environ.get(_env_name(f.name))
         if meta.get("type") is bool:
-            default = _parse_bool(env) if env is not None else f.default
+            default = env_default(f.name, _parse_bool, f.default)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             continue
         conv = meta.get("type") or str
-        default = conv(env) if env is not None else f.default
+        default = env_default(f.name, conv, f.default, meta.get("choices"))
         group.add_argument(flag, type=conv, default=default, choices=meta.get("choices"),
                            help=f"{meta['help']} (env {_env_name(f.name)})")
 

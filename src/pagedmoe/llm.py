@@ -17,6 +17,16 @@ logger = logging.getLogger("pagedmoe")
 PromptType = Union[str, list[int], dict]
 
 
+class GenerationError(RuntimeError):
+    """Requests of one generate() / chat() call failed (out of GPU memory in their step); the others ran to the
+    end. `outputs` holds every output in prompt order, the failed ones with finish_reason "error". The LLM
+    serves on."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
 class LLM:
     """`LLM("path/to/model", gpu_memory_gb=48)`; no model means the embedded default model."""
 
@@ -91,14 +101,25 @@ class LLM:
         summary = self.engine.expert_traffic_summary(before)
         if summary:
             logger.info(summary)
-        return [_merge([finished[rid] for rid in g]) for g in groups]
+        samples = [finished[rid] for g in groups for rid in g]
+        merged = [_merge([finished[rid] for rid in g]) for g in groups]
+        check_failed(samples, merged)
+        return merged
+
+
+def check_failed(samples: list[RequestOutput], outputs: list[RequestOutput]) -> None:
+    """GenerationError (carrying `outputs`) if any of the requests `samples` failed in its step."""
+    failed = [o for o in samples if o.error is not None]
+    if failed:
+        raise GenerationError(f"{len(failed)} of {len(samples)} requests failed: {failed[0].error}", outputs)
 
 
 def _merge(samples: list[RequestOutput]) -> RequestOutput:
     """One prompt's n samples as one RequestOutput (outputs[j].index == j), its id without the suffix."""
     first = samples[0]
     outputs = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
-    return dataclasses.replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs)
+    error = next((s.error for s in samples if s.error is not None), None)
+    return dataclasses.replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs, error=error)
 
 
 def _split_prompt(prompt: PromptType):

@@ -118,7 +118,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: Union[int, str, None] = None
 
     def finished(self) -> bool:
@@ -133,3 +133,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    error: Optional[str] = None  # finish_reason "error": what failed (e.g. out of GPU memory in its step)

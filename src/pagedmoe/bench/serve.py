@@ -236,6 +236,32 @@ def _server_models(base_url: str, api_key: Optional[str]) -> list[dict]:
         raise ValueError(f"cannot list the models at {base_url}/v1/models: {e}") from None
 
 
+_MEMORY_GAUGES = {"device_memory_used_bytes": "used_gib", "device_memory_peak_bytes": "peak_gib",
+                  "gpu_memory_budget_bytes": "budget_gib"}
+
+
+def server_device_memory(base_url: str, api_key: Optional[str]) -> dict:
+    """The server's device memory (GiB) from its /metrics gauges (a pagedmoe server on CUDA); {} when it
+    exports none (another server, CPU) or cannot be read."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        name, _, rest = line.partition("{")
+        key = _MEMORY_GAUGES.get(name.removeprefix("pagedmoe:"))
+        if key and name.startswith("pagedmoe:"):
+            out[key] = float(rest.rsplit(" ", 1)[-1]) / 2 ** 30
+    if out.get("budget_gib") and "peak_gib" in out:
+        out["peak_over_budget"] = out["peak_gib"] / out["budget_gib"]
+    return out
+
+
 def run_bench_serve(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     if args.endpoint.rstrip("/").endswith("chat/completions"):
@@ -265,6 +291,11 @@ def run_bench_serve(args) -> int:
         raise ValueError(f"prompt + output up to {longest} tokens exceeds the server's max_model_len {max_len}")
 
     metrics = asyncio.run(benchmark(args, base_url, model, requests))
+    memory = server_device_memory(base_url, args.api_key)
+    if memory:
+        metrics["server_device_memory"] = memory
+        print(f"Server device memory: peak {memory['peak_gib']:.2f} GiB, {memory['used_gib']:.2f} GiB now "
+              f"(budget {memory['budget_gib']:.2f} GiB: peak {100 * memory['peak_over_budget']:.1f}% of it)")
     if args.save_result or args.result_file:
         env = environment("httpx")
         result = {**env, "backend": args.backend, "label": args.label, "model_id": model,

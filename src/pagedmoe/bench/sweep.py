@@ -18,9 +18,10 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from pagedmoe.bench.common import environment, write_json
+from pagedmoe.bench.common import device_memory_line, environment, write_json
+from pagedmoe.bench.engine_args import device_memory
 
 logger = logging.getLogger("pagedmoe")
 
@@ -37,6 +38,8 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "paged+host-lossless": {"expert_placement": "paged", "host_compression": "lossless"},
     # every expert at its own precision rung, moved by the KV pressure controller (issue 7)
     "dynamic": {"expert_placement": "auto", "expert_precision": "dynamic"},
+    # every expert int4 on the GPU (lossy, no host tier)
+    "static-int4": {"expert_placement": "paged", "expert_precision": "static-int4"},
 }
 # Flags that fix a paged split: the sweep's --num-gpu-experts etc. apply to "paged" entries only (they would
 # contradict resident, and silently turn auto into paged).
@@ -82,7 +85,7 @@ def placement_flags(name: str) -> dict[str, Any]:
     entry = dict(PLACEMENTS[name])
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     mode = entry["expert_placement"]
-    if mode == "resident" or entry.get("expert_precision") == "dynamic":  # dynamic places every expert itself
+    if mode == "resident" or entry.get("expert_precision", "exact") != "exact":  # lossy precisions place every expert
         reset = _NOT_RESIDENT_FLAGS
     else:
         reset = _PAGED_ONLY_FLAGS if mode != "paged" else ()
@@ -173,26 +176,24 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
 
     engine = None
     t0 = time.perf_counter()
-    watch = _PeakDeviceUse() if torch.cuda.is_available() else None
     try:
         engine = LLMEngine(config)
         load_s = time.perf_counter() - t0
         r = measure(engine, args.num_prompts, args.input_len, args.output_len, args.seed, args.steady_decode_steps)
-        device = device_memory(engine, watch)
+        device = device_memory(engine, budget_bytes)
         if device:
-            logger.info("sweep: device memory in use: peak %.2f GiB over the start, %.2f at the end (budget %.2f "
-                        "GiB; torch's peak reservation %.2f)", device["peak_used_over_start"], device["used_at_end"],
-                        budget_bytes / GiB, device["torch_peak_reserved"])
+            logger.info("sweep: %s", device_memory_line(device))
         stats, store = engine.get_stats(), engine.expert_store
         point = {"status": "ok", "load_s": load_s, **r,
                  "num_kv_blocks": engine.plan.num_kv_blocks,
                  "expert_placement": stats["expert_placement"], "experts": stats["experts"],
                  "memory_gib": {"budget": budget_bytes / GiB, "weights": engine.plan.weight_bytes / GiB,
-                                "activations": engine.plan.activation_bytes / GiB, "kv": engine.plan.kv_bytes / GiB,
+                                "activations": engine.plan.activation_bytes / GiB,
+                                "reserve": engine.plan.reserve_bytes / GiB, "kv": engine.plan.kv_bytes / GiB,
                                 "resident_experts": store.resident_bytes / GiB,
                                 "compressed_experts": store.compressed_bytes / GiB,
                                 "host_tier": store.host_bytes / GiB, "expert_buffers": store.buffer_bytes / GiB},
-                 **({"device_memory_gib": device} if device else {}),
+                 **({"device_memory": device} if device else {}),
                  "engine_plan": engine.placement_plan.to_dict() if engine.placement_plan is not None else None,
                  "modelled": modelled(engine, shape, budget_bytes, r["num_requests"], args.input_len,
                                       args.output_len, hw)}
@@ -223,78 +224,31 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
         if kv is not None:
             closers.append(kv.close)
         engine = None
-        if watch is not None:
-            watch.stop()
-
-
-class _PeakDeviceUse:
-    """The device memory in use (the driver's count: torch, VMM ranges and the CUDA context alike), polled
-    every 20 ms on a thread from load to the end of the run; `peak` in bytes, over the baseline at start
-    (what other points or processes left)."""
-
-    def __init__(self, period_s: float = 0.02) -> None:
-        import threading
-
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.baseline = self._used()
-        self.peak = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, args=(period_s,), daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _used() -> int:
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        return total - free
-
-    def _poll(self, period_s: float) -> None:
-        while not self._done.wait(period_s):
-            self.peak = max(self.peak, self._used() - self.baseline)
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return self.peak
-
-
-def device_memory(engine, watch: Optional[_PeakDeviceUse] = None) -> dict:
-    """What the device held (GiB): in use by the process after the run and at its peak (the driver's count,
-    polled; CUDA context included), torch's peak reservation, and the KV memory lent to experts at the end."""
-    import torch
-
-    from pagedmoe.planning.kv_sizing import GiB
-
-    if engine.device.type != "cuda":
-        return {}
-    torch.cuda.synchronize(engine.device)
-    free, total = torch.cuda.mem_get_info(engine.device)
-    out = {"used_at_end": (total - free) / GiB, "torch_peak_reserved": torch.cuda.max_memory_reserved() / GiB}
-    if watch is not None:
-        out["peak_used_over_start"] = watch.stop() / GiB
-    kv = engine.runner.kv_backing
-    if kv is not None:
-        out["kv_lent_to_experts_at_end"] = kv.lent_bytes / GiB
-    return out
 
 
 def describe(point: dict) -> str:
     if point["status"] == "ok":
-        return f"{point['output_tokens_per_second']:.2f} output tok/s"
+        mem = point.get("device_memory") or {}
+        peak = (f", device memory peak {mem['peak_gib']:.2f} GiB ({100 * mem['peak_over_budget']:.1f}% of the budget)"
+                if "peak_over_budget" in mem else "")
+        return f"{point['output_tokens_per_second']:.2f} output tok/s{peak}"
     if point["status"] == "does_not_fit":
         return f"does not fit (needs {point['needs_gib']:.2f} GiB)"
     return f"{point['status']}: {point.get('message', '')}"
 
 
+def _peak_columns(point: dict) -> str:
+    """The process's peak device memory (the driver's count) and its ratio to the budget; '-' off CUDA."""
+    d = point.get("device_memory") or {}
+    if "peak_gib" not in d:
+        return f"{'-':>9}{'-':>12}"
+    return f"{d['peak_gib']:>9.2f}{d['peak_gib'] / point['budget_gib']:>12.3f}"
+
+
 def format_table(points: list[dict]) -> str:
     head = (f"{'budget GiB':>10}  {'placement':<10}{'out tok/s':>11}{'model tok/s':>12}{'KV tokens':>11}"
             f"{'seqs':>6}{'prefill s':>10}{'decode s':>10}{'step ms':>9}{'copy s':>8}{'wait s':>8}{'H2D GB':>9}"
-            f"{'GB/s':>7}{'step/floor':>11}")
+            f"{'GB/s':>7}{'step/floor':>11}{'peak GiB':>9}{'peak/budget':>12}")
     lines = [head, "-" * len(head)]
     for p in points:
         lead = f"{p['budget_gib']:>10.3f}  {p['placement']:<10}"
@@ -308,7 +262,7 @@ def format_table(points: list[dict]) -> str:
         lines.append(lead + f"{p['output_tokens_per_second']:>11.2f}{model}{p['kv_capacity_tokens']:>11}"
                      f"{p['num_requests']:>6}{b['prefill_s']:>10.2f}{b['decode_s']:>10.2f}"
                      f"{p['mean_decode_step_ms']:>9.1f}{b['expert_copy_s']:>8.2f}"
-                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{gbps}{ratio}")
+                     f"{b['expert_wait_s']:>8.2f}{b['pcie_h2d_bytes'] / 1e9:>9.2f}{gbps}{ratio}{_peak_columns(p)}")
     return "\n".join(lines)
 
 
@@ -346,6 +300,10 @@ def replot(args) -> int:
 
 
 def run(args) -> int:
+    if not args.no_plots:  # before the sweep, not after it
+        from pagedmoe.extras import require
+
+        require("matplotlib", "plot", "bench sweep's plots (or pass --no-plots)")
     if args.replot:
         return replot(args)
     import torch

@@ -28,6 +28,9 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
     if store.dynamic is not None:
         return {"fits": False, "placement": "dynamic",
                 "error": "not modelled: under dynamic precision the experts' rungs change while it runs"}
+    if store.quantized_bytes:
+        return {"fits": False, "placement": c.expert_precision,
+                "error": "not modelled: the cost model has no quantized tier"}
     table = store.table
     L, E = table.num_layers, table.num_experts
     if not store.paged:
@@ -41,9 +44,11 @@ def modelled(engine, shape, budget_bytes: int, num_prompts: int, input_len: int,
     n_host = sum(table.count(layer, HOST) for layer in range(L)) if store.paged else 0
     host_ratio = (store.host_bytes / (n_host * shape.expert_bytes)
                   if store.paged and store.host_compression == "lossless" and n_host else 0.0)
-    return model_placement(shape, placement, buffers, budget_bytes, engine.plan.activation_bytes,
-                           engine.max_model_len, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                           num_prompts, input_len, output_len, hw, host_ratio)
+    # the model sizes KV from what the engine kept out of it: activations and the start-up reserve
+    return model_placement(shape, placement, buffers, budget_bytes,
+                           engine.plan.activation_bytes + engine.plan.reserve_bytes, engine.max_model_len,
+                           c.block_size, c.max_num_seqs, c.max_num_batched_tokens, num_prompts, input_len,
+                           output_len, hw, host_ratio)
 
 
 def model_placement(shape, placement, buffers: str, budget_bytes: int, activation_bytes: int, max_model_len: int,
@@ -90,7 +95,7 @@ def remodel(point: dict, config: dict, hw) -> dict:
         buffers = ep["buffers"] if ep["buffers"] in ("vmm", "vmm-ring", "plain") else "vmm"
     else:  # paged by flags: no planner split was stored
         return point
-    activation_bytes = int(round(point["memory_gib"]["activations"] * GiB))
+    activation_bytes = int(round((point["memory_gib"]["activations"] + point["memory_gib"].get("reserve", 0)) * GiB))
     n_host = sum(n for tier, n in point.get("experts", {}).items() if tier.startswith("host/"))
     host_ratio = (point["memory_gib"]["host_tier"] * GiB / (n_host * shape.expert_bytes)
                   if point.get("engine_flags", {}).get("host_compression") == "lossless" and n_host else 0.0)

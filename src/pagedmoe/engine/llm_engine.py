@@ -4,6 +4,7 @@ Start-up (config -> ExpertPlan -> model with its experts -> KV cache -> runner) 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -15,17 +16,42 @@ from pagedmoe.config import EngineConfig
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from pagedmoe.engine.startup import start_engine
+from pagedmoe.engine.startup import pick_device, start_engine
 from pagedmoe.experts.dynamic.start import save_expert_stats
+from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
 
 
+def _name_oom_at_start(init):
+    """LLMEngine.__init__: running out of device memory while starting says what was being built (the loader,
+    the KV cache, graph capture name it: pagedmoe/oom.py) and the budget, never a corrupt checkpoint."""
+    @functools.wraps(init)
+    def wrapper(self, config: EngineConfig) -> None:
+        try:
+            init(self, config)
+        except DeviceOutOfMemoryError as e:
+            raise e.with_budget(budget_text(config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+        except torch.OutOfMemoryError as e:
+            raise DeviceOutOfMemoryError("starting the engine", None, budget_text(
+                config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+    return wrapper
+
+
+_CPU = torch.device("cpu")
+
+
 class LLMEngine:
+    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # turn this off: a run with failed requests measures nothing, so their OOM propagates.
+    survive_step_oom = True
+
+    @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.device = pick_device(config.device)   # first: an out-of-memory error at start names its budget
         parts = start_engine(config)
         self.model_path, self.hf_config, self.tokenizer = parts.model_path, parts.hf_config, parts.tokenizer
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
@@ -37,6 +63,7 @@ class LLMEngine:
         self.model, self.activity, self.plan = parts.model, parts.activity, parts.plan
         self.expert_store, self.pager = self.model.expert_store, self.model.pager
         self.kv, self.runner, self.precision = parts.kv, parts.runner, parts.precision
+        self.memory = parts.memory   # the process's device memory (worker/device_memory.py); None off CUDA
         if config.expert_stats:
             self._stats_saver = weakref.finalize(self, save_expert_stats, config.expert_stats, self.activity,
                                                  self.precision)
@@ -119,11 +146,41 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        logits, rows = self.runner.execute(sched, self.kv)
         try:
-            return self._finish_step(sched, logits, rows)
-        finally:
-            self._record_step_time(sched, time.perf_counter() - t0)
+            logits, rows = self.runner.execute(sched, self.kv)
+            try:
+                return self._finish_step(sched, logits, rows)
+            finally:
+                self._record_step_time(sched, time.perf_counter() - t0)
+        except torch.OutOfMemoryError:
+            if not self.survive_step_oom:
+                raise
+            # failed below, once the traceback (and the step's tensors it holds) is gone
+        return self._fail_step(sched)
+
+    def _fail_step(self, sched) -> list[RequestOutput]:
+        """Out of device memory inside a step: the step's requests finish with status "error" and the reason,
+        their KV blocks are freed, and the engine serves on (the next step allocates afresh; the memory the
+        failed one held is back in torch's pool)."""
+        n, tokens = len(sched.scheduled), sched.num_batched_tokens
+        what = f"running a step of {n} request{'s' * (n != 1)} ({tokens} token{'s' * (tokens != 1)})"
+        error = (f"{DeviceOutOfMemoryError(what)}, "
+                 f"{budget_text(self.config.gpu_memory_gb, self.device)}: the step's requests failed (lower "
+                 "--max-num-batched-tokens / --max-num-seqs, or raise --gpu-memory-gb)")
+        logger.error("%s", error)
+        if self.pager is not None:
+            self.pager.abort_step()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        now, outputs = time.monotonic(), []
+        for s in sched.scheduled:
+            request = s.request
+            request.error, request.finish_time = error, now
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            self.requests.pop(request.request_id, None)
+            self._generators.pop(request.request_id, None)
+            outputs.append(self.outputs.make_output(request))
+        return outputs
 
     def _record_step_time(self, sched, seconds: float) -> None:
         st = self.step_time
@@ -202,7 +259,16 @@ class LLMEngine:
             "num_steps": self.num_steps,
             **{f"step_{k}": v for k, v in self.step_time.items()},
             **self.expert_stats(),
+            **self.device_memory_stats(),
         }
+
+    def device_memory_stats(self) -> dict:
+        """The process's device memory now and at its peak since start-up, beside the budget (bytes; the
+        driver's count: worker/device_memory.py). Empty off CUDA."""
+        if self.memory is None:
+            return {}
+        return {"device_memory_used_bytes": self.memory.used_bytes(),
+                "device_memory_peak_bytes": self.memory.peak_bytes, "gpu_memory_budget_bytes": self.plan.budget_bytes}
 
     def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
         """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in

@@ -27,19 +27,23 @@ from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.experts.build import build_experts, settle_buffers
 from pagedmoe.experts.dynamic.start import load_expert_stats, start_dynamic_precision
+from pagedmoe.extras import require
 from pagedmoe.kvcache.block_pool import KVCacheManager
-from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block
+from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block, kv_cache_bytes
 from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
                                     resolve_dtype)
 from pagedmoe.models.registry import spec_builder
+from pagedmoe.oom import naming_oom
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
-                                         size_kv_cache)
+                                         size_kv_cache, start_up_reserve_bytes)
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
+from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
+from pagedmoe.engine.profile_run import profile_step_bytes
 
 logger = logging.getLogger("pagedmoe")
-# Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
-DEVICE_RESERVE = 2 * GiB
+# The last device memory a budget of the whole device cannot have: the driver keeps some for itself.
+DEVICE_HEADROOM = 256 << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -60,6 +64,7 @@ class EngineParts:
     kv: KVCacheManager
     runner: ModelRunner
     precision: Any            # DynamicPrecisionManager under --expert-precision dynamic, else None
+    memory: Any               # DeviceMemoryMonitor (worker/device_memory.py) on CUDA, else None
 
 
 def start_engine(config: EngineConfig) -> EngineParts:
@@ -67,32 +72,48 @@ def start_engine(config: EngineConfig) -> EngineParts:
     hf_config = load_hf_config(model_path)
     tokenizer = load_tokenizer(config.tokenizer or model_path, config.load_format)
     device = pick_device(config.device)
+    check_gpu_packages(device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_model_len = resolve_max_model_len(config, hf_config)
     name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
 
+    # The process's device memory as the driver counts it (context, torch's pool, VMM mappings): what
+    # --gpu-memory-gb bounds. Its peak is reset here: this engine's start-up and run are one window.
+    memory = process_monitor(device)
+    if memory is not None:
+        memory.reset_peak()
+        memory.mark("engine_start")
+
     t0 = time.perf_counter()
-    expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len)
     dims, spec = spec_builder(hf_config)(hf_config)
+    dynamic = config.expert_precision == "dynamic"
+    # MLA runs a PyTorch path that reads host copies of the sequence lengths: not capturable in a CUDA
+    # graph; under dynamic precision graphs would bake old expert versions.
+    eager = config.enforce_eager or dynamic or dims.mla is not None
+    expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
                        expert_plan, activity)
     store = model.expert_store
+    _mark(memory, "model")
+    if dynamic and device.type == "cuda":
+        _expandable_segments()
     if expert_plan.dynamic_min_precision is not None:  # before sizing the KV cache: sized around the floor
         # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
         store.enable_dynamic(expert_plan.dynamic_min_precision, lossless=expert_plan.quantized_gemm != "direct")
-    plan = plan_kv_cache(config, model, device, dtype, max_model_len)
+    plan = plan_kv_cache(config, model, device, dtype, max_model_len, memory, eager)
     logger.info("loaded %s (%s, %s) in %.1f s; %s", name, device, dtype, time.perf_counter() - t0, plan.summary())
     logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
                 "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
                 store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
                 config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
-    dynamic = expert_plan.dynamic_min_precision is not None
     # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
     backing = None
     if dynamic and cuda_vmm.available(device):
-        backing = LendableKVCache(dims.num_layers, plan.num_kv_blocks, config.block_size, dims.num_kv_heads,
-                                  dims.head_dim, dtype, device)
+        with naming_oom(f"allocating the KV cache ({plan.num_kv_blocks} blocks)",
+                        kv_cache_bytes(dims, plan.num_kv_blocks, config.block_size, dtype)):
+            backing = LendableKVCache(dims.num_layers, plan.num_kv_blocks, config.block_size, dims.num_kv_heads,
+                                      dims.head_dim, dtype, device)
     elif dynamic and device.type == "cuda":
         logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
                        "their memory, so the GPU holds up to the budget plus the experts' bytes above "
@@ -101,18 +122,41 @@ def start_engine(config: EngineConfig) -> EngineParts:
     logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)")
     runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
                          config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                         # MLA runs a PyTorch path that reads host copies of the sequence lengths: not
-                         # capturable in a CUDA graph; dynamic precision: graphs would bake old expert versions
-                         enforce_eager=config.enforce_eager or dims.mla is not None or dynamic,
-                         kv_backing=backing)
+                         enforce_eager=eager, kv_backing=backing, memory=memory)
+    if backing is not None and memory is not None and config.num_kv_blocks is None:
+        # lent blocks come back only while the process stays within the budget with room for a step's
+        # activations and the next build (not whenever the device has memory free)
+        limit = plan.budget_bytes - plan.activation_bytes - store.dynamic_build_bytes
+        backing.room = lambda: limit - memory.used_bytes()
     activity.reset()  # CUDA-graph capture warm-ups routed tokens too
     precision = None
     stats = load_expert_stats(config.expert_stats, activity)
     if store.dynamic is not None:
         precision = start_dynamic_precision(config, model_path, store, kv, plan.kv_bytes_per_block,
                                             -(-max_model_len // config.block_size), activity, stats)
+    _mark(memory, "ready")
+    if memory is not None:
+        logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB)%s",
+                    memory.stages["ready"] / GiB, memory.peak_bytes / GiB,
+                    f" of the {plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
     return EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
-                       activity, plan, kv, runner, precision)
+                       activity, plan, kv, runner, precision, memory)
+
+
+def _mark(memory, stage: str) -> None:
+    if memory is not None:
+        memory.mark(stage)
+
+
+def _expandable_segments() -> None:
+    """Dynamic precision frees expert versions of every size between steps; in fixed segments torch cannot
+    hand the freed parts back while a live version shares the segment (measured on the H200: 4.8 GiB stuck
+    in Mixtral's pool, so lent KV blocks could not come back within the budget). Expandable segments unmap
+    freed pages. A PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    setter("expandable_segments:True")
 
 
 def pick_device(name: str) -> torch.device:
@@ -121,6 +165,12 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+def check_gpu_packages(device: torch.device) -> None:
+    """The gpu extra, checked before any weight is read: pagedmoe's CUDA kernels are Triton kernels."""
+    if device.type == "cuda":
+        require("triton", "gpu", "running on a CUDA device")
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -153,13 +203,13 @@ def load_tokenizer(path: str, load_format: str):
 
 # -- the expert plan ------------------------------------------------------------------------------------
 def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
-                       max_model_len: int) -> ExpertPlan:
+                       max_model_len: int, memory=None, eager: bool = True) -> ExpertPlan:
     """The resolver's plan (planning/resolve.py) with what the device decides: the compute buffers, the
     static lossy format, the quantized GEMM path and the dynamic floor."""
     dims, spec = spec_builder(hf_config)(hf_config)
     plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
-                               max_model_len=max_model_len, budget=lambda: planning_budget(config, device),
-                               host_budget=lambda: host_budget(config))
+                               max_model_len=max_model_len, budget=lambda: planning_budget(config, device, memory),
+                               host_budget=lambda: host_budget(config), eager=eager)
     x = config.experts
     dynamic = x.precision == "dynamic"
     return plan.replace(buffers=settle_buffers("plain" if dynamic else x.buffers, plan.paged, device),
@@ -168,14 +218,19 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
                         dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
 
 
-def planning_budget(config: EngineConfig, device: torch.device) -> Optional[int]:
-    """Device bytes the planner splits: --gpu-memory-gb, else 90% of what CUDA has free; None on CPU."""
+def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:
+    """Device bytes the planner splits: --gpu-memory-gb, else default_budget on CUDA; None on CPU."""
     if config.gpu_memory_gb is not None:
         return int(config.gpu_memory_gb * GiB)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
+        return default_budget(memory)
     return None
+
+
+def default_budget(memory) -> int:
+    """Without --gpu-memory-gb on CUDA: 0.9 of what the device has beside other processes (vLLM's default
+    --gpu-memory-utilization)."""
+    return int(0.9 * (memory.total_bytes - memory.others_bytes))
 
 
 def host_budget(config: EngineConfig) -> Optional[int]:
@@ -197,25 +252,28 @@ def load_model(path: str, hf_config, load_format: str, max_position: int, device
     """The model built with its experts object (laid out by `plan`), its weights loaded (or random for
     --load-format dummy) and its GPU tiers encoded."""
     dims, spec = spec_builder(hf_config)(hf_config)
-    experts = build_experts(plan, dims.num_layers - len(spec.dense_layers), dims, device, dtype, activity)
+    with naming_oom(f"allocating the experts ({plan.mode} placement)"):
+        experts = build_experts(plan, dims.num_layers - len(spec.dense_layers), dims, device, dtype, activity)
     model = build_model(hf_config, max_position, device, dtype, experts)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
-        experts.store.init_random(seed)
+        with naming_oom("generating random weights (--load-format dummy)"):
+            init_dummy_weights(model, seed)
+            experts.store.init_random(seed)
     else:
         load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
-    experts.store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
+    with naming_oom("encoding the compressed / quantized expert tiers"):
+        experts.store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
     if model.pager is not None:
         model.pager.refresh()  # finalize may have compressed the host tier
     return model
 
 
 # -- the KV cache ---------------------------------------------------------------------------------------
-def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int) -> KVSizing:
-    """The measured split: the budget less what was loaded and the activation estimate, in KV blocks."""
-    c, dims = config, model.dims
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + model.expert_store.device_bytes
+def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                  memory=None, eager: bool = True) -> KVSizing:
+    """The measured split: the budget less what was loaded, the activations and a reserve, in KV blocks."""
+    c, dims, store = config, model.dims, model.expert_store
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + store.device_bytes
     per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size, dtype)
     blocks_per_seq = -(-max_model_len // c.block_size)
     useful = c.max_num_seqs * blocks_per_seq
@@ -224,13 +282,29 @@ def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torc
     if c.num_kv_blocks is not None:
         budget = weight_bytes + act + c.num_kv_blocks * per_block
         return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, c.num_kv_blocks)
+    if device.type == "cuda":
+        budget = int(c.gpu_memory_gb * GiB) if c.gpu_memory_gb is not None else default_budget(memory)
+        budget = clamp_to_device(memory, budget)
+        # Measured: everything the process holds now (context, weights, experts, buffers, torch's cache
+        # and fragmentation, VMM mappings) beyond the weights' own bytes; the dynamic experts' floor is
+        # counted in weight_bytes but built only once the KV cache exists.
+        pending = store.dynamic_bytes
+        if store.dynamic is None:  # dynamic experts are built after the KV cache: estimated
+            estimate, act = act, profile_step_bytes(
+                model, c.block_size, device, dtype, c.attention_backend, c.moe_backend,
+                c.max_num_seqs, max_model_len, c.max_num_batched_tokens, memory)
+            logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
+                        c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
+                        estimate / GiB)
+        torch.cuda.empty_cache()  # loading's temporaries: what the run re-grows is the reserve's to hold
+        measured = memory.mark("loaded")
+        overhead = max(0, measured - (weight_bytes - pending))
+        reserve = overhead + start_up_reserve_bytes(
+            act, c.max_num_seqs, dims.hidden_size, dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
+            dtype.itemsize, cuda_graphs=not eager, build_bytes=store.dynamic_build_bytes)
+        return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful, reserve)
     if c.gpu_memory_gb is not None:
         budget = int(c.gpu_memory_gb * GiB)
-        if device.type == "cuda":
-            budget = clamp_to_device(device, budget, weight_bytes)
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = weight_bytes + int(free * 0.9)
     else:
         # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
         useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
@@ -238,18 +312,17 @@ def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torc
     return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful)
 
 
-def clamp_to_device(device: torch.device, budget: int, weight_bytes: int) -> int:
-    """A budget above the device's memory is refused. One above what the device can still give (its total
-    less the CUDA context, cuBLAS workspaces and graph pools: DEVICE_RESERVE) would run out of memory
-    mid-run: use what there is, and say so."""
-    free, total = torch.cuda.mem_get_info(device)
+def clamp_to_device(memory, budget: int) -> int:
+    """A budget above the device's memory is refused. One above what it can give beside other processes
+    (less DEVICE_HEADROOM, which the driver keeps) is lowered to that, with a warning. `memory`: the
+    process's DeviceMemoryMonitor."""
+    total, others = memory.total_bytes, memory.others_bytes
     if budget > total:
         raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    available = weight_bytes + free + cached - DEVICE_RESERVE
+    available = total - others - DEVICE_HEADROOM
     if budget > available:
-        logger.warning("--gpu-memory-gb %.2f is more than this device can give after loading (%.2f GiB with "
-                       "%.2f GiB kept for the CUDA context and workspaces): planning the KV cache for %.2f GiB",
-                       budget / GiB, available / GiB, DEVICE_RESERVE / GiB, available / GiB)
+        logger.warning("--gpu-memory-gb %.2f is more than this device can give (%.2f GiB of %.2f, other "
+                       "processes hold %.2f): planning for %.2f GiB", budget / GiB, available / GiB,
+                       total / GiB, others / GiB, available / GiB)
         return available
     return budget

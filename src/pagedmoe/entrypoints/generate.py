@@ -91,7 +91,7 @@ def _check_fits(limit: int, num_prompt: int, max_tokens: Optional[int]) -> None:
 
 def run_generate(args) -> int:
     from pagedmoe.entrypoints.streaming import format_logprobs, logprobs_json, stream
-    from pagedmoe.llm import LLM
+    from pagedmoe.llm import LLM, check_failed
 
     prompts = _read_prompts(args)
     params = sampling_params_from_args(args)
@@ -121,6 +121,7 @@ def run_generate(args) -> int:
              "finish_reason": o.outputs[0].finish_reason,
              **({"logprobs": logprobs_json(o, params.logprobs), "cumulative_logprob": o.outputs[0].cumulative_logprob}
                 if params.logprobs is not None else {})} for prompt, o in zip(prompts, outputs)], indent=2))
+    check_failed(outputs, outputs)  # what finished is printed; then the one-line error (cli.py)
     return 0
 
 
@@ -180,6 +181,10 @@ def run_chat(args) -> int:
         (out,), rates = stream(engine, [(None, ids)], params, sys.stdout)
         c = out.outputs[0]
         print()
+        if out.error is not None:  # out of memory in its step: say so, forget the turn, chat on
+            print(f"chat: error: {out.error}", file=sys.stderr)
+            history.pop()
+            continue
         if c.finish_reason == "length":
             why = ("--max-tokens" if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens
                    else "the context is full")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,9 +19,10 @@ _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _env(flag: str, default, conv=str):
-    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win)."""
-    value = os.environ.get("PAGEDMOE_" + flag.upper())
-    return default if value is None else conv(value)
+    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win; a bad value: one line)."""
+    from pagedmoe.config import env_default
+
+    return env_default(flag, conv, default)
 
 
 def register(sub) -> None:
@@ -152,8 +152,8 @@ def format_table(rows) -> str:
 
 def run_plan(args) -> int:
     from pagedmoe.config import resolve_model
-    from pagedmoe.planning.kv_sizing import GiB, estimate_activation_bytes
     from pagedmoe.planning.cost_model import H200, HardwareProfile
+    from pagedmoe.planning.kv_sizing import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
     from pagedmoe.planning.model_shape import ModelShape
     from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
     from pagedmoe.planning.planner import PlanInputs
@@ -179,6 +179,10 @@ def run_plan(args) -> int:
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
+    # what the engine keeps out of the KV cache on the GPU beside the activations (planning/kv_sizing.py)
+    reserve = start_up_reserve_bytes(act, args.max_num_seqs, shape.hidden_size, shape.moe_intermediate_size,
+                                     shape.top_k, shape.vocab_size, shape.dtype_bytes, context_bytes=CUDA_CONTEXT_BYTES)
+    act += reserve
     buffers = planning_buffer_kind(args.expert_buffers, cuda=True)   # the plan is for a GPU
     host_ratio = LOSSLESS_PLANNING_RATIO if args.host_compression == "lossless" else 0.0
     name = shape.name or path
@@ -193,6 +197,8 @@ def run_plan(args) -> int:
           f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
           f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms + "
           f"{hw.layer_overhead_s * 1e3:.2f} ms/layer + {hw.seq_overhead_s * 1e6:.0f} us/sequence")
+    print(f"activations include {reserve / GiB:.2f} GiB the engine reserves on the GPU (CUDA context, graph pools, "
+          "workspaces, fragmentation): --gpu-memory-gb is all device memory the process holds")
     print("GiB columns; step = modelled decode step (max of the floors + pipeline fill + overhead); "
           "* = auto pick, > = selected by the flags")
     report = {"model": name, "shape": shape.to_dict(), "hardware": json.loads(hw.to_json()),

@@ -15,6 +15,7 @@ from pagedmoe.experts.pager import ExpertPager
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
+from pagedmoe.extras import require
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ def settle_buffers(requested: str, paged: bool, device: torch.device) -> str:
     management: stable addresses, resident rows mapped in place) for paged placement on CUDA when the
     driver offers it (auto falls back on "plain"), else "plain"; a kind that cannot be had is an error."""
     if paged and requested in ("auto", "vmm", "vmm-ring") and device.type == "cuda":
+        if requested != "auto":  # asked for by name: say which package is missing rather than "unavailable"
+            require("cuda.bindings", "gpu", f"--expert-buffers {requested}", package="cuda-python")
         if vmm.available(device):
             return "vmm-ring" if requested == "vmm-ring" else "vmm"
         if requested != "auto":

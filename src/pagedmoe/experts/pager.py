@@ -282,6 +282,10 @@ class ExpertPager:
         self._plan()
         return sum(self.fill.dequantized_per_layer)
 
+    def abort_step(self) -> None:
+        """A step that failed part-way (out of memory): drop its timing events, some never recorded."""
+        self._pending_timing.clear()
+
     def end_step(self) -> None:
         """After the step's results reached the host (all events done): fold event timings into stats."""
         self.stats.steps += 1

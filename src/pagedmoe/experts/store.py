@@ -30,6 +30,7 @@ from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, Expert
 from pagedmoe.experts.tiers.compressed import CompressedTier
 from pagedmoe.experts.tiers.host import HostTier, pinned_empty
 from pagedmoe.experts.tiers.quantized import QuantizedTier
+from pagedmoe.planning.kv_sizing import dynamic_build_bytes
 
 __all__ = ["ExpertStore", "pinned_empty"]
 
@@ -208,6 +209,15 @@ class ExpertStore:
         """Device bytes of the experts under dynamic precision: the floor every expert is guaranteed
         (what the KV cache is sized around; the rest is lent from the KV cache: experts/dynamic/controller.py)."""
         return self.dynamic_floor_bytes if self.dynamic is not None else 0
+
+    @property
+    def dynamic_build_bytes(self) -> int:
+        """Room a dynamic-precision build needs beside the published versions (built one layer at a time:
+        planning/kv_sizing.py::dynamic_build_bytes); 0 without dynamic precision."""
+        if self.dynamic is None:
+            return 0
+        bf16 = self.dynamic.bytes_per_rung()["bf16"]
+        return dynamic_build_bytes(self.dynamic.num_experts, bf16, self.expert_numel)
 
     def enable_dynamic(self, min_precision: str, lossless: bool = True):
         """--expert-precision dynamic: every expert paged from the host tier becomes the master of a

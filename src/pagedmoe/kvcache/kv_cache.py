@@ -17,6 +17,11 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+def kv_cache_bytes(dims, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+    """Device bytes of `num_blocks` KV blocks of a model of `dims` (every layer's K and V)."""
+    return num_blocks * kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, dtype)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, Hkv, D]."""
@@ -71,6 +76,9 @@ class LendableKVCache:
         for _ in range(2 * num_layers):
             self._ranges.append((int(vmm.check(cu.cuMemAddressReserve(reserve, gran, 0, 0))), reserve))
         self.mapped = 0                                  # chunks [0, mapped) are backed by memory
+        # bytes the budget has left for chunks mapped again (None: the device's free memory is the only limit);
+        # the engine sets it once the KV cache is mapped (engine/llm_engine.py)
+        self.room = None
         if self.set_top(num_blocks) != num_blocks:
             self.close()
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the KV cache's {num_blocks} blocks "
@@ -104,6 +112,8 @@ class LendableKVCache:
     def _map_chunk(self, c: int) -> bool:
         cu = vmm.driver()
         size, offset, handles = self.chunk_bytes[c], _chunk_offset(self.chunk_bytes, c), []
+        if self.room is not None and self.room() < size * len(self._ranges):
+            return False    # within the device's free memory but not the budget's: tick tries again
         for _ in self._ranges:
             err, handle = cu.cuMemCreate(size, vmm.allocation_prop(self.device_idx), 0)
             if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:   # not yet: what the experts gave up is in use

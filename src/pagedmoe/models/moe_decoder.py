@@ -221,7 +221,7 @@ class MoEForCausalLM(nn.Module):
                 layer = int(name.split(".")[2])
                 moe_idx = self._moe_idx(layer, name)
                 if tensor.shape[0] != self.dims.num_experts:
-                    raise ValueError(f"{name}: {tensor.shape[0]} experts, expected {self.dims.num_experts}")
+                    raise ValueError(f"{tensor.shape[0]} experts, expected {self.dims.num_experts}")
                 for e in range(self.dims.num_experts):
                     self.expert_store.write(moe_idx, e, kind, tensor[e])
                 kinds = ("gate", "up") if kind == "w13" else ("down",)
@@ -234,8 +234,7 @@ class MoEForCausalLM(nn.Module):
             raise KeyError(name)
         target = params[name]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} != "
-                             f"model shape {tuple(target.shape)}")
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
         target.copy_(tensor)
         return [name]
 

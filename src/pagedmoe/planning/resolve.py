@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pagedmoe.planning import planner
-from pagedmoe.planning.kv_sizing import GiB, estimate_activation_bytes
+from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_bytes, estimate_activation_bytes,
+                                         start_up_reserve_bytes)
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO, Placement
 
@@ -64,15 +65,15 @@ def planning_buffer_kind(requested: str, cuda: bool) -> str:
 
 
 def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_model_len: int,
-                        budget: Callable[[], Optional[int]],
-                        host_budget: Callable[[], Optional[int]]) -> ExpertPlan:
+                        budget: Callable[[], Optional[int]], host_budget: Callable[[], Optional[int]],
+                        eager: bool = True) -> ExpertPlan:
     """Placement, tier counts and host compression of `config` (an EngineConfig) for a model of `dims` and
     `spec` (models/moe_decoder.py). Flags decide when they fix it (a static --expert-precision pages every
     expert: all quantized); otherwise the planner (planning/planner.py) picks the placement with the best
     modelled throughput (with the lossless compressed tier among its choices only under
     --expert-compression lossless). `budget()`: the device bytes to plan for (None: CPU without a
     budget); `host_budget()`: the host tier's limit (None: unbounded). `dtype`: the model's torch dtype
-    (read by name and size only)."""
+    (read by name and size only); `eager`: no CUDA graphs (their pool is part of the reserve on CUDA)."""
     c, x = config, config.experts
     is_bf16, dtype_bytes = str(dtype) == "torch.bfloat16", dtype.itemsize
     host_compression = "none" if x.host_compression == "auto" else x.host_compression
@@ -91,7 +92,7 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
                              f"{dims.num_experts} experts per layer")
         _check_fixed_host_tier(c, dims, spec, n, comp, device_type, dtype_bytes, host_compression, host_budget)
         return ExpertPlan("paged", (n,) * num_moe, (comp,) * num_moe, host_compression)
-    if placement == "resident":
+    if placement == "resident" and (c.cache.gpu_memory_gb is None or device_type != "cuda"):
         return ExpertPlan("resident", host_compression=host_compression)
     budget_bytes = budget()
     if budget_bytes is None:  # CPU without a budget: nothing to trade
@@ -103,7 +104,9 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
             return ExpertPlan("resident", host_compression=host_compression)
         return ExpertPlan("paged", (0,) * num_moe, None, host_compression)
     plans = _plan_host_modes(c, dims, spec, placement, budget_bytes, device_type, is_bf16, dtype_bytes,
-                             max_model_len, host_compression, host_budget)
+                             max_model_len, host_compression, host_budget, eager)
+    if plans is None:  # resident at a budget on CUDA: it fits (else the planner refused, naming the minimum)
+        return ExpertPlan("resident", host_compression=host_compression)
     # auto: the compressed host tier only when it models faster (it only matters for paged plans)
     host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
     plan = plans[host_compression]
@@ -120,13 +123,26 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
 
 
 def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_type: str, is_bf16: bool,
-                     dtype_bytes: int, max_model_len: int, host_compression: str, host_budget) -> dict:
-    """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16)."""
+                     dtype_bytes: int, max_model_len: int, host_compression: str, host_budget,
+                     eager: bool) -> Optional[dict]:
+    """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16);
+    None for a resident placement at a budget, which is only checked (refused with the minimum)."""
     shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
     x, sch = c.experts, c.scheduler
     act = estimate_activation_bytes(sch.max_num_batched_tokens, sch.max_num_seqs, dims.hidden_size,
                                     dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
+    if device_type == "cuda":  # what start-up will keep out of the KV cache (planning/kv_sizing.py)
+        build = (dynamic_build_bytes(shape.experts_per_gpu, shape.expert_bytes, shape.expert_bytes // dtype_bytes)
+                 if x.precision == "dynamic" else 0)
+        act += start_up_reserve_bytes(act, sch.max_num_seqs, dims.hidden_size, dims.moe_intermediate_size,
+                                      dims.top_k, dims.vocab_size, dtype_bytes, cuda_graphs=not eager,
+                                      build_bytes=build, context_bytes=CUDA_CONTEXT_BYTES)
     buffers = planning_buffer_kind(x.buffers, device_type == "cuda")
+    if placement == "resident":  # refused before loading when the budget cannot hold it (names the minimum)
+        planner.plan_memory(shape, budget_bytes, act, "resident", max_model_len=max_model_len,
+                            block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
+                            max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
+        return None
     ratio = LOSSLESS_PLANNING_RATIO if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
@@ -152,7 +168,10 @@ def _check_fixed_host_tier(c, dims, spec, num_gpu: int, num_comp: int, device_ty
     """A placement fixed by the flags (--num-gpu-experts, --cpu-moe) skips the planner's search, not its
     host limit: refuse it before pinning more host memory than the machine has."""
     num_moe = dims.num_layers - len(spec.dense_layers)
-    num_host = (dims.num_experts - num_gpu - num_comp) * num_moe
+    # NOTE: a static lossy precision holds every expert quantized on the device (experts/build.py): its
+    # host tier is empty, so no host limit can refuse it.
+    lossy = c.experts.quantized_precision() is not None
+    num_host = 0 if lossy else (dims.num_experts - num_gpu - num_comp) * num_moe
     limit = host_budget() if num_host > 0 else None
     if limit is None:
         return

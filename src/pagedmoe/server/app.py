@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedmoe.server.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestTimeoutError
+from pagedmoe.server.async_engine import (AsyncEngine, EngineDeadError, OverloadedError, RequestFailedError,
+                                          RequestTimeoutError)
 from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_experts
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
@@ -44,6 +45,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 503, "server_error", None, "engine_unavailable")
     if isinstance(exc, RequestTimeoutError):
         return APIError(str(exc), 504, "server_error", None, "request_timeout")
+    if isinstance(exc, RequestFailedError):  # its step ran out of GPU memory; the server serves on
+        return APIError(str(exc), 500, "server_error", None, "engine_step_failed")
     if isinstance(exc, (ValueError, TypeError)):  # the engine refused the request's input
         return invalid(str(exc))
     return APIError(f"internal server error ({type(exc).__name__})", 500, "server_error")
@@ -173,7 +176,7 @@ async def _stream_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except Exception as e:  # noqa: BLE001
         err = to_api_error(e)
-        if err.status_code >= 500 and not isinstance(e, (EngineDeadError, RequestTimeoutError)):
+        if err.status_code >= 500 and not isinstance(e, (EngineDeadError, RequestTimeoutError, RequestFailedError)):
             logger.exception("error while streaming")
         yield sse(err.body())
         yield SSE_DONE
@@ -264,7 +267,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     async def _run(request: Request, handle, n: int):
         try:
             return await _unless_disconnected(request, serving.final_outputs(handle, n), handle)
-        except (RequestTimeoutError, EngineDeadError, ValueError, TypeError) as e:
+        except (RequestTimeoutError, EngineDeadError, RequestFailedError, ValueError, TypeError) as e:
             raise to_api_error(e) from None
 
     @app.post("/v1/completions")

@@ -43,6 +43,10 @@ class RequestTimeoutError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed the request's step (out of GPU memory); the engine serves on (answered 500)."""
+
+
 @dataclass
 class _Track:
     """Per-request timing, kept by the engine thread for the latency histograms."""
@@ -266,7 +270,9 @@ class AsyncEngine:
             if out.finished:
                 self._tracks.pop(out.request_id, None)
                 self._finish_times.append(now)
-                if m is not None:
+                if m is not None and out.error is not None:
+                    m.count_aborted("error")  # its step failed (out of GPU memory): not a success
+                elif m is not None:
                     m.observe_finished(now - track.arrival, track.num_prompt_tokens,
                                        len(out.outputs[0].token_ids), out.outputs[0].finish_reason)
 
@@ -306,6 +312,9 @@ class RequestHandle:
                     raise self._error
                 latest, self._latest = self._latest, {}
                 for i in sorted(latest):
+                    if latest[i].error is not None:
+                        self.finished[i] = True  # the engine has dropped it: nothing to abort
+                        raise RequestFailedError(latest[i].error)
                     if latest[i].finished and not self.finished[i]:
                         self.finished[i] = True
                         remaining -= 1

@@ -165,18 +165,41 @@ class DynamicPrecisionManager:
             moves = [m for m in moves if m.bytes_delta <= 0]   # no room for the promotions now
             if not moves:
                 return []
+        if getattr(self.runtime, "layer_by_layer", False):
+            return self._build_layer_by_layer(moves)
         self.runtime.build({m.key: m.dst for m in moves})
         self._pending = moves
         return self._publish() if self.runtime.ready() else []
 
-    def _publish(self) -> list[Move]:
+    def _build_layer_by_layer(self, moves: list[Move]) -> list[Move]:
+        """Build and publish the moves one layer after another, within this step boundary: a build holds its
+        layer's old and new versions side by side, so one layer at a time bounds the transient by one layer
+        (the room the budget keeps: ExpertStore.dynamic_build_bytes). Every move still lands this tick, so
+        the demotion cascade takes as many steps as one build of every layer would (979f178 reverted a cap
+        that left the other layers to later ticks: the cascade then needed a step per layer and Mixtral's
+        fill outran its sequences)."""
+        by_layer: dict[int, list[Move]] = {}
+        for m in moves:
+            by_layer.setdefault(m.key[0], []).append(m)
+        published = []
+        for layer_moves in by_layer.values():
+            self.runtime.build({m.key: m.dst for m in layer_moves})
+            self.runtime.wait()      # the GPU is idle between steps: the build runs alone
+            self._pending = layer_moves
+            # NOTE: blocks withheld for the later layers' promotions must stay withheld: release once, at the end
+            published += self._publish(release=False)
+        self._release_to(self.controller.total_bytes())
+        return published
+
+    def _publish(self, release: bool = True) -> list[Move]:
         moves, self._pending = self._pending, []
         measured = self.runtime.publish()
         self.controller.applied(moves)
         for k, errs in measured.items():
             self.costs.rel_error[k].update(errs)
         self.controller.costs_changed(measured)
-        self._release_to(self.controller.total_bytes())
+        if release:
+            self._release_to(self.controller.total_bytes())
         s = self.stats
         s.publishes += 1
         s.demotions += sum(m.bytes_delta < 0 for m in moves)

@@ -170,6 +170,10 @@ class DynamicExperts:
         if self._staged:
             raise RuntimeError("a build is still waiting to be published")
         layers = sorted({l for l, _ in changes})
+        if self.cuda and not full:
+            # a build allocates on its own stream, whose pool cannot reuse what the compute stream cached
+            # (the last step's activations): hand that back first, or the build's bytes come on top of it
+            torch.cuda.empty_cache()
         if self.cuda:
             # the side stream must not start before what the compute stream queued (e.g. the loader);
             # taken before entering the side stream's context, where it would be the side stream itself
@@ -188,6 +192,13 @@ class DynamicExperts:
             if self.cuda:
                 self._event = torch.cuda.Event()
                 self._event.record(self.stream)
+
+    # DynamicPrecisionManager builds and publishes one layer at a time (bounded transient), waiting for each.
+    layer_by_layer = True
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
