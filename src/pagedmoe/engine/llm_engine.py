@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig
+from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -33,14 +34,19 @@ def _name_oom_at_start(init):
         try:
             init(self, config)
         except DeviceOutOfMemoryError as e:
-            raise e.with_budget(budget_text(config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+            raise e.with_budget(budget_text(config.gpu_memory_gb, _device_of(config))) from e
         except torch.OutOfMemoryError as e:
             raise DeviceOutOfMemoryError("starting the engine", None, budget_text(
-                config.gpu_memory_gb, getattr(self, "device", _CPU))) from e
+                config.gpu_memory_gb, _device_of(config))) from e
     return wrapper
 
 
-_CPU = torch.device("cpu")
+def _device_of(config: EngineConfig) -> torch.device:
+    """The device start-up picked (it ran out of memory there, so picking it again succeeds)."""
+    try:
+        return pick_device(config.device)
+    except ValueError:
+        return torch.device("cpu")
 
 
 class LLMEngine:
@@ -51,7 +57,6 @@ class LLMEngine:
     @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = pick_device(config.device)   # first: an out-of-memory error at start names its budget
         parts = start_engine(config)
         self.model_path, self.hf_config, self.tokenizer = parts.model_path, parts.hf_config, parts.tokenizer
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
@@ -271,38 +276,11 @@ class LLMEngine:
                 "device_memory_peak_bytes": self.memory.peak_bytes, "gpu_memory_budget_bytes": self.plan.budget_bytes}
 
     def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
-        """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in
-        all and per step, copy time, time compute waited for experts, the share of copying hidden behind
-        compute. None when nothing is paged. Copy and wait times come from CUDA events of eager steps
-        (graph replays are counted in bytes only)."""
+        """One line on the pager's work since the `expert_stats()` snapshot `since` (engine/expert_stats.py);
+        None when nothing is paged."""
         if self.pager is None:
             return None
-        now = self.expert_stats()
-        d = {k: now[k] - (since or {}).get(k, 0) for k in ("expert_bytes_h2d", "expert_bytes_decoded",
-                                                            "expert_copy_s", "expert_wait_s", "expert_steps")}
-        steps = max(1, d["expert_steps"])
-        text = (f"expert paging: {d['expert_bytes_h2d'] / 1e9:.2f} GB host->device over {d['expert_steps']} steps "
-                f"({d['expert_bytes_h2d'] / steps / 1e9:.3f} GB/step)")
-        if d["expert_bytes_decoded"]:
-            text += f", {d['expert_bytes_decoded'] / 1e9:.2f} GB decoded"
-        if d["expert_copy_s"] > 0:
-            hidden = 1.0 - d["expert_wait_s"] / d["expert_copy_s"]
-            text += (f"; copy stream busy {d['expert_copy_s']:.2f} s "
-                     f"({d['expert_bytes_h2d'] / d['expert_copy_s'] / 1e9:.1f} GB/s), compute waited "
-                     f"{d['expert_wait_s']:.2f} s, {100 * max(0.0, hidden):.0f}% of copying hidden")
-        elif self.device.type == "cuda":
-            text += "; copy time not timed (CUDA-graph replays)"
-        return text
+        return traffic_summary(self.expert_stats(), since, self.device.type == "cuda")
 
     def expert_stats(self) -> dict:
-        store = self.expert_store
-        out = {"expert_placement": "paged" if store.paged else "resident",
-               "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
-               "expert_resident_bytes": store.resident_bytes, "expert_compressed_bytes": store.compressed_bytes,
-               "expert_quantized_bytes": store.quantized_bytes, "expert_host_bytes": store.host_bytes,
-               "expert_buffer_bytes": store.buffer_bytes}
-        if self.pager is not None:
-            out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})
-        if self.precision is not None:
-            out.update(self.precision.as_dict())
-        return out
+        return expert_stats(self.expert_store, self.pager, self.precision)
