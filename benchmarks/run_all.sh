@@ -43,7 +43,7 @@ G=${GLM_MODEL:-benchmarks/configs/glm-4.5-air}
 # stage -> "expected device time [pcie] | what it reproduces": [pcie] streams experts (or offloads) over
 # PCIe; [owed] measures what docs/benchmarks.md does not hold yet (benchmarks/run_lanes.py schedules those first)
 declare -A STAGES=(
-  [gputests]="~1 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels"
+  [gputests]="~2.5 min | every GPU test (pytest -m gpu, 8 workers): engine, paging (plain, VMM, graphs), compressed tier, kernels; then the memory-bound test alone"
   [latency]="~1.9 min | fused-MoE kernel bench; Mixtral decode step vs HBM floor at B = 1/16/64/256 (latency table; benchmarks/gpu_issue4.sh)"
   [throughput-mixtral]="~2.4 min | offline throughput table, 1024 prompts of 512 in / 512 out, resident Mixtral-8x7B (benchmarks/gpu_issue4.sh)"
   [throughput-qwen3]="~1.9 min | the same for Qwen3-30B-A3B"
@@ -131,7 +131,11 @@ run_stage() {  # $1 = stage
   case $s in
     gputests)
       timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pytest -q -n 8 -m gpu tests > "$d/pytest.log" 2>&1 || rc=$?
-      tail -15 "$d/pytest.log" ;;
+      tail -15 "$d/pytest.log"
+      # alone: it reads the whole device's memory (issue 19: the peak within --gpu-memory-gb + 2%)
+      timeout --kill-after=15 "$STAGE_TIMEOUT" python -m pytest -q -m gpu tests/e2e/test_memory_bound_gpu.py \
+        > "$d/pytest-memory-bound.log" 2>&1 || rc=$?
+      tail -5 "$d/pytest-memory-bound.log" ;;
     latency|throughput-*)  # gpu_issue4.sh in parts (its GPU tests are the gputests stage's, its codec bench codec's)
       local skip=(THROUGHPUT_MODELS=" ")
       [ "$s" = throughput-mixtral ] && skip=(SKIP_LATENCY=1 SKIP_KERNEL_BENCH=1 THROUGHPUT_MODELS=$M)

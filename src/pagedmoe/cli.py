@@ -45,7 +45,21 @@ def register_modules(subparsers, module_names: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C (chat, generate, a long load): quiet, with the shell's status for SIGINT
+        print(file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from pagedmoe.config import EnvVarError
+
+    try:
+        parser = build_parser()  # reads the PAGEDMOE_* defaults, so a bad one stops even --help
+    except EnvVarError as e:
+        print(f"pagedmoe: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.version:
         from pagedmoe import __version__
@@ -56,12 +70,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    from pagedmoe.extras import MissingPackageError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingPackageError) as e:
         # Bad input: one clear line, no traceback.
         print(f"pagedmoe {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - only the kinds below; anything else keeps its traceback
+        if not _is_oom(e):
+            raise
+        # Out of device memory (pagedmoe/oom.py names what and the budget; torch's message is one line too).
+        print(f"pagedmoe {args.verb}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _is_oom(e: BaseException) -> bool:
+    """torch's OOM (pagedmoe's named one is a subclass), or generate() requests that failed of one; without
+    importing torch for verbs that never loaded it."""
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    from pagedmoe.llm import GenerationError
+
+    return isinstance(e, (torch.OutOfMemoryError, GenerationError))
 
 
 if __name__ == "__main__":

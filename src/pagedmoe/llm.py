@@ -17,6 +17,16 @@ logger = logging.getLogger("pagedmoe")
 PromptType = Union[str, list[int], dict]
 
 
+class GenerationError(RuntimeError):
+    """Requests of one generate() / chat() call failed (out of GPU memory in their step); the others ran to the
+    end. `outputs` holds every output in prompt order, the failed ones with finish_reason "error". The LLM
+    serves on."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
 class LLM:
     """`LLM("path/to/model", gpu_memory_gb=48)`; no model means the embedded default model."""
 
@@ -26,6 +36,9 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -45,20 +58,22 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         for p in params:
             p.validate()
-        ids = []
+        groups: list[list[str]] = []  # the engine requests of each prompt: one per sample (n)
         try:
             for prompt, p in zip(prompts, params):
                 rid = f"gen-{next(self._ids)}"
                 text, token_ids = _split_prompt(prompt)
-                # Only the final output is returned: skip the per-step outputs streaming needs.
-                self.engine.add_request(rid, text, dataclasses.replace(p, output_kind="final_only"),
-                                        prompt_token_ids=token_ids)
-                ids.append(rid)
+                groups.append([])
+                for j in range(p.n):
+                    # Only the final output is returned: skip the per-step outputs streaming needs.
+                    child = dataclasses.replace(p.for_sample(j), output_kind="final_only")
+                    self.engine.add_request(f"{rid}-{j}", text, child, prompt_token_ids=token_ids)
+                    groups[-1].append(f"{rid}-{j}")
         except Exception:
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(groups, use_tqdm)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -72,10 +87,10 @@ class LLM:
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        wanted = {rid for g in groups for rid in g}
+        bar = tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm)
         before = self.engine.expert_stats()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -86,7 +101,25 @@ class LLM:
         summary = self.engine.expert_traffic_summary(before)
         if summary:
             logger.info(summary)
-        return [finished[rid] for rid in ids]
+        samples = [finished[rid] for g in groups for rid in g]
+        merged = [_merge([finished[rid] for rid in g]) for g in groups]
+        check_failed(samples, merged)
+        return merged
+
+
+def check_failed(samples: list[RequestOutput], outputs: list[RequestOutput]) -> None:
+    """GenerationError (carrying `outputs`) if any of the requests `samples` failed in its step."""
+    failed = [o for o in samples if o.error is not None]
+    if failed:
+        raise GenerationError(f"{len(failed)} of {len(samples)} requests failed: {failed[0].error}", outputs)
+
+
+def _merge(samples: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n samples as one RequestOutput (outputs[j].index == j), its id without the suffix."""
+    first = samples[0]
+    outputs = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
+    error = next((s.error for s in samples if s.error is not None), None)
+    return dataclasses.replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs, error=error)
 
 
 def _split_prompt(prompt: PromptType):

@@ -9,12 +9,19 @@ from typing import Optional, Union
 class SamplingParams:
     """How to pick the next tokens. temperature 0 means greedy.
 
-    Order applied to the logits: temperature, then top_k, top_p and min_p filtering, then sampling.
-    logprobs=N returns, per generated token, the log-probabilities (of the raw model distribution)
-    of the N most likely tokens and of the sampled one.
+    Order applied to the logits (as vLLM): logit_bias, then the penalties (repetition_penalty over the
+    prompt and the output so far; presence_penalty and frequency_penalty over the output so far, as
+    OpenAI defines them), then temperature, top_k, top_p and min_p filtering, then sampling (greedy
+    takes the argmax of the penalised logits). logprobs=N returns, per generated token, the
+    log-probabilities (of the raw model distribution) of the N most likely tokens and of the sampled one.
+    n > 1 returns n samples of the prompt (with a seed, sample j uses seed + j).
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -40,8 +47,20 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 1e6 or self.repetition_penalty != self.repetition_penalty:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias must map non-negative integer token ids to biases")
+            if any(isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0
+                   for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be numbers in [-100, 100]")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -69,6 +88,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits need the token history (penalties) or a bias before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    def for_sample(self, j: int) -> "SamplingParams":
+        """The parameters of sample j of n: one sequence each, seeds seed + j (vLLM's convention)."""
+        import dataclasses
+
+        seed = None if self.seed is None else self.seed + j
+        if seed is not None and seed >= 2 ** 64:  # torch seeds are at most 2**64 - 1: wrap around
+            seed -= 2 ** 64
+        return dataclasses.replace(self, n=1, seed=seed)
+
 
 @dataclass
 class Logprob:
@@ -84,7 +118,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: Union[int, str, None] = None
 
     def finished(self) -> bool:
@@ -99,3 +133,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    error: Optional[str] = None  # finish_reason "error": what failed (e.g. out of GPU memory in its step)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pagedmoe.engine.memory import GiB
+from pagedmoe.planning.kv_sizing import GiB
 
 PNGS = ("throughput.png", "kv_capacity.png", "step_breakdown.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -12,7 +12,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _weight_bytes() -> int:
     from pagedmoe.config import default_model_path
-    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.planning.model_shape import ModelShape
 
     return ModelShape.from_hf_config(default_model_path(), dtype_bytes=4).weight_bytes  # float32 on CPU
 
@@ -149,3 +149,27 @@ def test_failed_points_are_recorded(tmp_path, monkeypatch):
     points = json.loads((tmp_path / "sweep.json").read_text())["points"]
     assert [(p["placement"], p["status"]) for p in points] == [("resident", "error"), ("paged", "error")]
     assert "out of memory" in points[1]["message"] and points[0]["needs_gib"] is None
+
+
+def test_static_int4_point_is_measured_and_not_modelled(tmp_path):
+    """static-int4 in the sweep: every expert int4 (no host tier), the sweep's paging flags reset, the point
+    measured, the cost model (which has no quantized tier) not asked."""
+    import argparse
+
+    from pagedmoe.bench.sweep import point_config, register
+    from pagedmoe.cli import main
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["sweep", "--budgets", "1", "--num-gpu-experts", "3"])
+    static = point_config(args, "static-int4", GiB)
+    assert (static.expert_precision, static.num_gpu_experts, static.placement()) == ("static-int4", None, ("paged", 0))
+    out = tmp_path / "s"
+    argv = ["bench", "sweep", "--budgets", "weights+0.03", "--placements", "static-int4", "--num-prompts", "2",
+            "--input-len", "8", "--output-len", "4", "--max-model-len", "32", "--max-num-seqs", "2",
+            "--max-num-batched-tokens", "32", "--device", "cpu", "--no-plots", "--output-dir", str(out)]
+    assert main(argv) == 0
+    point = json.loads((out / "sweep.json").read_text())["points"][0]
+    assert point["status"] == "ok" and point["experts"] == {"quantized/int4": sum(point["experts"].values())}
+    assert not point["modelled"]["fits"] and "not modelled" in point["modelled"]["error"]
+    assert "device_memory" not in point     # CPU: no device to count

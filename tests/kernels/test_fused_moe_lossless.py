@@ -130,7 +130,7 @@ def test_mixed_layer_with_a_lossless_part(T, E, A, H, I):
     assembled from the exact, decoded (= original) and dequantized weights, bit for bit: the v2 part runs
     fused_moe_lossless_kernel over the same blocks and splits, skipping the other parts' experts."""
     from pagedmoe.codecs.quant import dequantize, quantize
-    from pagedmoe.experts.quantized import _stack
+    from pagedmoe.experts.tiers.quantized import stack_quantized
 
     g = torch.Generator().manual_seed(E * H + T)
     w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
@@ -150,8 +150,8 @@ def test_mixed_layer_with_a_lossless_part(T, E, A, H, I):
             assert t13.escapes.numel() > 0
             parts.append((t13, t2, slots.to(DEVICE)))
         else:
-            q13 = _stack([quantize(w13[e].float().to(DEVICE), kind) for e in ids])
-            q2 = _stack([quantize(w2[e].float().to(DEVICE), kind) for e in ids])
+            q13 = stack_quantized([quantize(w13[e].float().to(DEVICE), kind) for e in ids])
+            q2 = stack_quantized([quantize(w2[e].float().to(DEVICE), kind) for e in ids])
             full13[ids] = dequantize(q13, ACT).view(len(ids), 2 * I, H)
             full2[ids] = dequantize(q2, ACT).view(len(ids), H, I)
             parts.append((q13, q2, slots.to(DEVICE)))

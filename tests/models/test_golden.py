@@ -47,9 +47,9 @@ def test_prefill_and_decode_logits_match(checkpoint):
     captured = []
     orig = engine.sampler.sample
 
-    def spy(logits, params, gens):
+    def spy(logits, params, gens, *rest):
         captured.append(logits.clone())
-        return orig(logits, params, gens)
+        return orig(logits, params, gens, *rest)
 
     engine.sampler.sample = spy
     engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),

@@ -93,6 +93,25 @@ def test_quantized_tier_frees_device_memory_for_kv(ckpt):
     assert freed // per_block <= gained <= freed // per_block + 1
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_static_precision_needs_no_host_tier(ckpt, precision, monkeypatch):
+    """A static lossy precision holds every expert quantized on the device: a host memory limit far below one
+    expert (given, or detected) does not refuse it, and nothing lands in host memory. The same limit refuses
+    the exact paged placement, whose experts do live in host memory."""
+    from pagedmoe import LLM
+    from pagedmoe.engine import startup as llm_engine
+
+    tiny = 1024 / 1024 ** 3  # 1 KiB
+    common = dict(device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="host memory limit"):
+        LLM(str(ckpt), cpu_moe=True, host_memory_gb=tiny, **common)
+    engine = LLM(str(ckpt), expert_precision=f"static-{precision}", host_memory_gb=tiny, **common).engine
+    assert engine.expert_store.host_bytes == 0 and engine.expert_store.quantized_bytes > 0
+    monkeypatch.setattr(llm_engine, "detect_host_budget_bytes", lambda: 1024)
+    engine = LLM(str(ckpt), expert_precision=f"static-{precision}", **common).engine
+    assert engine.expert_store.host_bytes == 0
+
+
 def test_table_places_a_quantized_tier():
     from pagedmoe.experts.table import ExpertKey, ExpertTable
 

@@ -13,19 +13,6 @@ openai = pytest.importorskip("openai")  # the serve extra; the GPU machine has n
 PROMPT = "def add(a, b):"
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir):
-    """The offline API on the same checkpoint: the reference for greedy outputs."""
-    from pagedmoe.llm import LLM
-
-    return LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-
-
 def greedy(ref, prompt, max_tokens, **kw):
     from pagedmoe import SamplingParams
 

@@ -1,36 +1,32 @@
-"""--gpu-memory-gb against the device (LLMEngine._clamp_to_device), with the CUDA memory queries faked:
-above the device's total it is refused, above what it can still give it is cut (with a warning), below
-it is kept."""
+"""--gpu-memory-gb against the device (engine/startup.py::clamp_to_device), with the process's memory monitor faked:
+above the device's total it is refused, above what the device can give beside other processes it is cut
+(with a warning), below it is kept."""
 import logging
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from pagedmoe.engine.llm_engine import DEVICE_RESERVE, LLMEngine
-from pagedmoe.engine.memory import GiB
+from pagedmoe.engine.startup import DEVICE_HEADROOM, clamp_to_device
+from pagedmoe.planning.kv_sizing import GiB
 
 
 @pytest.fixture
-def device(monkeypatch):
-    # 140 GiB device, 50 GiB free after loading 88 GiB of weights, 1 GiB cached but unused
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * GiB, 140 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 89 * GiB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 88 * GiB)
-    return SimpleNamespace(device=torch.device("cuda", 0))
+def engine():
+    # a 140 GiB device of which other processes hold 10 GiB
+    return SimpleNamespace(memory=SimpleNamespace(total_bytes=140 * GiB, others_bytes=10 * GiB))
 
 
-def test_budget_above_the_device_is_refused(device):
+def test_budget_above_the_device_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds this device's 140.00 GiB"):
-        LLMEngine._clamp_to_device(device, 141 * GiB, 88 * GiB)
+        clamp_to_device(engine.memory, 141 * GiB)
 
 
-def test_budget_above_what_is_left_is_cut(device, caplog):
+def test_budget_above_what_is_left_is_cut(engine, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedmoe"):
-        got = LLMEngine._clamp_to_device(device, 139 * GiB, 88 * GiB)
-    assert got == 88 * GiB + 50 * GiB + 1 * GiB - DEVICE_RESERVE
-    assert "is more than this device can give" in caplog.text
+        got = clamp_to_device(engine.memory, 139 * GiB)
+    assert got == 130 * GiB - DEVICE_HEADROOM
+    assert "is more than this device can give" in caplog.text and "other processes hold 10.00" in caplog.text
 
 
-def test_budget_that_fits_is_kept(device):
-    assert LLMEngine._clamp_to_device(device, 100 * GiB, 88 * GiB) == 100 * GiB
+def test_budget_that_fits_is_kept(engine):
+    assert clamp_to_device(engine.memory, 100 * GiB) == 100 * GiB

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmoe.experts.controller import DynamicPrecisionManager, Watermarks
+from pagedmoe.experts.dynamic.controller import Watermarks
+from pagedmoe.experts.dynamic.manager import DynamicPrecisionManager
 from pagedmoe.kvcache.block_pool import BlockPool, KVCacheManager
 
 BYTES = {"bf16": 100, "fp8": 52, "int8": 52, "int4": 28}
@@ -181,7 +182,7 @@ def test_precision_metrics_exported():
 # -- the vectorised ranking against the per-Move reference ---------------------------------------------
 def _ref_demote(ctl, need_bytes, last_access):
     """PressureController.demote as first written: a Move per expert, sorted by demote_rank."""
-    from pagedmoe.experts.precision import EXACT
+    from pagedmoe.experts.dynamic.precision import EXACT
 
     pol = ctl.policy
     cands = [m for k, p in ctl.assignment.items() if (m := pol.demotion(k, p)) is not None]
@@ -201,7 +202,7 @@ def _ref_demote(ctl, need_bytes, last_access):
 
 
 def _ref_promote(ctl, room_bytes, last_access):
-    from pagedmoe.experts.precision import EXACT
+    from pagedmoe.experts.dynamic.precision import EXACT
 
     pol = ctl.policy
     cands = [m for k, p in ctl.assignment.items() if (m := pol.promotion(k, p)) is not None]
@@ -224,8 +225,8 @@ def test_vectorised_selection_matches_reference(seed):
     byte caps and needs; over several rounds of applied moves, re-measured errors and new activity."""
     import random
 
-    from pagedmoe.experts.controller import PressureController
-    from pagedmoe.experts.precision import PrecisionPolicy, QualityCosts
+    from pagedmoe.experts.dynamic.controller import PressureController
+    from pagedmoe.experts.dynamic.precision import PrecisionPolicy, QualityCosts
 
     rng = random.Random(seed)
     L, E = rng.choice([(1, 5), (2, 8), (3, 17)])
@@ -262,3 +263,52 @@ def test_vectorised_selection_matches_reference(seed):
             ctl.costs_changed([k])
         if rng.random() < 0.5:
             costs.update_activity(activity())
+
+
+class LayerByLayerRuntime(FakeRuntime):
+    """Like DynamicExperts: the manager builds one layer at a time and waits for it. Records the largest
+    transient: every published version plus the layer being built (its old version is still published)."""
+    layer_by_layer = True
+
+    def __init__(self, **kw):
+        super().__init__(async_builds=True, **kw)
+        self.layers_built, self.peak_bytes = [], 0
+
+    def build(self, changes):
+        layers = {l for l, _ in changes}
+        assert len(layers) == 1, "one layer per build"
+        layer = layers.pop()
+        super().build(changes)
+        new = {k: changes.get(k, p) for k, p in self.published.items() if k[0] == layer}
+        self.peak_bytes = max(self.peak_bytes, self.device_bytes + sum(BYTES[p] for p in new.values()))
+        self.layers_built.append(layer)
+
+    def wait(self):
+        self.done = True
+
+
+def test_layer_by_layer_builds_land_in_the_same_tick_with_one_layer_of_transient():
+    """The moves of one tick land in that tick (as many steps as one build of every layer: the cap 979f178
+    reverted left later layers to later ticks), built one layer after another, so a build holds at most one
+    layer's new version beside the published ones."""
+    results = []
+    for runtime in (FakeRuntime(), LayerByLayerRuntime()):
+        kv = KVCacheManager(200, 16)
+        mgr = DynamicPrecisionManager(runtime, kv, 10, 0.1, 0.5, "int4")
+        kv.allocate("r", (200 - 58 - 5) * 16)      # free 5 < low 20: demote, across both layers
+        moves = mgr.tick()
+        check_invariant(kv, mgr)
+        results.append((sorted(m.key for m in moves), dict(mgr.assignment), mgr.withheld, mgr._pending))
+    assert results[0] == results[1] and results[1][0] and not results[1][3]
+    rt = runtime
+    assert sorted(set(rt.layers_built)) == sorted({k[0] for k in results[1][0]}) == [0, 1]
+    one_layer = rt.num_experts * BYTES["bf16"]
+    start = rt.num_layers * one_layer              # every expert started bf16 (200 blocks fit them)
+    assert rt.peak_bytes <= start + one_layer
+    # pressure eases: promotions in both layers, their blocks withheld before the first layer's build and
+    # kept until the last one's is published
+    kv.free("r")
+    rt.layers_built.clear()
+    moves = mgr.tick()
+    assert moves and all(m.bytes_delta > 0 for m in moves) and sorted(set(rt.layers_built)) == [0, 1]
+    check_invariant(kv, mgr)

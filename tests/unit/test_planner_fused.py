@@ -3,10 +3,11 @@
 their stored bytes. Numbers checked by hand on the Mixtral-8x7B shape."""
 import pytest
 
-from pagedmoe.engine.memory import GiB
-from pagedmoe.experts.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
-from pagedmoe.experts.placement import Placement
-from pagedmoe.experts.planner import FUSED_LOSSLESS_PLANNING_RATIO, PlanInputs, plan_memory, plan_placement
+from pagedmoe.planning.kv_sizing import GiB
+from pagedmoe.planning.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
+from pagedmoe.planning.placement import Placement
+from pagedmoe.planning.planner import PlanInputs, plan_memory, plan_placement
+from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO
 
 from test_planner import ACT, CONFIGS, EXPERT, KW, MIXTRAL
 

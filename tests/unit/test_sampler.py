@@ -114,7 +114,7 @@ def test_logprobs_top_n_and_rank():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
-                                 dict(min_p=2.0), dict(max_tokens=0), dict(logprobs=50), dict(n=2),
+                                 dict(min_p=2.0), dict(max_tokens=0), dict(logprobs=50), dict(n=0),
                                  dict(stop=[""]), dict(stop_token_ids=[-1]), dict(min_tokens=5, max_tokens=2)])
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError):

@@ -68,3 +68,11 @@ def write_json(path: Path, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(jsonable(result), indent=2) + "\n")
     return path
+
+
+def device_memory_line(rec: dict) -> str:
+    """One line for the end of a run from a DeviceMemoryMonitor.record(): the process's peak against the budget."""
+    text = f"device memory: peak {rec['peak_gib']:.2f} GiB, {rec['used_gib']:.2f} GiB at the end"
+    if rec.get("budget_gib"):
+        text += f" (budget {rec['budget_gib']:.2f} GiB: peak {100 * rec['peak_over_budget']:.1f}% of it)"
+    return text + f"; torch's peak reservation {rec['torch_peak_reserved_gib']:.2f} GiB"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Optional
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
 
@@ -29,3 +30,22 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     gen = torch.Generator().manual_seed(seed)
     low = min(10, vocab_size - 1)
     return torch.randint(low, vocab_size, (num, length), generator=gen).tolist()
+
+
+def device_memory(engine, budget_bytes: Optional[int] = None) -> dict:
+    """What the process held on the device (GiB, worker/device_memory.py): now, its peak since the engine
+    started (the driver's count, polled: CUDA context, torch's pool, VMM mappings), torch's peak reservation,
+    the start-up stages, the budget, and the KV memory lent to experts at the end."""
+    mon = getattr(engine, "memory", None)
+    if mon is None:
+        return {}
+    import torch
+
+    from pagedmoe.planning.kv_sizing import GiB
+
+    torch.cuda.synchronize(engine.device)
+    out = mon.record(budget_bytes or engine.plan.budget_bytes)
+    kv = engine.runner.kv_backing
+    if kv is not None:
+        out["kv_lent_to_experts_at_end_gib"] = kv.lent_bytes / GiB
+    return out

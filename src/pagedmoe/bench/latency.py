@@ -5,8 +5,8 @@ import statistics
 import time
 from pathlib import Path
 
-from pagedmoe.bench.common import environment, write_json
-from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, random_prompts
+from pagedmoe.bench.common import device_memory_line, environment, write_json
+from pagedmoe.bench.engine_args import add_offline_bench_args, device_memory, make_engine, random_prompts
 from pagedmoe.bench.roofline import H200_HBM_BYTES_PER_S, decode_step_bytes, measure_hbm_bandwidth
 
 
@@ -28,11 +28,13 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         raise ValueError(f"--batch-size {batch_size} exceeds --max-num-seqs {engine.config.max_num_seqs}")
     if input_len + output_len > engine.max_model_len:
         raise ValueError(f"input + output ({input_len + output_len}) exceeds max_model_len {engine.max_model_len}")
+    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
     prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])
     while engine.has_unfinished_requests():
         engine.step()
+    engine.reset_prefix_cache()
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
@@ -78,6 +80,10 @@ def run(args) -> int:
               f"HBM floor {r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
               f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
               f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
+    memory = device_memory(engine)
+    if memory:
+        print(device_memory_line(memory))
     if args.output_json:
-        write_json(Path(args.output_json), {"results": results, "config": config, **environment()})
+        write_json(Path(args.output_json), {"results": results, "device_memory": memory, "config": config,
+                                            **environment()})
     return 0

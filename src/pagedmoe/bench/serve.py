@@ -1,6 +1,7 @@
 """`pagedmoe bench serve`: load an OpenAI-compatible server the way vLLM's `bench serve` does.
 
-Random-token prompts (sent as token-id lists, so input lengths are exact), `ignore_eos` so output
+Random-token prompts (sent as token-id lists, so input lengths are exact; `--random-prefix-len` starts
+them all with one shared prefix, for prefix caching), `ignore_eos` so output
 lengths are exact, streaming to time TTFT and inter-token latency, Poisson arrivals
 (`--request-rate`, gamma with `--burstiness`) and an optional cap on requests in flight
 (`--max-concurrency`). Prints vLLM's "Serving Benchmark Result" block; `--save-result` writes JSON.
@@ -41,6 +42,9 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-prefix-len", "--shared-prefix-len", dest="random_prefix_len", type=int, default=0,
+                   help="every prompt starts with the same N random tokens (a shared system prompt), before "
+                        "its own --random-input-len ones (vLLM's --random-prefix-len)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
     p.add_argument("--random-vocab-size", type=int, default=None,
@@ -71,12 +75,15 @@ def _lengths(rng, mean: int, ratio: float, n: int) -> np.ndarray:
     return rng.integers(low, high + 1, size=n)
 
 
-def random_requests(n: int, input_len: int, output_len: int, ratio: float, vocab_size: int, seed: int
-                    ) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request, reproducible from the seed."""
+def random_requests(n: int, input_len: int, output_len: int, ratio: float, vocab_size: int, seed: int,
+                    prefix_len: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request, reproducible from the seed; with `prefix_len` every
+    prompt starts with the same prefix_len tokens (the rest as without it)."""
     rng = np.random.default_rng(seed)
     ins, outs = _lengths(rng, input_len, ratio, n), _lengths(rng, output_len, ratio, n)
-    return [(rng.integers(0, vocab_size, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+    own = [(rng.integers(0, vocab_size, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist() if prefix_len else []
+    return [(prefix + p, o) for p, o in own]
 
 
 def _vocab_size(args, model_root: Optional[str]) -> int:
@@ -229,12 +236,40 @@ def _server_models(base_url: str, api_key: Optional[str]) -> list[dict]:
         raise ValueError(f"cannot list the models at {base_url}/v1/models: {e}") from None
 
 
+_MEMORY_GAUGES = {"device_memory_used_bytes": "used_gib", "device_memory_peak_bytes": "peak_gib",
+                  "gpu_memory_budget_bytes": "budget_gib"}
+
+
+def server_device_memory(base_url: str, api_key: Optional[str]) -> dict:
+    """The server's device memory (GiB) from its /metrics gauges (a pagedmoe server on CUDA); {} when it
+    exports none (another server, CPU) or cannot be read."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        name, _, rest = line.partition("{")
+        key = _MEMORY_GAUGES.get(name.removeprefix("pagedmoe:"))
+        if key and name.startswith("pagedmoe:"):
+            out[key] = float(rest.rsplit(" ", 1)[-1]) / 2 ** 30
+    if out.get("budget_gib") and "peak_gib" in out:
+        out["peak_over_budget"] = out["peak_gib"] / out["budget_gib"]
+    return out
+
+
 def run_bench_serve(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     if args.endpoint.rstrip("/").endswith("chat/completions"):
         raise ValueError("bench serve sends token-id prompts, which only /v1/completions takes")
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if args.random_prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError("--random-range-ratio must be in [0, 1)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -248,13 +283,19 @@ def run_bench_serve(args) -> int:
         raise ValueError(f"{base_url} lists no models; pass --model")
     info = next((m for m in served if m.get("id") == model), {})
     requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, _vocab_size(args, info.get("root")), args.seed)
+                               args.random_range_ratio, _vocab_size(args, info.get("root")), args.seed,
+                               args.random_prefix_len)
     max_len = info.get("max_model_len")
     longest = max(len(p) + o for p, o in requests)
     if max_len and longest > max_len:
         raise ValueError(f"prompt + output up to {longest} tokens exceeds the server's max_model_len {max_len}")
 
     metrics = asyncio.run(benchmark(args, base_url, model, requests))
+    memory = server_device_memory(base_url, args.api_key)
+    if memory:
+        metrics["server_device_memory"] = memory
+        print(f"Server device memory: peak {memory['peak_gib']:.2f} GiB, {memory['used_gib']:.2f} GiB now "
+              f"(budget {memory['budget_gib']:.2f} GiB: peak {100 * memory['peak_over_budget']:.1f}% of it)")
     if args.save_result or args.result_file:
         env = environment("httpx")
         result = {**env, "backend": args.backend, "label": args.label, "model_id": model,

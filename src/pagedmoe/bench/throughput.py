@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pagedmoe.bench.common import environment, write_json
-from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, random_prompts
+from pagedmoe.bench.common import device_memory_line, environment, write_json
+from pagedmoe.bench.engine_args import add_offline_bench_args, device_memory, make_engine, random_prompts
 
 
 def register(sub) -> None:
@@ -33,10 +33,11 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
 
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
     prompts = random_prompts(num_prompts, input_len, engine.model.dims.vocab_size, seed)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             output_kind="final_only")
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     stats_before = engine.get_stats()
     experts_before = engine.expert_stats()
     start = time.perf_counter()
@@ -91,6 +92,7 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
     projection errs low."""
     from pagedmoe.sampling_params import SamplingParams
 
+    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
     if input_len < 1 or output_len < 1 or decode_steps < 1:
         raise ValueError("--input-len, --output-len and --steady-decode-steps must be >= 1")
     c, block = engine.config, engine.config.block_size
@@ -104,7 +106,7 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
     if prompt_len < 1:
         raise ValueError(f"--steady-decode-steps {decode_steps} leaves no prompt: input + output must exceed "
                          f"the window plus {fill_steps} fill steps")
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             output_kind="final_only")
     before = engine.get_stats()
@@ -180,7 +182,7 @@ def _timed_eager_steps(engine, steps: int) -> dict:
             "overlap_fraction": 1.0 - wait_s / copy_s if copy_s > 0 else None}
 
 
-def _warm_up(engine, input_len: int) -> None:
+def warm_up(engine, input_len: int) -> None:
     """One short request, so kernel compilation stays out of the timing."""
     from pagedmoe.sampling_params import SamplingParams
 
@@ -188,6 +190,7 @@ def _warm_up(engine, input_len: int) -> None:
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompt)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.reset_prefix_cache()  # the next warm-up (bench sweep runs two) and the measured run compute in full
 
 
 def run(args) -> int:
@@ -204,8 +207,11 @@ def run(args) -> int:
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     if r.get("expert_traffic_summary"):
         print(r["expert_traffic_summary"])
+    memory = device_memory(engine)
+    if memory:
+        print(device_memory_line(memory))
     if args.output_json:
-        write_json(Path(args.output_json), {**r, "config": {**config, "num_prompts": args.num_prompts,
+        write_json(Path(args.output_json), {**r, "device_memory": memory, "config": {**config, "num_prompts": args.num_prompts,
                                                             "input_len": args.input_len,
                                                             "output_len": args.output_len},
                                             **environment()})

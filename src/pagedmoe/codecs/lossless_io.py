@@ -98,7 +98,7 @@ def _tiled_from_file(f, name: str, h: dict) -> "tiled.TiledTensor":
     return tt
 
 
-def _from_file(f, name: str, h: dict, version: int = FORMAT_VERSION):
+def read_tensor_file(f, name: str, h: dict, version: int = FORMAT_VERSION):
     """One compressed tensor of an open file, its arrays checked and its crc32s verified."""
     if version == tiled.FORMAT_VERSION:
         return _tiled_from_file(f, name, h)
@@ -156,7 +156,7 @@ def load_compressed(path: str, device: str | torch.device = "cpu", names: list[s
             raise CorruptCheckpointError(f"{path}: lossless metadata is not JSON ({e})") from e
         version = check_version(path, info, versions)
         headers = info["tensors"]
-        compressed = {n: _from_file(f, n, h, version) for n, h in headers.items() if names is None or n in names}
+        compressed = {n: read_tensor_file(f, n, h, version) for n, h in headers.items() if names is None or n in names}
         plain = {k: f.get_tensor(k) for k in f.keys() if SUFFIX not in k}
     dev = torch.device(device)
     if dev.type != "cpu":

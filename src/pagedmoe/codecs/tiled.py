@@ -54,7 +54,7 @@ class TiledTensor:
     escapes: torch.Tensor         # int32 [num_escapes]
     raw: torch.Tensor             # uint8 [numel]
     checksums: tuple[int, ...] = ()
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     version = FORMAT_VERSION
 

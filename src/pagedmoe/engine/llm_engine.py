@@ -1,6 +1,10 @@
-"""The engine: requests in, one step at a time (schedule -> execute -> update), outputs out."""
+"""The engine: requests in, one step at a time (schedule -> execute -> update), outputs out.
+
+Start-up (config -> ExpertPlan -> model with its experts -> KV cache -> runner) is engine/startup.py.
+"""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -8,117 +12,66 @@ from typing import Optional, Union
 
 import torch
 
-from pagedmoe.config import EngineConfig, resolve_model
-from pagedmoe.engine.memory import GiB, detect_host_budget_bytes, estimate_activation_bytes, plan_memory
-from pagedmoe.experts.activity import ActivityTable
-from pagedmoe.experts.vmm import available as vmm_available
+from pagedmoe.config import EngineConfig
+from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
-from pagedmoe.engine.scheduler import Scheduler
-from pagedmoe.kvcache.block_pool import KVCacheManager
-from pagedmoe.kvcache.kv_cache import kv_bytes_per_block
-from pagedmoe.models.loader import CheckpointError, get_model, load_hf_config, resolve_dtype
+from pagedmoe.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedmoe.engine.startup import pick_device, start_engine
+from pagedmoe.experts.dynamic.start import save_expert_stats
+from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
-from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
-# Device memory a --gpu-memory-gb budget cannot have: CUDA context, cuBLAS/Triton workspaces, graph pools.
-DEVICE_RESERVE = 2 * GiB
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    return torch.device(name)
+def _name_oom_at_start(init):
+    """LLMEngine.__init__: running out of device memory while starting says what was being built (the loader,
+    the KV cache, graph capture name it: pagedmoe/oom.py) and the budget, never a corrupt checkpoint."""
+    @functools.wraps(init)
+    def wrapper(self, config: EngineConfig) -> None:
+        try:
+            init(self, config)
+        except DeviceOutOfMemoryError as e:
+            raise e.with_budget(budget_text(config.gpu_memory_gb, _device_of(config))) from e
+        except torch.OutOfMemoryError as e:
+            raise DeviceOutOfMemoryError("starting the engine", None, budget_text(
+                config.gpu_memory_gb, _device_of(config))) from e
+    return wrapper
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _load_tokenizer(path: str, load_format: str):
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    has_files = any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+def _device_of(config: EngineConfig) -> torch.device:
+    """The device start-up picked (it ran out of memory there, so picking it again succeeds)."""
     try:
-        if not has_files:
-            # transformers may build an empty tokenizer from config.json alone: treat it as none.
-            raise FileNotFoundError("no tokenizer files")
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        if load_format == "dummy":
-            # Shape-only benchmark folders (a config.json) need no tokenizer: prompts are token ids.
-            logger.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
-            return None
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
+        return pick_device(config.device)
+    except ValueError:
+        return torch.device("cpu")
 
 
 class LLMEngine:
+    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # turn this off: a run with failed requests measures nothing, so their OOM propagates.
+    survive_step_oom = True
+
+    @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.hf_config = load_hf_config(self.model_path)
-        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path, config.load_format)
-        self.device = _pick_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
-        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
-        if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_pos}")
-        self.max_model_len = config.max_model_len or max_pos
-        if not self.max_model_len:
-            raise ValueError("the config has no max_position_embeddings; pass max_model_len")
-        self.served_model_name = config.served_model_name or self.model_path.rstrip("/").split("/")[-1]
-        self.placement_plan = None
-
-        t0 = time.perf_counter()
-        dynamic = config.expert_precision == "dynamic"
-        # --host-compression auto is settled by the planner in _resolve_placement
-        self.host_compression = "none" if config.host_compression == "auto" else config.host_compression
-        placement, num_gpu_experts, num_compressed = self._resolve_placement()
-        self.quantized_gemm = config.resolved_quantized_gemm(self.device.type)
-        self.model = get_model(self.model_path, self.hf_config, config.load_format, self.max_model_len,
-                               self.device, self.dtype, config.seed, placement, num_gpu_experts,
-                               "plain" if dynamic else config.expert_buffers, num_compressed,
-                               quantized_precision=config.quantized_precision(),
-                               host_compression=self.host_compression,
-                               quantized_gemm=self.quantized_gemm)
-        self.expert_store = self.model.expert_store
-        if dynamic:  # before sizing the KV cache: it is sized around the experts' floor
-            # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
-            self.expert_store.enable_dynamic(config.min_expert_precision or "int4",
-                                             lossless=self.quantized_gemm != "direct")
-        self.pager = self.model.pager
-        self.activity = ActivityTable(len(self.model.moe_layers()), self.model.dims.num_experts, self.device)
-        self.activity.attach(self.model)
-        self.plan = self._plan_memory()
-        store = self.expert_store
-        logger.info("loaded %s (%s, %s) in %.1f s; %s", self.served_model_name, self.device, self.dtype,
-                    time.perf_counter() - t0, self.plan.summary())
-        logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
-                    "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", placement, store.resident_bytes / GiB,
-                    store.compressed_bytes / GiB, store.quantized_bytes / GiB, config.expert_precision,
-                    store.host_bytes / GiB, store.buffer_bytes / GiB)
-        self.kv = KVCacheManager(self.plan.num_kv_blocks, config.block_size)
-        self.runner = ModelRunner(self.model, self.plan.num_kv_blocks, config.block_size, self.device,
-                                  self.dtype, config.attention_backend, config.moe_backend,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  # MLA runs a PyTorch path that reads host copies of the
-                                  # sequence lengths: not capturable in a CUDA graph.
-                                  enforce_eager=config.enforce_eager or self.model.dims.mla is not None
-                                  or dynamic,  # dynamic precision: graphs would bake old expert versions
-                                  lendable_kv=dynamic and vmm_available(self.device))
-        self.kv.backing = self.runner.kv_backing   # blocks lent to experts give their memory back
-        if dynamic and self.device.type == "cuda" and self.kv.backing is None:
-            logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
-                           "their memory, so the GPU holds up to the budget plus the experts' bytes above "
-                           "--min-expert-precision")
-        self.activity.reset()  # CUDA-graph capture warm-ups routed tokens too
-        self._start_expert_precision(config)
+        parts = start_engine(config)
+        self.model_path, self.hf_config, self.tokenizer = parts.model_path, parts.hf_config, parts.tokenizer
+        self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
+        self.served_model_name = parts.served_model_name
+        self.expert_plan = parts.expert_plan
+        self.placement_plan = parts.expert_plan.placement_plan   # the planner's, when it chose the placement
+        self.host_compression = parts.expert_plan.host_compression
+        self.quantized_gemm = parts.expert_plan.quantized_gemm
+        self.model, self.activity, self.plan = parts.model, parts.activity, parts.plan
+        self.expert_store, self.pager = self.model.expert_store, self.model.pager
+        self.kv, self.runner, self.precision = parts.kv, parts.runner, parts.precision
+        self.memory = parts.memory   # the process's device memory (worker/device_memory.py); None off CUDA
+        if config.expert_stats:
+            self._stats_saver = weakref.finalize(self, save_expert_stats, config.expert_stats, self.activity,
+                                                 self.precision)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
@@ -131,185 +84,6 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _start_expert_precision(self, config) -> None:
-        from pagedmoe.experts.manager import load_expert_stats, save_expert_stats, start_dynamic_precision
-
-        stats = load_expert_stats(config.expert_stats, self.activity)
-        self.precision = None
-        if self.expert_store.dynamic is not None:
-            self.precision = start_dynamic_precision(config, self.expert_store, self.kv, self.plan.kv_bytes_per_block,
-                                                     -(-self.max_model_len // config.block_size), self.activity,
-                                                     stats)
-        if config.expert_stats:
-            self._stats_saver = weakref.finalize(self, save_expert_stats, config.expert_stats, self.activity,
-                                                 self.precision)
-
-    # -- memory ----------------------------------------------------------------------------------
-    def _resolve_placement(self) -> tuple[str, Optional[list[int]], Optional[list[int]]]:
-        """(resident|paged, resident experts per MoE layer, compressed experts per MoE layer). Flags
-        decide when they fix it (a static --expert-precision pages every expert: all quantized); otherwise
-        the planner (experts/planner.py) picks the placement with the best modelled throughput (with the
-        lossless compressed tier among its choices only under --expert-compression lossless)."""
-        from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
-        from pagedmoe.experts.model_shape import ModelShape
-        from pagedmoe.experts.planner import plan_memory as plan_placement_memory
-        from pagedmoe.models.registry import spec_builder
-
-        c = self.config
-        placement, n = c.placement()
-        dims, spec = spec_builder(self.hf_config)(self.hf_config)
-        num_moe = dims.num_layers - len(spec.dense_layers)
-        lossless = c.expert_compression == "lossless" or bool(c.num_compressed_experts)
-        if lossless and self.dtype != torch.bfloat16:
-            raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {self.dtype} "
-                             "(use --dtype bfloat16)")
-        if n is not None:
-            if n > dims.num_experts:
-                raise ValueError(f"--num-gpu-experts {n} exceeds the model's {dims.num_experts} experts per layer")
-            comp = c.num_compressed_experts or 0
-            if n + comp > dims.num_experts:
-                raise ValueError(f"--num-gpu-experts {n} + --num-compressed-experts {comp} exceeds the model's "
-                                 f"{dims.num_experts} experts per layer")
-            self._check_fixed_host_tier(dims, spec, n, comp)
-            return "paged", [n] * num_moe, [comp] * num_moe
-        if placement == "resident":
-            return "resident", None, None
-        budget = self._planning_budget(dims)
-        if budget is None:  # CPU without a budget: nothing to trade
-            if c.expert_compression != "none":
-                raise ValueError(f"--expert-compression {c.expert_compression} lets the planner trade memory for "
-                                 "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
-                                 "(give --num-compressed-experts)")
-            return ("resident", None, None) if placement == "auto" else ("paged", [0] * num_moe, None)
-        dtype_bytes = self.dtype.itemsize
-        shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
-        act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
-                                        dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
-        buffers = ("plain" if self.device.type != "cuda" or c.expert_buffers == "plain"
-                   else "vmm-ring" if c.expert_buffers == "vmm-ring" else "vmm")
-        ratio = LOSSLESS_PLANNING_RATIO if c.expert_compression == "lossless" else None
-        host_modes = (["none", "lossless"] if c.host_compression == "auto" and self.dtype == torch.bfloat16
-                      else [self.host_compression])
-        host_budget = self._host_budget()
-        plans, errors = {}, []
-        for mode in host_modes:
-            try:
-                plans[mode] = plan_placement_memory(
-                    shape, budget, act, placement, None, max_model_len=self.max_model_len, block_size=c.block_size,
-                    max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, buffers=buffers,
-                    compression_ratio=ratio,
-                    host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
-                    host_budget_bytes=host_budget)
-            except ValueError as e:  # PlacementBudgetError: this mode does not fit
-                errors.append(e)
-        if not plans:
-            raise errors[0]
-        # auto: the compressed host tier only when it models faster (it only matters for paged plans)
-        self.host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
-        plan = plans[self.host_compression]
-        self.placement_plan = plan
-        logger.info("placement plan: %s", plan.summary())
-        per_layer = list(plan.placement.num_gpu_experts)
-        comp = list(plan.placement.num_compressed_experts)
-        if all(k == dims.num_experts for k in per_layer):
-            if c.host_compression == "lossless":
-                raise ValueError("--host-compression lossless cannot take effect: at this budget the planner "
-                                 "keeps every expert resident, so nothing streams from the host (page anyway "
-                                 "with --expert-placement paged, or use --host-compression auto)")
-            self.host_compression = "none"
-            return "resident", None, None
-        return "paged", per_layer, comp if any(comp) else None
-
-    def _check_fixed_host_tier(self, dims, spec, num_gpu: int, num_comp: int) -> None:
-        """A placement fixed by the flags (--num-gpu-experts, --cpu-moe) skips the planner's search, not its
-        host limit: refuse it before pinning more host memory than the machine has."""
-        from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
-        from pagedmoe.experts.model_shape import ModelShape
-        from pagedmoe.experts.placement import Placement
-        from pagedmoe.experts.planner import host_tier_bytes
-
-        num_moe = dims.num_layers - len(spec.dense_layers)
-        num_host = (dims.num_experts - num_gpu - num_comp) * num_moe
-        limit = self._host_budget() if num_host > 0 else None
-        if limit is None:
-            return
-        shape = ModelShape.from_model_dims(dims, spec, self.dtype.itemsize)
-        placement = Placement.uniform(num_moe, dims.num_experts, num_gpu, num_comp,
-                                      LOSSLESS_PLANNING_RATIO if num_comp else 0.0)
-        buffers = "plain" if self.device.type != "cuda" or self.config.expert_buffers == "plain" else "vmm"
-        need = host_tier_bytes(shape, placement, buffers,
-                               LOSSLESS_PLANNING_RATIO if self.host_compression == "lossless" else 0.0)
-        if need > limit:
-            raise ValueError(f"the host tier of this placement ({num_host} experts, {need / GiB:.2f} GiB) does not "
-                             f"fit the host memory limit of {limit / GiB:.2f} GiB: keep more experts on the GPU "
-                             "(--num-gpu-experts, --num-compressed-experts), hold the host tier compressed "
-                             "(--host-compression lossless), or raise --host-memory-gb")
-
-    def _host_budget(self) -> Optional[int]:
-        """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
-        available at start-up less a reserve (engine/memory.py); None: unbounded."""
-        if self.config.host_memory_gb is not None:
-            return int(self.config.host_memory_gb * GiB)
-        budget = detect_host_budget_bytes()
-        if budget is None:
-            logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
-        else:
-            logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
-                        budget / GiB)
-        return budget
-
-    def _planning_budget(self, dims) -> Optional[int]:
-        if self.config.gpu_memory_gb is not None:
-            return int(self.config.gpu_memory_gb * GiB)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
-        return None
-
-    def _plan_memory(self):
-        c, dims = self.config, self.model.dims
-        weight_bytes = (sum(p.numel() * p.element_size() for p in self.model.parameters())
-                        + self.model.expert_store.device_bytes)
-        per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size,
-                                       self.dtype)
-        blocks_per_seq = -(-self.max_model_len // c.block_size)
-        useful = c.max_num_seqs * blocks_per_seq
-        act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
-                                        dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
-                                        self.dtype.itemsize)
-        if c.num_kv_blocks is not None:
-            budget = weight_bytes + act + c.num_kv_blocks * per_block
-            return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len,
-                               c.num_kv_blocks)
-        if c.gpu_memory_gb is not None:
-            budget = int(c.gpu_memory_gb * GiB)
-            if self.device.type == "cuda":
-                budget = self._clamp_to_device(budget, weight_bytes)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = weight_bytes + int(free * 0.9)
-        else:
-            # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
-            useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
-            budget = weight_bytes + act + useful * per_block
-        return plan_memory(budget, weight_bytes, act, per_block, c.block_size, self.max_model_len, useful)
-
-    def _clamp_to_device(self, budget: int, weight_bytes: int) -> int:
-        """A budget above the device's memory is refused. One above what the device can still give (its total
-        less the CUDA context, cuBLAS workspaces and graph pools: DEVICE_RESERVE) would run out of memory
-        mid-run: use what there is, and say so."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        if budget > total:
-            raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        available = weight_bytes + free + cached - DEVICE_RESERVE
-        if budget > available:
-            logger.warning("--gpu-memory-gb %.2f is more than this device can give after loading (%.2f GiB with "
-                           "%.2f GiB kept for the CUDA context and workspaces): planning the KV cache for %.2f GiB",
-                           budget / GiB, available / GiB, DEVICE_RESERVE / GiB, available / GiB)
-            return available
-        return budget
-
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                     prompt_token_ids: Optional[list[int]] = None) -> Request:
@@ -318,6 +92,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request: give each of n samples its own request "
+                             "(SamplingParams.for_sample; LLM.generate and the server do)")
+        if params.logit_bias and max(params.logit_bias) >= self.model.dims.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model.dims.vocab_size}")
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -357,6 +136,10 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (vLLM's name): later requests compute every token again."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -368,11 +151,41 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        logits, rows = self.runner.execute(sched, self.kv)
         try:
-            return self._finish_step(sched, logits, rows)
-        finally:
-            self._record_step_time(sched, time.perf_counter() - t0)
+            logits, rows = self.runner.execute(sched, self.kv)
+            try:
+                return self._finish_step(sched, logits, rows)
+            finally:
+                self._record_step_time(sched, time.perf_counter() - t0)
+        except torch.OutOfMemoryError:
+            if not self.survive_step_oom:
+                raise
+            # failed below, once the traceback (and the step's tensors it holds) is gone
+        return self._fail_step(sched)
+
+    def _fail_step(self, sched) -> list[RequestOutput]:
+        """Out of device memory inside a step: the step's requests finish with status "error" and the reason,
+        their KV blocks are freed, and the engine serves on (the next step allocates afresh; the memory the
+        failed one held is back in torch's pool)."""
+        n, tokens = len(sched.scheduled), sched.num_batched_tokens
+        what = f"running a step of {n} request{'s' * (n != 1)} ({tokens} token{'s' * (tokens != 1)})"
+        error = (f"{DeviceOutOfMemoryError(what)}, "
+                 f"{budget_text(self.config.gpu_memory_gb, self.device)}: the step's requests failed (lower "
+                 "--max-num-batched-tokens / --max-num-seqs, or raise --gpu-memory-gb)")
+        logger.error("%s", error)
+        if self.pager is not None:
+            self.pager.abort_step()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        now, outputs = time.monotonic(), []
+        for s in sched.scheduled:
+            request = s.request
+            request.error, request.finish_time = error, now
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            self.requests.pop(request.request_id, None)
+            self._generators.pop(request.request_id, None)
+            outputs.append(self.outputs.make_output(request))
+        return outputs
 
     def _record_step_time(self, sched, seconds: float) -> None:
         st = self.step_time
@@ -393,8 +206,11 @@ class LLMEngine:
             return []
         sampling = [sched.scheduled[r].request for r in rows]
         logits = self.outputs.mask_min_tokens(logits, sampling)
-        sample = self.sampler.sample(logits, [r.params for r in sampling],
-                                     [self._generators.get(r.request_id) for r in sampling])
+        params = [r.params for r in sampling]
+        histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+                     if any(p.penalised for p in params) else None)
+        sample = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in sampling],
+                                     histories)
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
         results = []
@@ -416,9 +232,6 @@ class LLMEngine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [n, V] (float32, on the host) at every position of one sequence, for evaluation.
         Runs alone, outside the scheduler: call it only while no requests are running."""
-        from pagedmoe.engine.request import Request
-        from pagedmoe.engine.scheduler import ScheduledRequest, SchedulerOutput
-
         if self.has_unfinished_requests():
             raise RuntimeError("score() needs an idle engine")
         if not 0 < len(token_ids) <= self.max_model_len:
@@ -444,46 +257,30 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks,
             "num_free_kv_blocks": self.kv.num_free_blocks,
             "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "prefix_cache_queries_total": self.kv.prefix_cache_queries,
+            "prefix_cache_hits_total": self.kv.prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps,
             **{f"step_{k}": v for k, v in self.step_time.items()},
             **self.expert_stats(),
+            **self.device_memory_stats(),
         }
 
+    def device_memory_stats(self) -> dict:
+        """The process's device memory now and at its peak since start-up, beside the budget (bytes; the
+        driver's count: worker/device_memory.py). Empty off CUDA."""
+        if self.memory is None:
+            return {}
+        return {"device_memory_used_bytes": self.memory.used_bytes(),
+                "device_memory_peak_bytes": self.memory.peak_bytes, "gpu_memory_budget_bytes": self.plan.budget_bytes}
+
     def expert_traffic_summary(self, since: Optional[dict] = None) -> Optional[str]:
-        """One line on the pager's work (since the `expert_stats()` snapshot `since`): bytes host->device in
-        all and per step, copy time, time compute waited for experts, the share of copying hidden behind
-        compute. None when nothing is paged. Copy and wait times come from CUDA events of eager steps
-        (graph replays are counted in bytes only)."""
+        """One line on the pager's work since the `expert_stats()` snapshot `since` (engine/expert_stats.py);
+        None when nothing is paged."""
         if self.pager is None:
             return None
-        now = self.expert_stats()
-        d = {k: now[k] - (since or {}).get(k, 0) for k in ("expert_bytes_h2d", "expert_bytes_decoded",
-                                                            "expert_copy_s", "expert_wait_s", "expert_steps")}
-        steps = max(1, d["expert_steps"])
-        text = (f"expert paging: {d['expert_bytes_h2d'] / 1e9:.2f} GB host->device over {d['expert_steps']} steps "
-                f"({d['expert_bytes_h2d'] / steps / 1e9:.3f} GB/step)")
-        if d["expert_bytes_decoded"]:
-            text += f", {d['expert_bytes_decoded'] / 1e9:.2f} GB decoded"
-        if d["expert_copy_s"] > 0:
-            hidden = 1.0 - d["expert_wait_s"] / d["expert_copy_s"]
-            text += (f"; copy stream busy {d['expert_copy_s']:.2f} s "
-                     f"({d['expert_bytes_h2d'] / d['expert_copy_s'] / 1e9:.1f} GB/s), compute waited "
-                     f"{d['expert_wait_s']:.2f} s, {100 * max(0.0, hidden):.0f}% of copying hidden")
-        elif self.device.type == "cuda":
-            text += "; copy time not timed (CUDA-graph replays)"
-        return text
+        return traffic_summary(self.expert_stats(), since, self.device.type == "cuda")
 
     def expert_stats(self) -> dict:
-        store = self.expert_store
-        out = {"expert_placement": "paged" if store.paged else "resident",
-               "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
-               "expert_resident_bytes": store.resident_bytes, "expert_compressed_bytes": store.compressed_bytes,
-               "expert_quantized_bytes": store.quantized_bytes, "expert_host_bytes": store.host_bytes,
-               "expert_buffer_bytes": store.buffer_bytes}
-        if self.pager is not None:
-            out.update({f"expert_{k}": v for k, v in self.pager.stats.as_dict().items()})
-        if self.precision is not None:
-            out.update(self.precision.as_dict())
-        return out
+        return expert_stats(self.expert_store, self.pager, self.precision)

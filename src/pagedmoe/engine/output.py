@@ -155,4 +155,5 @@ class OutputProcessor:
             finished=request.is_finished,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
                      "finish_time": request.finish_time, "num_preemptions": request.num_preemptions},
+            error=request.error,
         )

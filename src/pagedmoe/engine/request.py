@@ -16,11 +16,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed its step (out of GPU memory): Request.error says why
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Request:
     detok_read: int = 0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    error: Optional[str] = None  # why the request failed (status FINISHED_ERROR)
 
     @property
     def num_prompt_tokens(self) -> int:

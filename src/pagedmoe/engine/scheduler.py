@@ -6,41 +6,21 @@ arrival order, then waiting requests first-come first-served while the token bud
 request needs a block and none is free, the most recently arrived running request is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt
 and the tokens it already generated.
+
+With prefix caching (kvcache/prefix_cache.py) a request is admitted after the longest run of cached
+blocks its tokens start with: those tokens are not computed again. A request whose next block another
+running request is computing right now waits for it (parallel samples of one prompt share it so).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
 
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int  # tokens already in the KV cache before this step
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -97,17 +77,27 @@ class Scheduler:
             idx += 1
 
         # Admit nothing new in a step that had to preempt: the cache is under pressure.
+        held_back = []
         while (not out.preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            # prefix caching: start after the blocks already cached (a waiting request has none computed)
+            cached = self.kv.find_cached(request)
+            if self.kv.waits_for(request, len(cached)):
+                held_back.append(self.waiting.popleft())  # its next block is being computed: share it
+                continue
+            start = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - start, budget)
+            if not self.kv.allocate(request.request_id, start + num_new, cached):
                 break
+            self.kv.admitted(request, len(cached))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = start
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(request, num_new, start))
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
         return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -131,3 +121,4 @@ class Scheduler:
         """Record that the scheduled tokens are now in the KV cache."""
         for s in scheduled:
             s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)

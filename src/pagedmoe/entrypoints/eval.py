@@ -106,7 +106,10 @@ def plot_expert_usage(usage: list[list[float]], path: Path, title: str) -> None:
 def run(args) -> int:
     from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.experts.activity import busiest_quarter_share
+    from pagedmoe.extras import require
 
+    if args.plot:  # before the evaluation, not after it
+        require("matplotlib", "plot", "eval --plot")
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     docs = load_documents(args.dataset or default_dataset())
     r = evaluate(engine, docs, args.context, args.max_tokens)

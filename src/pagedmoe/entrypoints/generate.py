@@ -1,25 +1,34 @@
-"""`pagedmoe generate` (one-shot prompts) and `pagedmoe chat` (interactive, chat template)."""
+"""`pagedmoe generate` (one-shot prompts) and `pagedmoe chat` (interactive, chat template); both stream
+their output (entrypoints/streaming.py) and end with prompt and generation rates on stderr."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
+from pagedmoe.engine.limits import context_length_error
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int] = 64) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most new tokens per reply" + ("" if max_tokens else
+                                                      " (default: until the model stops or the context is full)"))
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print the N most likely tokens and their logprobs after each output (and in --output-json)")
 
 
 def sampling_params_from_args(args):
@@ -27,7 +36,9 @@ def sampling_params_from_args(args):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                          ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def register(sub) -> None:
@@ -41,10 +52,13 @@ def register(sub) -> None:
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
-    c = sub.add_parser("chat", help="chat interactively (the model's chat template)")
+    c = sub.add_parser("chat", help="chat interactively (the model's chat template)",
+                       description="Chat with line editing and history (readline). Replies stream as they are "
+                                   "generated; the oldest turns are dropped (and you are told) when the "
+                                   "conversation outgrows the context.")
     c.add_argument("model", nargs="?", default=None)
     c.add_argument("--system", default=None, help="system message")
-    add_sampling_args(c)
+    add_sampling_args(c, max_tokens=None)
     add_engine_args(c)
     c.set_defaults(func=run_chat)
 
@@ -69,32 +83,84 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _check_fits(limit: int, num_prompt: int, max_tokens: Optional[int]) -> None:
+    err = context_length_error(limit, num_prompt, max_tokens)
+    if err is not None:
+        raise ValueError(err[0])  # the server's 400, word for word
+
+
 def run_generate(args) -> int:
-    from pagedmoe.llm import LLM
+    from pagedmoe.entrypoints.streaming import format_logprobs, logprobs_json, stream
+    from pagedmoe.llm import LLM, check_failed
 
     prompts = _read_prompts(args)
     params = sampling_params_from_args(args)
-    config = engine_config_from_args(args, model=args.model)
-    llm = LLM(**vars(config))
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    for out in outputs:
-        print(f"--- prompt: {out.prompt!r}")
-        print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
-        print(f"--- ({len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason})")
+    llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
+    engine = llm.engine
+    if engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer: generate takes text prompts")
+    encoded = [(p, engine.tokenizer.encode(p)) for p in prompts]
+    for _, ids in encoded:
+        _check_fits(engine.max_model_len, len(ids), params.max_tokens)
+
+    def before(i: int) -> None:
+        print(f"--- prompt: {prompts[i]!r}")
+        print(prompts[i], end="", flush=True)
+
+    def after(i: int, out) -> None:
+        c = out.outputs[0]
+        print(f"\n--- ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+        if params.logprobs is not None:
+            print(format_logprobs(out, params.logprobs))
+
+    outputs, rates = stream(engine, encoded, params, sys.stdout, before, after)
+    print(rates.line(), file=sys.stderr)
     if args.output_json:
         args.output_json.write_text(json.dumps([
-            {"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
-             "finish_reason": o.outputs[0].finish_reason} for o in outputs], indent=2))
+            {"prompt": prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+             "finish_reason": o.outputs[0].finish_reason,
+             **({"logprobs": logprobs_json(o, params.logprobs), "cumulative_logprob": o.outputs[0].cumulative_logprob}
+                if params.logprobs is not None else {})} for prompt, o in zip(prompts, outputs)], indent=2))
+    check_failed(outputs, outputs)  # what finished is printed; then the one-line error (cli.py)
     return 0
 
 
+def fit_conversation(tokenizer, history: list[dict], limit: int, reserve: int) -> tuple[Optional[list[int]], int]:
+    """The prompt ids of the conversation, its oldest turns dropped (a system message stays) until the
+    prompt leaves `reserve` tokens of the `limit`-token context. Returns (ids or None if even the last
+    message alone does not fit, number of messages dropped); drops them from `history` in place."""
+    dropped = 0
+    while True:
+        ids = list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        if len(ids) + reserve <= limit:
+            return ids, dropped
+        first = 1 if history and history[0]["role"] == "system" else 0
+        if len(history) - first <= 1:
+            return None, dropped
+        del history[first]
+        dropped += 1
+
+
 def run_chat(args) -> int:
+    from pagedmoe.entrypoints.streaming import format_logprobs, stream
     from pagedmoe.llm import LLM
 
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 - input() then edits lines and keeps a history (Up / Down)
     params = sampling_params_from_args(args)
     llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
+    engine, tok = llm.engine, llm.get_tokenizer()
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use `pagedmoe generate`")
+    limit = engine.max_model_len
     history = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    system_ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False) if history else [0]
+    _check_fits(limit, len(system_ids), params.max_tokens)  # even a first message could never fit
+    # room kept for the reply: --max-tokens, else a quarter of the context (at most 512 tokens)
+    reserve = params.max_tokens if params.max_tokens is not None else min(512, max(1, limit // 4))
+    print(f"chat: {limit}-token context; empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -103,7 +169,28 @@ def run_chat(args) -> int:
         if not line.strip():
             break
         history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        print(reply)
-        history.append({"role": "assistant", "content": reply})
+        ids, dropped = fit_conversation(tok, history, limit, reserve)
+        if dropped:
+            print(f"[context: dropped the {dropped} oldest message(s) to stay within {limit} tokens]",
+                  file=sys.stderr)
+        if ids is None:
+            print(f"[this message does not fit the {limit}-token context with {reserve} tokens left for the "
+                  f"reply; not sent]", file=sys.stderr)
+            history.pop()
+            continue
+        (out,), rates = stream(engine, [(None, ids)], params, sys.stdout)
+        c = out.outputs[0]
+        print()
+        if out.error is not None:  # out of memory in its step: say so, forget the turn, chat on
+            print(f"chat: error: {out.error}", file=sys.stderr)
+            history.pop()
+            continue
+        if c.finish_reason == "length":
+            why = ("--max-tokens" if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens
+                   else "the context is full")
+            print(f"[reply cut at {len(c.token_ids)} tokens: {why}]", file=sys.stderr)
+        if params.logprobs is not None:
+            print(format_logprobs(out, params.logprobs))
+        print(rates.line(), file=sys.stderr)
+        history.append({"role": "assistant", "content": c.text})
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,9 +19,10 @@ _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _env(flag: str, default, conv=str):
-    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win)."""
-    value = os.environ.get("PAGEDMOE_" + flag.upper())
-    return default if value is None else conv(value)
+    """PAGEDMOE_<FLAG> as the default, as for the engine flags (flags win; a bad value: one line)."""
+    from pagedmoe.config import env_default
+
+    return env_default(flag, conv, default)
 
 
 def register(sub) -> None:
@@ -75,23 +75,8 @@ def register(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
-def resolve_placement_flags(expert_placement: Optional[str], num_gpu_experts: Optional[int],
-                            cpu_moe: bool) -> tuple[str, Optional[int]]:
-    """(mode, N): --cpu-moe is paged N=0, --num-gpu-experts N implies paged; contradictions are errors."""
-    if cpu_moe and num_gpu_experts not in (None, 0):
-        raise ValueError(f"--cpu-moe pages every expert; it contradicts --num-gpu-experts {num_gpu_experts}")
-    n = 0 if cpu_moe else num_gpu_experts
-    if n is not None:
-        if expert_placement in ("resident", "auto"):
-            flag = "--cpu-moe" if cpu_moe else "--num-gpu-experts"
-            raise ValueError(f"{flag} fixes a paged placement; it cannot take effect with --expert-placement "
-                             f"{expert_placement}")
-        return "paged", n
-    return expert_placement or "auto", None
-
-
 def parse_budget(text: str, weight_bytes: int) -> int:
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     t = text.strip().lower().replace(" ", "")
     try:
@@ -105,8 +90,8 @@ def parse_budget(text: str, weight_bytes: int) -> int:
 
 def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: Optional[float]):
     """(label, plan or PlacementBudgetError, is_auto, is_selected) for the table."""
-    from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.planner import PlacementBudgetError, plan_memory, plan_placement
+    from pagedmoe.planning.placement import Placement
+    from pagedmoe.planning.planner import PlacementBudgetError, plan_memory, plan_placement
 
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     ns = sorted({0, E // 4, E // 2, (3 * E) // 4, E - 1} | ({num_gpu} if num_gpu is not None else set()))
@@ -139,7 +124,7 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: O
 
 
 def format_table(rows) -> str:
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     # An all-to-all column only for expert-parallel plans (the one-GPU table is unchanged).
     comm = any(not isinstance(p, Exception) and p.estimate.decode.comm_s > 0 for _, p, _, _ in rows)
@@ -172,10 +157,12 @@ def format_table(rows) -> str:
 
 def run_plan(args) -> int:
     from pagedmoe.config import resolve_model
-    from pagedmoe.engine.memory import GiB, estimate_activation_bytes
-    from pagedmoe.experts.cost_model import H200, HardwareProfile
-    from pagedmoe.experts.model_shape import ModelShape
-    from pagedmoe.experts.planner import PlanInputs
+    from pagedmoe.planning.cost_model import H200, HardwareProfile
+    from pagedmoe.planning.kv_sizing import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
+    from pagedmoe.planning.planner import PlanInputs
+    from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
 
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
@@ -195,15 +182,17 @@ def run_plan(args) -> int:
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
     if args.fused_compression and args.compression_ratio is None:
-        from pagedmoe.experts.planner import FUSED_LOSSLESS_PLANNING_RATIO
+        from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO
 
         args.compression_ratio = FUSED_LOSSLESS_PLANNING_RATIO
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
-    buffers = "vmm" if args.expert_buffers == "auto" else args.expert_buffers
-    from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
-
+    # what the engine keeps out of the KV cache on the GPU beside the activations (planning/kv_sizing.py)
+    reserve = start_up_reserve_bytes(act, args.max_num_seqs, shape.hidden_size, shape.moe_intermediate_size,
+                                     shape.top_k, shape.vocab_size, shape.dtype_bytes, context_bytes=CUDA_CONTEXT_BYTES)
+    act += reserve
+    buffers = planning_buffer_kind(args.expert_buffers, cuda=True)   # the plan is for a GPU
     host_ratio = LOSSLESS_PLANNING_RATIO if args.host_compression == "lossless" else 0.0
     name = shape.name or path
     print(f"pagedmoe plan {name}: {shape.num_layers} layers ({shape.num_moe_layers} MoE) x {shape.num_experts} "
@@ -217,6 +206,8 @@ def run_plan(args) -> int:
           f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, PCIe {hw.pcie_h2d_bytes_per_s / 1e9:.1f} GB/s, "
           f"GEMM {hw.gemm_flops / 1e12:.0f} TFLOP/s, step overhead {hw.step_overhead_s * 1e3:.1f} ms + "
           f"{hw.layer_overhead_s * 1e3:.2f} ms/layer + {hw.seq_overhead_s * 1e6:.0f} us/sequence")
+    print(f"activations include {reserve / GiB:.2f} GiB the engine reserves on the GPU (CUDA context, graph pools, "
+          "workspaces, fragmentation): --gpu-memory-gb is all device memory the process holds")
     print("GiB columns; step = modelled decode step (max of the floors + pipeline fill + overhead); "
           "* = auto pick, > = selected by the flags")
     report = {"model": name, "shape": shape.to_dict(), "hardware": json.loads(hw.to_json()),

@@ -180,7 +180,7 @@ def escapes_cap(tt, block_n: int) -> int:
     loop) above MAX_UNROLLED_ESCAPES. Reads the device once per (tensor, block_n), then cached on tt: call
     prepare_lossless before capturing a CUDA graph."""
     key = ("escapes_cap", block_n)
-    if key not in tt._cache:
+    if key not in tt.cache:
         counts = torch.diff(tt.escape_offsets.to(torch.int64))
         if counts.numel() == 0 or int(counts.sum()) == 0:
             cap = 0
@@ -190,8 +190,8 @@ def escapes_cap(tt, block_n: int) -> int:
             cs = torch.nn.functional.pad(torch.cumsum(per_col, 1), (1, 0))
             m = int((cs[:, w:] - cs[:, :-w]).max())
             cap = -1 if m > MAX_UNROLLED_ESCAPES else 1 << (m - 1).bit_length()
-        tt._cache[key] = cap
-    return tt._cache[key]
+        tt.cache[key] = cap
+    return tt.cache[key]
 
 
 def prepare_lossless(w13, w2, config: FusedMoEConfig) -> None:

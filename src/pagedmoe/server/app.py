@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedmoe.server.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestTimeoutError
+from pagedmoe.server.async_engine import (AsyncEngine, EngineDeadError, OverloadedError, RequestFailedError,
+                                          RequestTimeoutError)
 from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_experts
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
@@ -44,6 +45,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 503, "server_error", None, "engine_unavailable")
     if isinstance(exc, RequestTimeoutError):
         return APIError(str(exc), 504, "server_error", None, "request_timeout")
+    if isinstance(exc, RequestFailedError):  # its step ran out of GPU memory; the server serves on
+        return APIError(str(exc), 500, "server_error", None, "engine_step_failed")
     if isinstance(exc, (ValueError, TypeError)):  # the engine refused the request's input
         return invalid(str(exc))
     return APIError(f"internal server error ({type(exc).__name__})", 500, "server_error")
@@ -173,7 +176,7 @@ async def _stream_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except Exception as e:  # noqa: BLE001
         err = to_api_error(e)
-        if err.status_code >= 500 and not isinstance(e, (EngineDeadError, RequestTimeoutError)):
+        if err.status_code >= 500 and not isinstance(e, (EngineDeadError, RequestTimeoutError, RequestFailedError)):
             logger.exception("error while streaming")
         yield sse(err.body())
         yield SSE_DONE
@@ -264,7 +267,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     async def _run(request: Request, handle, n: int):
         try:
             return await _unless_disconnected(request, serving.final_outputs(handle, n), handle)
-        except (RequestTimeoutError, EngineDeadError, ValueError, TypeError) as e:
+        except (RequestTimeoutError, EngineDeadError, RequestFailedError, ValueError, TypeError) as e:
             raise to_api_error(e) from None
 
     @app.post("/v1/completions")
@@ -278,7 +281,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         if req.stream:
             return SSEResponse(_stream_errors(serving.completion_stream(response_id, req, prepared, handle)),
                                handle.close)
-        outputs = await _run(request, handle, len(prepared.prompts))
+        outputs = await _run(request, handle, prepared.num_choices)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         return JSONResponse(serving.completion_response(response_id, req, prepared, outputs))
@@ -294,7 +297,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         if req.stream:
             return SSEResponse(_stream_errors(serving.chat_stream(response_id, req, prepared, handle)),
                                handle.close)
-        outputs = await _run(request, handle, 1)
+        outputs = await _run(request, handle, prepared.num_choices)
         if outputs is None:
             return Response(status_code=499)
         return JSONResponse(serving.chat_response(response_id, req, outputs))

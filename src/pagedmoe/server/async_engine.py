@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 
@@ -41,6 +41,10 @@ class OverloadedError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed the request's step (out of GPU memory); the engine serves on (answered 500)."""
 
 
 @dataclass
@@ -128,8 +132,10 @@ class AsyncEngine:
         return int(min(60, max(1, math.ceil(self.num_waiting / (recent / window)))))
 
     def submit(self, request_id: str, prompts: list[tuple[Optional[str], list[int]]],
-               params: SamplingParams, arrival: Optional[float] = None) -> "RequestHandle":
-        """Queue one engine request per prompt (ids `{request_id}-{i}`) and return their handle.
+               params: Union[SamplingParams, list[SamplingParams]], arrival: Optional[float] = None
+               ) -> "RequestHandle":
+        """Queue one engine request per prompt (ids `{request_id}-{i}`; `params` one for all, or one per
+        prompt) and return their handle.
 
         Synchronous on purpose: the capacity check and the enqueue happen in one go on the loop thread,
         so concurrent handlers cannot overshoot --max-waiting-requests. The caller must see that
@@ -143,9 +149,10 @@ class AsyncEngine:
             self._streams[rid] = (handle, i)  # registered before the add: no output can be missed
         with self._lock:
             self._num_pending_adds += len(prompts)
-        for rid, (text, ids) in zip(handle.rids, prompts):
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        for rid, (text, ids), p in zip(handle.rids, prompts, per_prompt):
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.append(("add", rid, text, ids, params, arrival, fut))
+            self._commands.append(("add", rid, text, ids, p, arrival, fut))
             handle.add_futures.append(asyncio.wrap_future(fut))
         self._wakeup.set()
         return handle
@@ -263,7 +270,9 @@ class AsyncEngine:
             if out.finished:
                 self._tracks.pop(out.request_id, None)
                 self._finish_times.append(now)
-                if m is not None:
+                if m is not None and out.error is not None:
+                    m.count_aborted("error")  # its step failed (out of GPU memory): not a success
+                elif m is not None:
                     m.observe_finished(now - track.arrival, track.num_prompt_tokens,
                                        len(out.outputs[0].token_ids), out.outputs[0].finish_reason)
 
@@ -303,6 +312,9 @@ class RequestHandle:
                     raise self._error
                 latest, self._latest = self._latest, {}
                 for i in sorted(latest):
+                    if latest[i].error is not None:
+                        self.finished[i] = True  # the engine has dropped it: nothing to abort
+                        raise RequestFailedError(latest[i].error)
                     if latest[i].finished and not self.finished[i]:
                         self.finished[i] = True
                         remaining -= 1

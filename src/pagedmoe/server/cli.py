@@ -4,24 +4,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
 import threading
 from typing import Any, Optional
 
-from pagedmoe.config import add_engine_args, engine_config_from_args
+from pagedmoe.config import add_engine_args, engine_config_from_args, env_default
 
 logger = logging.getLogger("pagedmoe.server")
 
 
-def _env(name: str, conv, default: Any) -> Any:
+def _env(name: str, conv, default: Any, expected: Optional[str] = None) -> Any:
     """Server flags follow the engine flags' rule: PAGEDMOE_<FLAG_NAME> sets the default, the flag wins."""
-    value = os.environ.get("PAGEDMOE_" + name.upper())
-    return conv(value) if value not in (None, "") else default
+    return env_default(name, conv, default, expected=expected)
 
 
 def _optional_float(text: str) -> Optional[float]:
     return None if text.lower() in ("", "none", "0") else float(text)
+
+
+def _bool(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes")
 
 
 def register(sub) -> None:
@@ -39,13 +41,13 @@ def register(sub) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=_env("max_waiting_requests", int, 1024),
                    help="answer 503 with Retry-After when this many requests wait for the engine (0: no bound)")
     g.add_argument("--request-timeout", type=_optional_float,
-                   default=_env("request_timeout", _optional_float, None),
+                   default=_env("request_timeout", _optional_float, None, "a number of seconds or none"),
                    help="seconds a request may take from arrival to its last token (default: no limit); "
                         "past it the request is aborted and answered 504")
     g.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", float, 30.0),
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   default=_env("disable_uvicorn_access_log", lambda v: v.lower() in ("1", "true", "yes"), False))
+                   default=_env("disable_uvicorn_access_log", _bool, False))
     add_engine_args(p)  # includes --served-model-name
     p.set_defaults(func=run_serve)
 

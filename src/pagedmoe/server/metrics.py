@@ -116,6 +116,17 @@ class EngineStatsCollector:
         yield counter("generation_tokens_total", "Tokens generated.", s.get("generation_tokens_total", 0))
         yield counter("num_preemptions_total", "Preemptions (recompute) so far.", s.get("num_preemptions_total", 0))
         yield counter("num_engine_steps_total", "Engine steps run.", s.get("num_steps", 0))
+        yield counter("prefix_cache_queries_total", "Prefix cache: tokens of admitted requests looked up.",
+                      s.get("prefix_cache_queries_total", 0))
+        yield counter("prefix_cache_hits_total", "Prefix cache: of those, tokens found cached (not computed).",
+                      s.get("prefix_cache_hits_total", 0))
+        if "device_memory_used_bytes" in s:   # CUDA: the process's device memory against --gpu-memory-gb
+            yield gauge("device_memory_used_bytes", "Device memory the process holds (CUDA context, torch's pool, "
+                        "VMM mappings), as the driver counts it.", s["device_memory_used_bytes"])
+            yield gauge("device_memory_peak_bytes", "Peak of device_memory_used_bytes since start-up (polled).",
+                        s["device_memory_peak_bytes"])
+            yield gauge("gpu_memory_budget_bytes", "The --gpu-memory-gb budget the engine planned for.",
+                        s["gpu_memory_budget_bytes"])
 
         loaded = CounterMetricFamily(P + "expert_bytes_loaded_total",
                                      "Expert bytes brought into the compute buffers, per source tier.",
@@ -173,7 +184,7 @@ class ServerMetrics:
         self._success = Counter(P + "request_success", "Requests finished, by finish reason.",
                                 lab + ["finished_reason"], registry=r)
         self._aborted = Counter(P + "num_requests_aborted", "Requests aborted before finishing, by reason "
-                                "(disconnect, timeout, client).", lab + ["reason"], registry=r)
+                                "(disconnect, timeout, client, error: their step failed).", lab + ["reason"], registry=r)
         self._rejected = Counter(P + "num_requests_rejected", "Requests refused, by reason (queue_full).",
                                  lab + ["reason"], registry=r)
 

@@ -2,8 +2,8 @@
 
 Field names, defaults and meanings follow OpenAI's API; the extra sampling fields vLLM accepts
 (`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) are accepted too. Unknown fields
-are ignored, as vLLM does. A field pagedmoe cannot honour (penalties, `n > 1`, tools, ...) is a 400, not
-a silent no-op.
+are ignored, as vLLM does. A field pagedmoe cannot honour (tools, suffix, ...) is a 400, not a silent
+no-op.
 
 Responses are plain dicts built in `serving.py`: they are written once per token while streaming, and
 building pydantic objects there would only cost time.
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_STOP_STRINGS = 64  # the engine scans every stop string after every token
 MAX_PROMPTS_PER_REQUEST = 256
+MAX_N = 128  # samples per prompt
 
 
 class APIError(Exception):
@@ -50,7 +51,7 @@ class StreamOptions(_Base):
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Base):
+class SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[StrictStr] = None
@@ -68,7 +69,7 @@ class _SamplingFields(_Base):
     # vLLM's extra sampling fields
     top_k: Optional[StrictInt] = None
     min_p: Optional[StrictFloat] = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[StrictFloat] = None
+    repetition_penalty: Optional[StrictFloat] = Field(default=None, allow_inf_nan=False)
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: Optional[TokenIds] = None
@@ -77,15 +78,12 @@ class _SamplingFields(_Base):
 
     def check_unsupported(self) -> None:
         """Refuse what the engine cannot do rather than ignoring it."""
-        if self.n != 1:
-            raise invalid("n must be 1: parallel sampling is not supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise invalid(f"{name} is not supported (only 0)", name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise invalid("repetition_penalty is not supported (only 1.0)", "repetition_penalty")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
+        if not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 100.0:
+            raise invalid(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
+                          "repetition_penalty")
+        self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -93,6 +91,24 @@ class _SamplingFields(_Base):
             raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         if any(not s for s in stops):
             raise invalid("stop strings must not be empty", "stop")
+
+    def token_biases(self) -> Optional[dict[int, float]]:
+        """logit_bias as the engine takes it: OpenAI sends token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias") from None
+            if token < 0:
+                raise invalid(f"logit_bias keys must be non-negative token ids, got {token}", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise invalid(f"logit_bias values must be numbers in [-100, 100], got {str(value)[:40]}",
+                              "logit_bias")
+            out[token] = float(value)
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -103,7 +119,7 @@ class _SamplingFields(_Base):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
@@ -141,7 +157,7 @@ class ChatMessage(_Base):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)

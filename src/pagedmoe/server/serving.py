@@ -11,10 +11,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from pagedmoe.engine.limits import context_length_error
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
-                                      CompletionRequest, _SamplingFields, invalid)
+                                      CompletionRequest, SamplingFields, invalid)
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                              "continue_final_message", "chat_template", "tools", "documents"}
@@ -46,6 +47,20 @@ class Prepared:
     prompts: list[tuple[Optional[str], list[int]]]
     params: SamplingParams
     echo: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: n per prompt, prompt-major (choice i is sample i % n of prompt i // n)."""
+        return len(self.prompts) * self.params.n
+
+    def engine_requests(self) -> tuple[list[tuple[Optional[str], list[int]]], list[SamplingParams]]:
+        """One engine request per choice: the prompt and that sample's parameters (seed + j)."""
+        prompts = [p for p in self.prompts for _ in range(self.n)]
+        return prompts, [self.params.for_sample(j) for _ in self.prompts for j in range(self.n)]
 
 
 class OpenAIServing:
@@ -86,23 +101,25 @@ class OpenAIServing:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise invalid(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
-        n, limit = len(ids), self.max_model_len
-        if n >= limit:
-            raise invalid(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                          f"{n} tokens (at most {limit - 1} leave room for one new token).", param)
-        if max_tokens is not None and n + max_tokens > limit:
-            raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                          f"Please reduce the length of the prompt or completion.", "max_tokens")
+        err = context_length_error(self.max_model_len, len(ids), max_tokens)
+        if err is not None:
+            raise invalid(err[0], param if err[1] == "prompt" else err[1])
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
+    def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
                         ) -> SamplingParams:
+        bias = req.token_biases()
+        if bias and max(bias) >= self.vocab_size:
+            raise invalid(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(bias)}", "logit_bias")
         try:
             return SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if not req.top_k else req.top_k,  # vLLM: 0 and -1 both disable
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                n=req.n, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=req.token_biases(),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
@@ -172,7 +189,8 @@ class OpenAIServing:
     # -- running ---------------------------------------------------------------------------------
     def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        return response_id, self.bridge.submit(response_id, prepared.prompts, prepared.params, arrival)
+        prompts, params = prepared.engine_requests()
+        return response_id, self.bridge.submit(response_id, prompts, params, arrival)
 
     @staticmethod
     async def final_outputs(handle: RequestHandle, n: int) -> list[RequestOutput]:
@@ -182,9 +200,10 @@ class OpenAIServing:
         return last  # type: ignore[return-value]
 
     @staticmethod
-    def usage(outputs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs)
-        completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    def usage(outputs: list[Optional[RequestOutput]], n: int = 1) -> dict:
+        """outputs: one per choice (None: nothing yet); a prompt's tokens count once for its n samples."""
+        prompt = sum(len(o.prompt_token_ids) for i, o in enumerate(outputs) if o is not None and i % n == 0)
+        completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
@@ -253,26 +272,27 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            prefix = prepared.echo[i] if req.echo else ""
+            prefix = prepared.echo[i // prepared.n] if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self.completion_logprobs(out, 0, len(c.token_ids), _ChoiceState(text_offset=len(prefix)))
             choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs),
+                "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, prepared.n),
                 "system_fingerprint": None}
 
     async def completion_stream(self, response_id: str, req: CompletionRequest, prepared: Prepared,
                                 handle: RequestHandle) -> AsyncIterator[str]:
-        created, n = int(time.time()), len(prepared.prompts)
+        created, n = int(time.time()), prepared.num_choices
         states = [_ChoiceState() for _ in range(n)]
         last: list[Optional[RequestOutput]] = [None] * n
         holdback = self.holdback(prepared.params)
         base = {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name}
         usage_field = {"usage": None} if req.include_usage else {}
         if req.echo:
-            for i, text in enumerate(prepared.echo):
+            for i in range(n):
+                text = prepared.echo[i // prepared.n]
                 states[i].text_offset = len(text)
                 yield sse({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
                            **usage_field})
@@ -287,21 +307,22 @@ class OpenAIServing:
                       "stop_reason": c.stop_reason}
             chunk = {**base, "choices": [choice], **usage_field}
             if req.continuous_usage:
-                chunk["usage"] = self.usage([o for o in last if o is not None])
+                chunk["usage"] = self.usage(last, prepared.n)
             yield sse(chunk)
         if req.include_usage:
-            yield sse({**base, "choices": [], "usage": self.usage(last)})  # type: ignore[arg-type]
+            yield sse({**base, "choices": [], "usage": self.usage(last, prepared.n)})
         yield SSE_DONE
 
     # -- /v1/chat/completions --------------------------------------------------------------------
     def chat_response(self, response_id: str, req: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict:
-        out = outputs[0]
-        c = out.outputs[0]
-        logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
-                  "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.served_model_name, "choices": [choice], "usage": self.usage(outputs),
+                "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, len(outputs)),
                 "system_fingerprint": None}
 
     async def chat_stream(self, response_id: str, req: ChatCompletionRequest, prepared: Prepared,
@@ -309,23 +330,25 @@ class OpenAIServing:
         base = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.served_model_name}
         usage_field = {"usage": None} if req.include_usage else {}
-        state, last = _ChoiceState(), None
+        n = prepared.num_choices
+        states, last = [_ChoiceState() for _ in range(n)], [None] * n
         holdback = self.holdback(prepared.params)
-        yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **usage_field})
-        async for _, out in handle.outputs():
-            last = out
-            delta, start, end = self.advance(out, state, holdback)
+        for i in range(n):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **usage_field})
+        async for i, out in handle.outputs():
+            last[i] = out
+            delta, start, end = self.advance(out, states[i], holdback)
             if not self.worth_a_chunk(delta, out, start, end, req.logprobs, req.continuous_usage):
                 continue
             logprobs = self.chat_logprobs(out, start, end, req.top_logprobs or 0) if req.logprobs else None
             c = out.outputs[0]
-            chunk = {**base, "choices": [{"index": 0, "delta": {"content": delta} if delta else {},
+            chunk = {**base, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
                                           "logprobs": logprobs, "finish_reason": c.finish_reason,
                                           "stop_reason": c.stop_reason}], **usage_field}
             if req.continuous_usage:
-                chunk["usage"] = self.usage([out])
+                chunk["usage"] = self.usage(last, n)
             yield sse(chunk)
-        if req.include_usage and last is not None:
-            yield sse({**base, "choices": [], "usage": self.usage([last])})
+        if req.include_usage and any(o is not None for o in last):
+            yield sse({**base, "choices": [], "usage": self.usage(last, n)})
         yield SSE_DONE

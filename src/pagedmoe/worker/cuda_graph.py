@@ -16,16 +16,12 @@ import logging
 
 import torch
 
+from pagedmoe.planning.kv_sizing import decode_buckets
 from pagedmoe.models.layers.attention import AttentionMetadata
 from pagedmoe.models.moe_decoder import MoEForCausalLM
+from pagedmoe.worker.device_memory import polling_paused
 
 logger = logging.getLogger(__name__)
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    out = [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
-    return sorted(set(out))
 
 
 class DecodeCudaGraphs:
@@ -63,7 +59,7 @@ class DecodeCudaGraphs:
                     self.model(self.input_ids[:B], self.positions[:B], meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with polling_paused(), torch.cuda.graph(graph, pool=self.pool):
                 self.logits[B] = self.model(self.input_ids[:B], self.positions[:B], meta)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: penalties and logit bias (penalties.py), greedy, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
 Filters act on rows of float32 logits [N, V]; a filtered-out token gets -inf.
 """
@@ -10,6 +11,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.sampling_params import Logprob, SamplingParams
+from pagedmoe.worker.penalties import apply_penalties
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -69,15 +71,19 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[Optional[torch.Generator]]) -> SampleOutput:
-        """logits [N, V] float32 for N sequences; generators[i] is the request's own (seeded) or None."""
+               generators: list[Optional[torch.Generator]],
+               histories: Optional[list[tuple[list[int], list[int]]]] = None) -> SampleOutput:
+        """logits [N, V] float32 for N sequences; generators[i] is the request's own (seeded) or None;
+        histories[i] = (prompt ids, output ids so far), needed when a row has penalties (penalties.py).
+        Logprobs are of the raw logits, as vLLM returns them."""
         N = logits.shape[0]
         greedy = [p.greedy for p in params]
+        adjusted = apply_penalties(logits, params, histories)
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = adjusted.argmax(dim=-1)
         else:
-            probs = torch.softmax(processed_logits(logits, params), dim=-1)
-            tokens = logits.argmax(dim=-1)
+            probs = torch.softmax(processed_logits(adjusted, params), dim=-1)
+            tokens = adjusted.argmax(dim=-1)
             shared_rows = [i for i in range(N) if not greedy[i] and generators[i] is None]
             if shared_rows:
                 idx = torch.tensor(shared_rows, device=logits.device)
