@@ -171,7 +171,7 @@ class LLMEngine:
                                   self.dtype, config.attention_backend, config.moe_backend,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=self._eager, lendable_kv=dynamic and vmm_available(self.device),
-                                  memory=self.memory)
+                                  memory=self.memory, fused_ops=config.fused_ops)
         self.kv.backing = self.runner.kv_backing   # blocks lent to experts give their memory back
         if self.kv.backing is not None and self.memory is not None and config.num_kv_blocks is None:
             # lent blocks come back only while the process stays within the budget with room for a step's
@@ -395,7 +395,8 @@ class LLMEngine:
             if self.expert_store.dynamic is None:  # dynamic experts are built after the KV cache: estimated
                 estimate, act = act, profile_step_bytes(
                     self.model, c.block_size, self.device, self.dtype, c.attention_backend, c.moe_backend,
-                    c.max_num_seqs, self.max_model_len, c.max_num_batched_tokens, self.memory)
+                    c.max_num_seqs, self.max_model_len, c.max_num_batched_tokens, self.memory,
+                    c.fused_ops)
                 logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
                             c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
                             estimate / GiB)
