@@ -23,6 +23,9 @@
 # vLLM comes from the wheels ../shared/peers/vllm.md carries into /tmp/site (`calls` prints the sequence);
 # its runs get PYTHONPATH=/tmp/site, pagedmoe's PYTHONPATH=src (the device's own torch for both).
 # Each run is cut at RUN_TIMEOUT (default 420 s) so one hang cannot take the whole call.
+# Dry run on CPU (tests/unit/test_vs_vllm.py): a stand-in vllm package in VLLM_SITE, the tiny default model
+# (QWEN3_MODEL/MIXTRAL_MODEL), DEVICE_GIB for the device memory, PM_EXTRA for engine flags (--device cpu) and
+# the workload sizes shrunk through MAX_LEN, TPUT_PROMPTS, TPUT_LEN, LAT_IN, LAT_OUT, PROF_BATCHES, PROF_LEN.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -30,13 +33,17 @@ D=$OUT/vs_vllm
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
 W4_PROMPTS=${W4_PROMPTS:-40}
 PM_FUSED=${PM_FUSED:-off on}
+TPUT_PROMPTS=${TPUT_PROMPTS:-512} TPUT_LEN=${TPUT_LEN:-1024} LAT_IN=${LAT_IN:-512} LAT_OUT=${LAT_OUT:-64}
+PROF_BATCHES=${PROF_BATCHES:-1 256} PROF_LEN=${PROF_LEN:-512}
+read -r -a PM_EXTRA <<< "${PM_EXTRA:-}"
 SITE=${VLLM_SITE:-/tmp/site}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 declare -A MODELS=([qwen3]=${QWEN3_MODEL:-benchmarks/configs/qwen3-30b-a3b} [mixtral]=${MIXTRAL_MODEL:-benchmarks/configs/mixtral-8x7b})
 declare -A NAMES=([qwen3]=qwen3-30b-a3b [mixtral]=mixtral-8x7b)
-COMMON_VLLM=(--load-format dummy --max-model-len 3072 --max-num-seqs 256 --max-num-batched-tokens 8192)
-COMMON_PM=(--load-format dummy --max-model-len 3072 --max-num-seqs 256 --max-num-batched-tokens 8192)
-TPUT=(--num-prompts 512 --input-len 1024 --output-len 1024)
+MAX_LEN=${MAX_LEN:-3072}  # > 1024 + 1024 after vLLM re-tokenises the random prompts (vllm.md)
+COMMON_VLLM=(--load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192)
+COMMON_PM=(--load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192 "${PM_EXTRA[@]}")
+TPUT=(--num-prompts "$TPUT_PROMPTS" --input-len "$TPUT_LEN" --output-len "$TPUT_LEN")
 
 # part -> "expected device time | what it runs" (estimates from the 2026-12-01 runs: vLLM's first start
 # compiles 1.5-2.5 min, later starts ~0.7 min; pagedmoe starts ~0.7 min; run times from the issue's figures)
@@ -70,7 +77,10 @@ vllm_model_dir() {  # $1 = key: config.json + any local tokenizer (random prompt
   echo "$dir"
 }
 
-device_gib() { python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)"; }
+device_gib() {
+  [ -n "${DEVICE_GIB:-}" ] && { echo "$DEVICE_GIB"; return; }
+  python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)"
+}
 weights_gib() {  # $1 = model folder: the bf16 weights pagedmoe's planner counts (experts/model_shape.py)
   PYTHONPATH=src python3 -c "import sys; from pagedmoe.experts.model_shape import ModelShape; \
 print(ModelShape.from_hf_config(sys.argv[1]).weight_bytes / 2**30)" "$1"
@@ -79,7 +89,7 @@ print(ModelShape.from_hf_config(sys.argv[1]).weight_bytes / 2**30)" "$1"
 write_meta() {  # $1 = key
   local name=${NAMES[$1]} total w budget
   total=$(device_gib); w=$(weights_gib "${MODELS[$1]}")
-  budget=$(python3 -c "print($w + 4)")
+  budget=$(python3 -c "print(round($w + 4, 2))")
   python3 - "$D/$name.meta.json" "$total" "$w" "$budget" <<'PY'
 import json, sys
 path, total, w, budget = sys.argv[1], *map(float, sys.argv[2:])
@@ -109,8 +119,8 @@ run_part() {  # $1 = part
     tput)
       local util=0.97 gib; gib=$(meta "$key" tput_gib)
       echo "--- $name tput vllm (utilization $util)"
-      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len 1024 \
-        --random-output-len 1024 --num-prompts 512 --gpu-memory-utilization $util \
+      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
+        --random-output-len "$TPUT_LEN" --num-prompts "$TPUT_PROMPTS" --gpu-memory-utilization $util \
         --output-json "$D/$name.tput.vllm.json" > "$D/$name.tput.vllm.log" 2>&1
       tail -3 "$D/$name.tput.vllm.log"
       echo "--- $name tput pagedmoe resident (--gpu-memory-gb $gib)"
@@ -120,8 +130,8 @@ run_part() {  # $1 = part
     w4)
       local util gib; util=$(meta "$key" w4_utilization); gib=$(meta "$key" w4_budget_gib)
       echo "--- $name w4 vllm (utilization $util = $gib GiB)"
-      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len 1024 \
-        --random-output-len 1024 --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
+      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
+        --random-output-len "$TPUT_LEN" --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
         --output-json "$D/$name.w4.vllm.json" > "$D/$name.w4.vllm.log" 2>&1
       tail -3 "$D/$name.w4.vllm.log"
       local variant flags
@@ -132,28 +142,28 @@ run_part() {  # $1 = part
           auto) flags=(--expert-placement auto --expert-compression lossless) ;;
         esac
         echo "--- $name w4 pagedmoe $variant (--gpu-memory-gb $gib)"
-        pm bench throughput "$m" "${COMMON_PM[@]}" --num-prompts "$W4_PROMPTS" --input-len 1024 --output-len 1024 \
+        pm bench throughput "$m" "${COMMON_PM[@]}" --num-prompts "$W4_PROMPTS" --input-len "$TPUT_LEN" --output-len "$TPUT_LEN" \
           "${flags[@]}" --gpu-memory-gb "$gib" --output-json "$D/$name.w4.pagedmoe-$variant.json" \
           > "$D/$name.w4.pagedmoe-$variant.log" 2>&1
         tail -3 "$D/$name.w4.pagedmoe-$variant.log"
       done ;;
     lat)
       echo "--- $name lat vllm"
-      vllm bench latency --model "$vdir" "${COMMON_VLLM[@]}" --batch-size 1 --input-len 512 --output-len 64 \
+      vllm bench latency --model "$vdir" "${COMMON_VLLM[@]}" --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" \
         --gpu-memory-utilization 0.97 --num-iters-warmup 3 --num-iters 10 \
         --output-json "$D/$name.lat.vllm.json" > "$D/$name.lat.vllm.log" 2>&1
       tail -4 "$D/$name.lat.vllm.log"
       local f
       for f in $PM_FUSED; do
         echo "--- $name lat pagedmoe --fused-ops $f"
-        pm bench latency "$m" "${COMMON_PM[@]}" --batch-size 1 --input-len 512 --output-len 64 \
+        pm bench latency "$m" "${COMMON_PM[@]}" --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" \
           --expert-placement resident --fused-ops "$f" --output-json "$D/$name.lat.pagedmoe-fused-$f.json" \
           > "$D/$name.lat.pagedmoe-fused-$f.log" 2>&1
         tail -2 "$D/$name.lat.pagedmoe-fused-$f.log"
         echo "--- $name profile_step B=1,256 --fused-ops $f"
         env PYTHONPATH=src timeout --kill-after=15 "$RUN_TIMEOUT" python3 benchmarks/profile_step.py "$m" \
-          --load-format dummy --expert-placement resident --batch-size 1 256 --input-len 512 --max-model-len 2048 \
-          --fused-ops "$f" --out "$D/$name.prof-fused-$f" > "$D/$name.prof-fused-$f.txt" 2>&1
+          --load-format dummy --expert-placement resident --batch-size $PROF_BATCHES --input-len "$PROF_LEN" \
+          --max-model-len "$MAX_LEN" "${PM_EXTRA[@]}" --fused-ops "$f" --out "$D/$name.prof-fused-$f" > "$D/$name.prof-fused-$f.txt" 2>&1
         grep -A14 "=== batch" "$D/$name.prof-fused-$f.txt" | head -40
       done ;;
     *) echo "unknown part $1; bash benchmarks/vs_vllm.sh list" >&2; return 2 ;;
