@@ -29,7 +29,7 @@ if not CUDA:  # a CPU smoke run of the script's logic (tiny shapes, Triton inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedmoe.codecs.quant import dequantize  # noqa: E402
-from pagedmoe.experts.quantized import QuantizedLayer  # noqa: E402
+from pagedmoe.experts.tiers.quantized import QuantizedLayer  # noqa: E402
 from pagedmoe.kernels.dequant import LAUNCH_SHAPES, dequantize_into  # noqa: E402
 
 from timing import time_eager  # noqa: E402

@@ -24,7 +24,7 @@ GiB = 1024 ** 3
 def main() -> int:
     from pagedmoe.cli import main as cli
     from pagedmoe.engine.llm_engine import LLMEngine
-    from pagedmoe.experts.controller import DynamicPrecisionManager
+    from pagedmoe.experts.dynamic.manager import DynamicPrecisionManager
     from pagedmoe.worker import device_memory
 
     out, argv = sys.argv[1], sys.argv[2:]

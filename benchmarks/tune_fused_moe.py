@@ -1,5 +1,5 @@
 """Tune kernels/fused_moe.py's tiles per (expert shape, batch) on the GPU and write the table that
-kernels/fused_moe_config.py reads (default_config stays the fallback for what the table lacks).
+kernels/fused_moe_tuned.py reads (default_config stays the fallback for what the table lacks).
 
     PYTHONPATH=src python benchmarks/tune_fused_moe.py --models qwen3-30b-a3b mixtral-8x7b --out $OUT/tune
     cp $OUT/tune/fused_moe_NVIDIA_H200_bfloat16.json src/pagedmoe/data/      # then commit it
@@ -34,7 +34,7 @@ import torch
 from pagedmoe.experts.layout import expert_stride, expert_views
 from pagedmoe.kernels import fused_moe as fm
 from pagedmoe.kernels._attention_checks import next_pow2
-from pagedmoe.kernels.fused_moe_config import shape_key, table_name
+from pagedmoe.kernels.fused_moe_tuned import shape_key, table_name
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 W13 = dict(block_n=(16, 32, 64, 128), block_k=(64, 128), warps_stages=((4, 4), (8, 3)))
@@ -51,7 +51,7 @@ def shape_of(name: str) -> dict:
     if name.count(",") == 3:
         E, H, I, A = map(int, name.split(","))
         return dict(name=name, E=E, H=H, I=I, A=A)
-    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.planning.model_shape import ModelShape
 
     path = Path(name) if Path(name).exists() else Path(__file__).parent / "configs" / name
     s = ModelShape.from_hf_config(str(path))

@@ -81,8 +81,8 @@ device_gib() {
   [ -n "${DEVICE_GIB:-}" ] && { echo "$DEVICE_GIB"; return; }
   python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)"
 }
-weights_gib() {  # $1 = model folder: the bf16 weights pagedmoe's planner counts (experts/model_shape.py)
-  PYTHONPATH=src python3 -c "import sys; from pagedmoe.experts.model_shape import ModelShape; \
+weights_gib() {  # $1 = model folder: the bf16 weights pagedmoe's planner counts (planning/model_shape.py)
+  PYTHONPATH=src python3 -c "import sys; from pagedmoe.planning.model_shape import ModelShape; \
 print(ModelShape.from_hf_config(sys.argv[1]).weight_bytes / 2**30)" "$1"
 }
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pagedmoe.codecs.quant import fake_quantize
 from pagedmoe.experts.layout import row_part
 from pagedmoe.entrypoints.eval import default_dataset, evaluate, load_documents
-from pagedmoe.experts.precision import PrecisionPolicy, QualityCosts, rung_bytes
+from pagedmoe.experts.dynamic.precision import PrecisionPolicy, QualityCosts, rung_bytes
 
 LOSSY = ("fp8", "int8", "int4")
 

@@ -1,5 +1,8 @@
 """Engine configuration: one frozen dataclass field per CLI flag, invariants checked on construction.
 
+The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache` and `.experts` are the
+same values nested by section (config_sections.py), checked on construction.
+
 The same fields back `LLM(**flags)`, the CLI (`--max-model-len` etc., generated from the fields below)
 and environment variables `PAGEDMOE_<FLAG_NAME>` (flags win over the environment).
 """
@@ -11,6 +14,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, SchedulerConfig,
+                                      EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
+
+__all__ = ["EngineConfig", "ModelConfig", "SchedulerConfig", "CacheConfig", "ExpertConfig", "add_engine_args",
+           "engine_config_from_args", "engine_config_from_kwargs", "default_model_path", "resolve_model"]
+
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -21,12 +30,7 @@ _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
-# exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
-# format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
-# the ladder by the pressure controller (experts/controller.py).
-_EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
-_MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -94,7 +98,7 @@ class EngineConfig:
                                            "every expert held in GPU memory in that lossy format and "
                                            "dequantised each step (paged); dynamic: each expert at its own "
                                            "precision, demoted under KV-cache pressure and promoted back",
-                                  _EXPERT_PRECISIONS)
+                                  EXPERT_PRECISIONS)
     quantized_gemm: str = _flag("auto", "lossy experts (--expert-precision static-* or dynamic): dequant (each "
                                         "step write every expert into the compute buffer, then bf16 GEMMs), "
                                         "direct (steps of up to 512 tokens multiply the experts where they are, "
@@ -103,7 +107,7 @@ class EngineConfig:
                                         "faster per MoE layer; dequant otherwise)",
                                 _QUANTIZED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
-                                                      "(default int4; dynamic only)", _MIN_EXPERT_PRECISIONS)
+                                                      "(default int4; dynamic only)", MIN_EXPERT_PRECISIONS)
     kv_low_watermark: Optional[float] = _flag(None, "dynamic: demote experts while free KV blocks are below this "
                                                     "fraction of the KV cache (default 0.05)", type_=float)
     kv_high_watermark: Optional[float] = _flag(None, "dynamic: promote experts while free KV blocks are above this "
@@ -112,6 +116,15 @@ class EngineConfig:
                                               "loaded at start when it exists, saved at exit")
 
     def __post_init__(self) -> None:
+        """Every cross-flag rule, once, in this order: sizes and limits, placement, dynamic and static precision,
+        choices, the quantized GEMM path."""
+        self._check_limits()
+        for name in SECTIONS:  # the nested views (config_sections.py); ExpertConfig checks the expert flags
+            self.section(name)
+        self._check_choices()
+        self._check_quantized_gemm()
+
+    def _check_limits(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -126,56 +139,19 @@ class EngineConfig:
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
             raise ValueError(f"host_memory_gb must be > 0 (GiB of host memory for the pinned host tier), got "
                              f"{self.host_memory_gb}")
-        if self.num_gpu_experts is not None and self.num_gpu_experts < 0:
-            raise ValueError(f"num_gpu_experts must be >= 0, got {self.num_gpu_experts}")
-        if self.expert_placement == "resident" and (self.cpu_moe or self.num_gpu_experts is not None):
-            flag = "--cpu-moe" if self.cpu_moe else "--num-gpu-experts"
-            raise ValueError(f"{flag} pages experts and cannot take effect with --expert-placement resident")
-        if self.cpu_moe and self.num_gpu_experts not in (None, 0):
-            raise ValueError("--cpu-moe pages every expert; it contradicts --num-gpu-experts "
-                             f"{self.num_gpu_experts}")
-        if self.num_compressed_experts is not None:
-            if self.num_compressed_experts < 0:
-                raise ValueError(f"num_compressed_experts must be >= 0, got {self.num_compressed_experts}")
-            if self.expert_placement == "resident" and self.num_compressed_experts:
-                raise ValueError("--num-compressed-experts pages experts and cannot take effect with "
-                                 "--expert-placement resident")
-        if self.expert_compression != "none":
-            if self.expert_placement == "resident":
-                raise ValueError(f"--expert-compression {self.expert_compression} cannot take effect with "
-                                 "--expert-placement resident")
-            if (self.cpu_moe or self.num_gpu_experts is not None) and not self.num_compressed_experts:
-                raise ValueError(f"--expert-compression {self.expert_compression} lets the planner choose the "
-                                 "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
-                                 "--num-compressed-experts instead")
-        if self.host_compression != "none":
-            if self.expert_placement == "resident":
-                raise ValueError(f"--host-compression {self.host_compression} compresses the host tier and cannot "
-                                 "take effect with --expert-placement resident")
-            if self.expert_precision != "exact":
-                raise ValueError(f"--host-compression {self.host_compression} keeps exact experts; it contradicts "
-                                 f"--expert-precision {self.expert_precision}")
-        self._check_dynamic()
-        if self.quantized_precision() is not None:
-            flag = self.expert_precision
-            if self.expert_placement == "resident":
-                raise ValueError(f"--expert-precision {flag} dequantises experts into paged buffers and cannot "
-                                 "take effect with --expert-placement resident")
-            for name, given in (("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
-                                ("--num-compressed-experts", self.num_compressed_experts is not None),
-                                ("--expert-compression", self.expert_compression != "none")):
-                if given:
-                    raise ValueError(f"--expert-precision {flag} holds every expert in one lossy format; it "
-                                     f"contradicts {name}")
+
+    def _check_choices(self) -> None:
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("fused_ops", _FUSED_OPS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),
-                              ("expert_precision", _EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):
+                              ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+
+    def _check_quantized_gemm(self) -> None:
         if self.quantized_gemm == "direct":
             if not (self.expert_precision.startswith("static-") or self.expert_precision == "dynamic"):
                 raise ValueError("--quantized-gemm direct multiplies lossy experts; it needs --expert-precision "
@@ -194,49 +170,37 @@ class EngineConfig:
         fast = self.expert_precision.startswith("static-") and self.moe_backend in ("auto", "triton")
         return "direct" if fast and device_type == "cuda" else "dequant"
 
-    def _check_dynamic(self) -> None:
-        dynamic = self.expert_precision == "dynamic"
-        for name in ("min_expert_precision", "kv_low_watermark", "kv_high_watermark"):
-            if getattr(self, name) is not None and not dynamic:
-                raise ValueError(f"--{name.replace('_', '-')} only takes effect with --expert-precision dynamic")
-        if self.min_expert_precision is not None and self.min_expert_precision not in _MIN_EXPERT_PRECISIONS:
-            raise ValueError(f"min_expert_precision must be one of {', '.join(_MIN_EXPERT_PRECISIONS)}; got "
-                             f"{self.min_expert_precision!r}")
-        if not dynamic:
-            return
-        low, high = self.watermarks()
-        if not (0.0 <= low < high <= 1.0):
-            raise ValueError(f"KV watermarks need 0 <= --kv-low-watermark < --kv-high-watermark <= 1 (fractions "
-                             f"of the KV cache's blocks); got low={low}, high={high}")
-        for name, given in (("--expert-placement resident", self.expert_placement == "resident"),
-                            ("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
-                            ("--num-compressed-experts", self.num_compressed_experts is not None),
-                            ("--expert-compression", self.expert_compression != "none"),
-                            ("--expert-buffers vmm", self.expert_buffers in ("vmm", "vmm-ring"))):
-            if given:
-                raise ValueError(f"--expert-precision dynamic places every expert itself (paged, plain compute "
-                                 f"buffers); it contradicts {name}")
+    # -- the nested view: built from the flat fields on each access (they are the flag surface, and
+    # `vars(config)` stays the flags alone)
+    def section(self, name: str):
+        cls, names = SECTIONS[name]
+        return cls(**{nested: getattr(self, flat) for flat, nested in names.items()})
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.section("model_config")
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return self.section("scheduler")
+
+    @property
+    def cache(self) -> CacheConfig:
+        return self.section("cache")
+
+    @property
+    def experts(self) -> ExpertConfig:
+        return self.section("experts")
+
+    # the expert flags' derived values live with them (ExpertConfig); kept here under their old names
     def watermarks(self) -> tuple[float, float]:
-        """(low, high) KV watermarks of dynamic precision, as fractions of the KV cache's blocks."""
-        low = 0.05 if self.kv_low_watermark is None else self.kv_low_watermark
-        high = 0.25 if self.kv_high_watermark is None else self.kv_high_watermark
-        return low, high
+        return self.experts.watermarks()
 
     def placement(self) -> tuple[str, Optional[int]]:
-        """(resident|paged|auto, resident experts per layer or None when not fixed by a flag)."""
-        if self.cpu_moe or self.quantized_precision() is not None or self.expert_precision == "dynamic":
-            return "paged", 0
-        if self.num_gpu_experts is not None:
-            return "paged", self.num_gpu_experts
-        if self.num_compressed_experts:  # a fixed compressed tier: nothing else resident
-            return "paged", 0
-        return self.expert_placement, None
+        return self.experts.placement_mode()
 
     def quantized_precision(self) -> Optional[str]:
-        """The lossy format of a static --expert-precision ("fp8", "int8", "int4"), else None."""
-        p = self.expert_precision
-        return p[len("static-"):] if p in _EXPERT_PRECISIONS and p.startswith("static-") else None
+        return self.experts.quantized_precision()
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pagedmoe.engine.memory import GiB
+from pagedmoe.planning.kv_sizing import GiB
 
 PNGS = ("throughput.png", "kv_capacity.png", "step_breakdown.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -12,7 +12,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _weight_bytes() -> int:
     from pagedmoe.config import default_model_path
-    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.planning.model_shape import ModelShape
 
     return ModelShape.from_hf_config(default_model_path(), dtype_bytes=4).weight_bytes  # float32 on CPU
 

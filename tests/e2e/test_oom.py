@@ -60,7 +60,7 @@ def test_oom_while_allocating_the_kv_cache_is_named(ckpt, monkeypatch):
 
 def test_oom_elsewhere_at_start_still_names_the_budget(ckpt, monkeypatch):
     from pagedmoe import LLM
-    from pagedmoe.engine import llm_engine
+    from pagedmoe.engine import startup as llm_engine
     from pagedmoe.oom import DeviceOutOfMemoryError
 
     monkeypatch.setattr(llm_engine, "ActivityTable", raise_oom)

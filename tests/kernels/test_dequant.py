@@ -23,7 +23,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [
 
 
 def _stack(parts):
-    from pagedmoe.experts.quantized import _stack as stack
+    from pagedmoe.experts.tiers.quantized import stack_quantized as stack
 
     return stack(parts)
 

@@ -231,7 +231,7 @@ def test_quantized_experts_equal_the_dequantized_ones(precision, T, E, A, H, I):
     (fp32 activations in the interpreter, where bf16 dots are not exact; bf16 on the GPU). Sizes with a
     short last int4 group, K below one group, and odd tails."""
     from pagedmoe.codecs.quant import dequantize, quantize
-    from pagedmoe.experts.quantized import _stack
+    from pagedmoe.experts.tiers.quantized import stack_quantized as _stack
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     g = torch.Generator().manual_seed(T * H + I)
@@ -253,7 +253,7 @@ def test_quantized_experts_equal_the_dequantized_ones(precision, T, E, A, H, I):
 
 def test_quantized_experts_refuse_bad_stacks():
     from pagedmoe.codecs.quant import quantize
-    from pagedmoe.experts.quantized import _stack
+    from pagedmoe.experts.tiers.quantized import stack_quantized as _stack
 
     q13 = _stack([quantize(torch.randn(16, 32).to(DEVICE), "int8") for _ in range(2)])
     q2 = _stack([quantize(torch.randn(32, 8).to(DEVICE), "int4") for _ in range(2)])
@@ -272,7 +272,7 @@ def test_mixed_precision_layer_equals_the_assembled_one(T, E, A, H, I):
     the layer assembled with the quantized experts dequantized, bit for bit; an expert in no part's slots
     would be a bug, so every expert is in exactly one."""
     from pagedmoe.codecs.quant import dequantize, quantize
-    from pagedmoe.experts.quantized import _stack
+    from pagedmoe.experts.tiers.quantized import stack_quantized as _stack
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     g = torch.Generator().manual_seed(E * H + T)

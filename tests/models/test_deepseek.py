@@ -87,7 +87,7 @@ def test_cache_holds_the_compressed_latent(tmp_path, kv_lora_rank):
     """The paged cache holds kv_a_layernorm(c) ++ roped k_pe per token, nothing expanded; the engine,
     the model runner and the planner agree on its size."""
     from pagedmoe import LLM, SamplingParams
-    from pagedmoe.experts.model_shape import ModelShape
+    from pagedmoe.planning.model_shape import ModelShape
 
     hf = make_tiny_checkpoint("deepseek_v3", tmp_path, seed=3, kv_lora_rank=kv_lora_rank)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64, block_size=8)
@@ -191,10 +191,10 @@ def test_lossless_tier_and_auto_placement(tmp_path):
     got, engine = trace(num_gpu_experts=2, num_compressed_experts=4)
     assert engine.get_stats()["experts"] == {"resident/bf16": 10, "compressed/bf16": 20, "host/bf16": 10}
     assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
-    from pagedmoe.engine.memory import estimate_activation_bytes
-    from pagedmoe.experts.model_shape import ModelShape
-    from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.planner import PlanInputs, minimum_budget_bytes
+    from pagedmoe.planning.kv_sizing import estimate_activation_bytes
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.placement import Placement
+    from pagedmoe.planning.planner import PlanInputs, minimum_budget_bytes
 
     c, dims = resident.config, resident.model.dims
     shape = ModelShape.from_model_dims(dims, resident.model.spec, 2)

@@ -57,11 +57,12 @@ def test_ring_buffers_with_uneven_layers(ckpt, counts, eager, monkeypatch):
     """vmm-ring with a different number of resident experts per layer (the planner's spread placements):
     copies issued at the forward's start and after the MoE of the layer whose ring rows they reuse; logits
     identical to resident placement, with and without CUDA graphs."""
-    from pagedmoe.engine.llm_engine import LLMEngine
-    from pagedmoe.experts.cost_model import ring_wait_layers
+    from pagedmoe.engine import startup
+    from pagedmoe.planning.cost_model import ring_wait_layers
+    from pagedmoe.planning.resolve import ExpertPlan
 
     ref_logits, ref_tokens, _ = _trace(ckpt, enforce_eager=eager, expert_buffers="plain")
-    monkeypatch.setattr(LLMEngine, "_resolve_placement", lambda self: ("paged", list(counts), None))
+    monkeypatch.setattr(startup, "resolve_expert_plan", lambda *a, **kw: ExpertPlan("paged", tuple(counts), None))
     logits, tokens, engine = _trace(ckpt, enforce_eager=eager, expert_buffers="vmm-ring")
     buffers = engine.expert_store.buffers
     assert buffers.ring and engine.pager.ring

@@ -141,14 +141,14 @@ def test_compressed_tier_logits_bit_identical_to_resident(bf16_ckpt):
 def test_compressed_tier_into_padded_rows(bf16_ckpt, monkeypatch):
     """Buffer rows longer than an expert (VMM rounds them up to 2 MiB): each layer's compressed experts still
     decode in one launch, each into its own row, and the logits stay those of resident placement."""
-    import pagedmoe.experts.manager as manager
+    import pagedmoe.experts.build as manager
 
     ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
     monkeypatch.setattr(manager, "STRIDE_ALIGN_BYTES", 8192)
     got, engine = _logits_trace(bf16_ckpt, dtype="bfloat16", num_gpu_experts=1, num_compressed_experts=5)
     store = engine.expert_store
     assert store.stride > store.expert_numel  # rows are padded
-    assert all(len(runs) == 1 for runs in engine.pager._decodes)  # one decode per layer
+    assert all(len(runs) == 1 for runs in engine.pager.fill.decodes)  # one decode per layer
     assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
@@ -238,9 +238,9 @@ def test_auto_placement_uses_the_compressed_tier_only_when_asked(tmp_path, monke
     import dataclasses
 
     from pagedmoe import LLM
-    from pagedmoe.experts import planner
-    from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
-    from pagedmoe.experts.placement import Placement
+    from pagedmoe.planning import planner
+    from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
+    from pagedmoe.planning.placement import Placement
 
     make_tiny_checkpoint("mixtral", tmp_path, seed=2, dtype=torch.bfloat16, num_hidden_layers=4)
     common = dict(device="cpu", dtype="bfloat16", max_model_len=64)
@@ -311,7 +311,7 @@ def test_warm_ups_skip_host_copies_and_count_nothing():
         for layer in range(store.table.num_layers):
             pager.before_layer(layer)
             pager.weights(layer)
-            pager.after_experts(layer)
+            pager.done(layer)
     assert pager.stats.as_dict() == stats
     assert all(not store.buffers.packed(layer).any() for layer in range(2))
     pager.begin_forward()
@@ -359,8 +359,8 @@ def test_compressed_host_tier_in_groups_into_padded_rows(bf16_ckpt, monkeypatch)
     """A layer's compressed host experts move and decode in groups of consecutive experts (at most
     HOST_GROUP_BYTES of bf16 each; one copy per array and one decode per group), into rows padded past the
     expert: logits equal resident placement."""
-    import pagedmoe.experts.manager as manager
-    import pagedmoe.experts.store as store_mod
+    import pagedmoe.experts.build as manager
+    import pagedmoe.experts.tiers.host as store_mod
 
     ref, _ = _logits_trace(bf16_ckpt, dtype="bfloat16")
     monkeypatch.setattr(manager, "STRIDE_ALIGN_BYTES", 8192)
@@ -387,10 +387,10 @@ def test_host_compression_flags(bf16_ckpt):
 
 
 def test_planner_models_the_compressed_host_tier():
-    from pagedmoe.engine.memory import GiB
-    from pagedmoe.experts.model_shape import ModelShape
-    from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.planner import PlanInputs, plan_placement
+    from pagedmoe.planning.kv_sizing import GiB
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.placement import Placement
+    from pagedmoe.planning.planner import PlanInputs, plan_placement
 
     shape = ModelShape.from_hf_config("benchmarks/configs/mixtral-8x7b", dtype_bytes=2)
     plans = {}
@@ -411,7 +411,7 @@ def test_host_compression_auto_follows_the_planner(bf16_ckpt, monkeypatch):
     """--host-compression auto: the planner models the placement with and without the compressed host tier
     and the engine builds the faster one; explicit lossless where the plan is resident fails loudly."""
     from pagedmoe import LLM
-    from pagedmoe.experts import planner
+    from pagedmoe.planning import planner
 
     picked = {}
     real = planner.plan_memory
@@ -429,7 +429,7 @@ def test_host_compression_auto_follows_the_planner(bf16_ckpt, monkeypatch):
     assert llm.engine.host_compression == best
     assert any(llm.engine.expert_store.host_compressed) == (best == "lossless")
     # On a machine with a slow host link the compressed host tier wins and is what the engine builds.
-    from pagedmoe.experts.cost_model import HardwareProfile
+    from pagedmoe.planning.cost_model import HardwareProfile
 
     slow = HardwareProfile(pcie_h2d_bytes_per_s=1e6)
     monkeypatch.setattr(planner, "plan_memory", lambda *a, **kw: real(*a, hw=slow, **kw))
@@ -455,7 +455,7 @@ def test_warm_ups_decode_valid_staging_with_a_compressed_host_tier(bf16_ckpt):
         pager.begin_forward()
         for layer in range(engine.expert_store.table.num_layers):
             pager.weights(layer)
-            pager.after_experts(layer)
+            pager.done(layer)
     assert pager.stats.as_dict() == stats
     store = engine.expert_store
     view = store.host_staging[0][0]
@@ -551,7 +551,7 @@ def test_engine_bounds_the_host_tier(tmp_path, monkeypatch):
     """--host-memory-gb (else the detected host memory) reaches the planner: with too little host memory
     for any paged plan at this budget the engine refuses, naming host memory."""
     from pagedmoe import LLM
-    from pagedmoe.engine import llm_engine
+    from pagedmoe.engine import startup as llm_engine
 
     make_tiny_checkpoint("mixtral", tmp_path, seed=1, num_hidden_layers=6)
     probe = LLM(str(tmp_path), device="cpu", max_model_len=64).engine.plan

@@ -99,7 +99,7 @@ def test_static_precision_needs_no_host_tier(ckpt, precision, monkeypatch):
     expert (given, or detected) does not refuse it, and nothing lands in host memory. The same limit refuses
     the exact paged placement, whose experts do live in host memory."""
     from pagedmoe import LLM
-    from pagedmoe.engine import llm_engine
+    from pagedmoe.engine import startup as llm_engine
 
     tiny = 1024 / 1024 ** 3  # 1 KiB
     common = dict(device="cpu", max_model_len=64)

@@ -1,4 +1,4 @@
-"""--gpu-memory-gb against the device (LLMEngine._clamp_to_device), with the process's memory monitor faked:
+"""--gpu-memory-gb against the device (engine/startup.py::clamp_to_device), with the process's memory monitor faked:
 above the device's total it is refused, above what the device can give beside other processes it is cut
 (with a warning), below it is kept."""
 import logging
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedmoe.engine.llm_engine import DEVICE_HEADROOM, LLMEngine
-from pagedmoe.engine.memory import GiB
+from pagedmoe.engine.startup import DEVICE_HEADROOM, clamp_to_device
+from pagedmoe.planning.kv_sizing import GiB
 
 
 @pytest.fixture
@@ -18,15 +18,15 @@ def engine():
 
 def test_budget_above_the_device_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds this device's 140.00 GiB"):
-        LLMEngine._clamp_to_device(engine, 141 * GiB)
+        clamp_to_device(engine.memory, 141 * GiB)
 
 
 def test_budget_above_what_is_left_is_cut(engine, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedmoe"):
-        got = LLMEngine._clamp_to_device(engine, 139 * GiB)
+        got = clamp_to_device(engine.memory, 139 * GiB)
     assert got == 130 * GiB - DEVICE_HEADROOM
     assert "is more than this device can give" in caplog.text and "other processes hold 10.00" in caplog.text
 
 
 def test_budget_that_fits_is_kept(engine):
-    assert LLMEngine._clamp_to_device(engine, 100 * GiB) == 100 * GiB
+    assert clamp_to_device(engine.memory, 100 * GiB) == 100 * GiB

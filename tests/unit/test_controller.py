@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmoe.experts.controller import DynamicPrecisionManager, Watermarks
+from pagedmoe.experts.dynamic.controller import Watermarks
+from pagedmoe.experts.dynamic.manager import DynamicPrecisionManager
 from pagedmoe.kvcache.block_pool import BlockPool, KVCacheManager
 
 BYTES = {"bf16": 100, "fp8": 52, "int8": 52, "int4": 28}
@@ -181,7 +182,7 @@ def test_precision_metrics_exported():
 # -- the vectorised ranking against the per-Move reference ---------------------------------------------
 def _ref_demote(ctl, need_bytes, last_access):
     """PressureController.demote as first written: a Move per expert, sorted by demote_rank."""
-    from pagedmoe.experts.precision import EXACT
+    from pagedmoe.experts.dynamic.precision import EXACT
 
     pol = ctl.policy
     cands = [m for k, p in ctl.assignment.items() if (m := pol.demotion(k, p)) is not None]
@@ -201,7 +202,7 @@ def _ref_demote(ctl, need_bytes, last_access):
 
 
 def _ref_promote(ctl, room_bytes, last_access):
-    from pagedmoe.experts.precision import EXACT
+    from pagedmoe.experts.dynamic.precision import EXACT
 
     pol = ctl.policy
     cands = [m for k, p in ctl.assignment.items() if (m := pol.promotion(k, p)) is not None]
@@ -224,8 +225,8 @@ def test_vectorised_selection_matches_reference(seed):
     byte caps and needs; over several rounds of applied moves, re-measured errors and new activity."""
     import random
 
-    from pagedmoe.experts.controller import PressureController
-    from pagedmoe.experts.precision import PrecisionPolicy, QualityCosts
+    from pagedmoe.experts.dynamic.controller import PressureController
+    from pagedmoe.experts.dynamic.precision import PrecisionPolicy, QualityCosts
 
     rng = random.Random(seed)
     L, E = rng.choice([(1, 5), (2, 8), (3, 17)])

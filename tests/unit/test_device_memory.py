@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedmoe.engine import memory as m
-from pagedmoe.engine.memory import GiB, BudgetError
+from pagedmoe.planning import kv_sizing as m
+from pagedmoe.planning.kv_sizing import GiB, BudgetError
 
 MiB = 1 << 20
 
@@ -111,21 +111,21 @@ def test_pure_accounting():
 
 
 def test_plan_memory_keeps_the_reserve_and_names_the_minimum_with_it():
-    plan = m.plan_memory(20 * GiB, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB)
+    plan = m.size_kv_cache(20 * GiB, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB)
     assert plan.num_kv_blocks == 7 * 1024 and plan.reserve_bytes == 2 * GiB
     assert "reserved 2.00 GiB" in plan.summary()
     with pytest.raises(BudgetError, match=r"the reserve \(2.00 GiB.*the minimum is 13.06 GiB") as e:
-        m.plan_memory(13 * GiB, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB)
+        m.size_kv_cache(13 * GiB, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB)
     assert "\n" not in str(e.value)          # one line
     need = 13 * GiB + 64 * MiB       # the minimum it names is enough
-    assert m.plan_memory(need, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB).num_kv_blocks == 64
+    assert m.size_kv_cache(need, 10 * GiB, 1 * GiB, 1 * MiB, 16, 1024, 10 ** 6, reserve_bytes=2 * GiB).num_kv_blocks == 64
 
 
-# -- the engine's KV sizing from measured memory (LLMEngine._plan_memory on fakes) -------------------------
+# -- the engine's KV sizing from measured memory (engine/startup.py::plan_kv_cache on fakes) -------------------------
 def fake_engine(monkeypatch, budget_gib, measured, dynamic_floor=0, profile=1 * GiB, eager=True):
+    """An object whose _plan_memory() runs the engine's KV sizing (engine/startup.py::plan_kv_cache) on fakes."""
     from pagedmoe.config import EngineConfig
-    from pagedmoe.engine import llm_engine
-    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.engine import startup
 
     calls = []
 
@@ -133,7 +133,7 @@ def fake_engine(monkeypatch, budget_gib, measured, dynamic_floor=0, profile=1 * 
         calls.append(args)
         return profile
 
-    monkeypatch.setattr(llm_engine, "profile_step_bytes", profile_step_bytes)
+    monkeypatch.setattr(startup, "profile_step_bytes", profile_step_bytes)
     dims = SimpleNamespace(num_layers=48, num_kv_heads=8, head_dim=128, hidden_size=256, moe_intermediate_size=128,
                            top_k=2, vocab_size=1000)
     store = SimpleNamespace(device_bytes=8 * GiB + dynamic_floor, dynamic_bytes=dynamic_floor,
@@ -143,11 +143,10 @@ def fake_engine(monkeypatch, budget_gib, measured, dynamic_floor=0, profile=1 * 
     marks = {}
     memory = SimpleNamespace(total_bytes=140 * GiB, others_bytes=0,
                              mark=lambda stage: marks.setdefault(stage, measured))
-    e = LLMEngine.__new__(LLMEngine)
-    e.config = EngineConfig(model="x", gpu_memory_gb=budget_gib, max_model_len=1024, max_num_seqs=64,
-                            max_num_batched_tokens=2048, enforce_eager=eager)
-    e.model, e.expert_store, e.memory, e.dtype = model, store, memory, torch.bfloat16
-    e.device, e.max_model_len, e._eager = torch.device("cuda", 0), 1024, eager
+    config = EngineConfig(model="x", gpu_memory_gb=budget_gib, max_model_len=1024, max_num_seqs=64,
+                          max_num_batched_tokens=2048, enforce_eager=eager)
+    e = SimpleNamespace(_plan_memory=lambda: startup.plan_kv_cache(config, model, torch.device("cuda", 0),
+                                                                   torch.bfloat16, 1024, memory, eager))
     return e, calls
 
 

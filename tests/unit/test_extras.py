@@ -51,7 +51,7 @@ def test_sweep_plots_without_matplotlib_fail_first(monkeypatch, capsys, tmp_path
 
 
 def test_cuda_without_triton_names_the_gpu_extra(monkeypatch):
-    from pagedmoe.engine.llm_engine import _check_gpu_packages
+    from pagedmoe.engine.startup import check_gpu_packages as _check_gpu_packages
     from pagedmoe.extras import MissingPackageError
 
     _check_gpu_packages(torch.device("cpu"))  # the CPU needs no kernels of ours

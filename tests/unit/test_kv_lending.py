@@ -25,7 +25,7 @@ def test_chunks_fill_whole_granules_and_stay_few():
 
 @pytest.mark.gpu
 def test_lendable_kv_cache_gives_memory_back_and_maps_it_again_zeroed():
-    from pagedmoe.experts import vmm
+    from pagedmoe import cuda_vmm as vmm
     from pagedmoe.kvcache.kv_cache import LendableKVCache
 
     dev = torch.device("cuda")
@@ -67,7 +67,7 @@ def test_dynamic_engine_lends_kv_memory_physically(tmp_path):
     from tiny_models import make_tiny_checkpoint
 
     from pagedmoe import LLM
-    from pagedmoe.experts import vmm
+    from pagedmoe import cuda_vmm as vmm
 
     if not vmm.available(torch.device("cuda")):
         pytest.skip("no CUDA VMM (cuda-python)")

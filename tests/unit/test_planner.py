@@ -1,4 +1,4 @@
-"""Memory/placement planner and cost model (experts/planner.py, cost_model.py, model_shape.py) on CPU,
+"""Memory/placement planner and cost model (planning/planner.py, cost_model.py, model_shape.py) on CPU,
 with numbers checked by hand; `pagedmoe plan` on the shape-only benchmark configs."""
 import json
 from dataclasses import replace
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from pagedmoe.engine.memory import GiB, BudgetError
-from pagedmoe.experts.cost_model import (H200, HardwareProfile, StepTraffic, expected_distinct_experts, pipeline_s,
+from pagedmoe.planning.kv_sizing import GiB, BudgetError
+from pagedmoe.planning.cost_model import (H200, HardwareProfile, StepTraffic, expected_distinct_experts, pipeline_s,
                                          step_cost)
-from pagedmoe.experts.model_shape import ModelShape
-from pagedmoe.experts.placement import Placement
-from pagedmoe.experts.planner import (PlacementBudgetError, PlanInputs, minimum_budget_bytes, plan_memory,
+from pagedmoe.planning.model_shape import ModelShape
+from pagedmoe.planning.placement import Placement
+from pagedmoe.planning.planner import (PlacementBudgetError, PlanInputs, minimum_budget_bytes, plan_memory,
                                       plan_placement)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -113,7 +113,7 @@ def test_pipeline_by_hand():
 def test_uneven_copies_cost_more_than_even_ones():
     """The planner splits the copy side by each layer's host experts: a few host experts in a few layers
     hide less behind compute than the same bytes spread evenly."""
-    from pagedmoe.experts.placement import Placement
+    from pagedmoe.planning.placement import Placement
 
     gpu = (8,) * 29 + (7,) * 3
     uneven = Placement(8, gpu)
@@ -305,7 +305,7 @@ def test_plan_cli_selection_errors(capsys):
 
 
 def test_ring_wait_layers_and_the_ring_pipeline():
-    from pagedmoe.experts.cost_model import ring_wait_layers
+    from pagedmoe.planning.cost_model import ring_wait_layers
 
     # Uniform: the ring waits like the two-slot rotation (layer l for layer l + 2).
     assert ring_wait_layers([[0, 1], [2, 3], [4, 5], [6, 7]], 4) == [-1, -1, 0, 1]
@@ -324,7 +324,7 @@ def test_ring_wait_layers_and_the_ring_pipeline():
 
 
 def test_vmm_ring_plan_hides_more_than_two_slots():
-    from pagedmoe.experts.placement import Placement
+    from pagedmoe.planning.placement import Placement
 
     gpu = (8,) * 29 + (7,) * 3
     steps = {}
@@ -365,7 +365,7 @@ def test_ring_planner_spaces_the_host_experts_and_hides_their_copies():
 # -- the host tier bounded by host memory -------------------------------------------------------
 
 def test_host_limit_refuses_a_host_heavy_placement():
-    from pagedmoe.experts.planner import HostBudgetError
+    from pagedmoe.planning.planner import HostBudgetError
 
     limit = 40 * GiB
     inputs = PlanInputs(MIXTRAL, 64 * GiB, ACT, 2048, workload=(1024, 1024), host_budget_bytes=limit)
@@ -405,7 +405,7 @@ def test_host_limit_moves_experts_to_the_compressed_tier():
 
 
 def test_host_limit_named_when_nothing_fits():
-    from pagedmoe.experts.planner import HostBudgetError
+    from pagedmoe.planning.planner import HostBudgetError
 
     # 48 GiB holds every paged placement's device share, but 20 GiB of host memory needs >= 196 experts on
     # the GPU (64 GiB): host memory is why nothing fits; the budget named is the cheapest within the limit.
@@ -427,7 +427,7 @@ def test_host_limit_named_when_nothing_fits():
 
 
 def test_detect_host_budget_from_meminfo(tmp_path):
-    from pagedmoe.engine.memory import detect_host_budget_bytes
+    from pagedmoe.planning.kv_sizing import detect_host_budget_bytes
 
     def meminfo(total_kb, avail_kb):
         p = tmp_path / f"meminfo_{total_kb}_{avail_kb}"

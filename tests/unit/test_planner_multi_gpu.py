@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pagedmoe.engine.memory import GiB
-from pagedmoe.experts.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
-from pagedmoe.experts.model_shape import ModelShape
-from pagedmoe.experts.placement import Placement
-from pagedmoe.experts.planner import PlanInputs, minimum_budget_bytes, plan_memory, plan_placement
+from pagedmoe.planning.kv_sizing import GiB
+from pagedmoe.planning.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
+from pagedmoe.planning.model_shape import ModelShape
+from pagedmoe.planning.placement import Placement
+from pagedmoe.planning.planner import PlanInputs, minimum_budget_bytes, plan_memory, plan_placement
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 KW = dict(max_model_len=2048, workload=(1024, 1024), max_num_seqs=256)

@@ -1,9 +1,10 @@
-"""Precision ladder, quality costs, budget policy and pressure controller (experts/precision.py), on fake numbers."""
+"""Precision ladder, quality costs, budget policy and pressure controller (experts/dynamic/precision.py), on fake numbers."""
 import pytest
 
 from pagedmoe.codecs.quant import expert_bytes
-from pagedmoe.experts.precision import (LADDER, Move, PrecisionPolicy, PressureController, QualityCosts, Watermarks,
-                                        rung_bytes)
+from pagedmoe.experts.dynamic.controller import PressureController, Watermarks
+from pagedmoe.experts.dynamic.precision import (LADDER, Move, PrecisionPolicy, QualityCosts,
+                                               rung_bytes)
 
 BYTES = {"bf16": 100, "lossless": 68, "fp8": 51, "int8": 51, "int4": 27}
 REL = {"fp8": 0.03, "int8": 0.01, "int4": 0.10}

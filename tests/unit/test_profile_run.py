@@ -1,8 +1,8 @@
-"""The profile step start-up runs before sizing the KV cache (worker/profile_run.py): its shape, and that it
+"""The profile step start-up runs before sizing the KV cache (engine/profile_run.py): its shape, and that it
 runs through the model (paged too) on a temporary KV cache it leaves nothing of. CPU: no bytes measured."""
 import pytest
 
-from pagedmoe.worker.profile_run import profile_lengths
+from pagedmoe.engine.profile_run import profile_lengths
 
 
 def test_profile_lengths_fill_the_largest_step():
@@ -19,7 +19,7 @@ def test_profile_step_runs_and_leaves_no_kv_cache(tmp_path, placement):
 
     from pagedmoe.config import EngineConfig
     from pagedmoe.engine.llm_engine import LLMEngine
-    from pagedmoe.worker.profile_run import profile_step_bytes
+    from pagedmoe.engine.profile_run import profile_step_bytes
 
     make_tiny_checkpoint("mixtral", tmp_path, seed=4)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=40,

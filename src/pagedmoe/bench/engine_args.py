@@ -41,7 +41,7 @@ def device_memory(engine, budget_bytes: Optional[int] = None) -> dict:
         return {}
     import torch
 
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     torch.cuda.synchronize(engine.device)
     out = mon.record(budget_bytes or engine.plan.budget_bytes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedmoe.experts.cost_model import H200, expected_distinct_experts
+from pagedmoe.planning.cost_model import H200, expected_distinct_experts
 
 H200_HBM_BYTES_PER_S = H200.hbm_bytes_per_s   # device-to-device copy, bytes read + written
 

@@ -37,7 +37,7 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     prompts = random_prompts(num_prompts, input_len, engine.model.dims.vocab_size, seed)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             output_kind="final_only")
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     stats_before = engine.get_stats()
     experts_before = engine.expert_stats()
     start = time.perf_counter()
@@ -106,7 +106,7 @@ def run_steady_state(engine, input_len: int, output_len: int, decode_steps: int,
     if prompt_len < 1:
         raise ValueError(f"--steady-decode-steps {decode_steps} leaves no prompt: input + output must exceed "
                          f"the window plus {fill_steps} fill steps")
-    _warm_up(engine, input_len)
+    warm_up(engine, input_len)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             output_kind="final_only")
     before = engine.get_stats()
@@ -182,7 +182,7 @@ def _timed_eager_steps(engine, steps: int) -> dict:
             "overlap_fraction": 1.0 - wait_s / copy_s if copy_s > 0 else None}
 
 
-def _warm_up(engine, input_len: int) -> None:
+def warm_up(engine, input_len: int) -> None:
     """One short request, so kernel compilation stays out of the timing."""
     from pagedmoe.sampling_params import SamplingParams
 

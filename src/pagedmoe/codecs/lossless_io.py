@@ -58,7 +58,7 @@ def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> Non
         raise CorruptCheckpointError(f"{name}: stored {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
 
 
-def _from_file(f, name: str, h: dict) -> CompressedTensor:
+def read_tensor_file(f, name: str, h: dict) -> CompressedTensor:
     try:
         layout = LosslessLayout(h["lanes"], h["elems_per_lane"], h["max_code_len"])
         lengths = np.asarray(h["code_lengths"], dtype=np.int64)
@@ -114,7 +114,7 @@ def load_compressed(path: str, device: str | torch.device = "cpu", names: list[s
             raise CorruptCheckpointError(f"{path}: format {info.get('format')} v{info.get('version')}, "
                                          f"this build reads {FORMAT_NAME} v{FORMAT_VERSION}")
         headers = info["tensors"]
-        compressed = {n: _from_file(f, n, h) for n, h in headers.items() if names is None or n in names}
+        compressed = {n: read_tensor_file(f, n, h) for n, h in headers.items() if names is None or n in names}
         plain = {k: f.get_tensor(k) for k in f.keys() if SUFFIX not in k}
     dev = torch.device(device)
     if dev.type != "cpu":

@@ -14,37 +14,13 @@ running request is computing right now waits for it (parallel samples of one pro
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
 
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int  # tokens already in the KV cache before this step
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
 class Scheduler:

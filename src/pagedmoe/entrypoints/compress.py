@@ -267,16 +267,20 @@ def run_compress(args) -> int:
 
 
 def write_lossy_forms(model: Path, out: Path, precisions, device) -> Path:
-    """Every expert quantised offline (layout: experts/quantized.py OfflineForms): OUT/expert-lossy/<p>.safetensors
+    """Every expert quantised offline (layout: experts/dynamic/offline.py OfflineForms): OUT/expert-lossy/<p>.safetensors
     and OUT/expert-lossy/quality.json (relative weight error per expert and precision). A subfolder, so
     the checkpoint loader (top-level *.safetensors) never reads them."""
     import torch
 
-    from pagedmoe.experts.quantized import offline_forms_of_store
-    from pagedmoe.models.loader import get_model, load_hf_config
+    from pagedmoe.engine.startup import load_model
+    from pagedmoe.experts.dynamic.offline import offline_forms_of_store
+    from pagedmoe.models.loader import load_hf_config
+    from pagedmoe.planning.resolve import ExpertPlan
 
     hf = load_hf_config(str(model))
-    m = get_model(str(model), hf, "auto", 16, torch.device("cpu"), torch.bfloat16, 0, "paged", 0, "plain")
+    # every expert in the host tier (its master rows), plain buffers: nothing is computed
+    m = load_model(str(model), hf, "auto", 16, torch.device("cpu"), torch.bfloat16, 0,
+                   ExpertPlan("paged", 0, buffers="plain"))
     folder = offline_forms_of_store(m.expert_store, precisions, out, device)
     print(f"lossy expert forms ({', '.join(precisions)}) written to {folder}")
     return folder

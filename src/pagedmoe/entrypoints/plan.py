@@ -71,23 +71,8 @@ def register(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
-def resolve_placement_flags(expert_placement: Optional[str], num_gpu_experts: Optional[int],
-                            cpu_moe: bool) -> tuple[str, Optional[int]]:
-    """(mode, N): --cpu-moe is paged N=0, --num-gpu-experts N implies paged; contradictions are errors."""
-    if cpu_moe and num_gpu_experts not in (None, 0):
-        raise ValueError(f"--cpu-moe pages every expert; it contradicts --num-gpu-experts {num_gpu_experts}")
-    n = 0 if cpu_moe else num_gpu_experts
-    if n is not None:
-        if expert_placement in ("resident", "auto"):
-            flag = "--cpu-moe" if cpu_moe else "--num-gpu-experts"
-            raise ValueError(f"{flag} fixes a paged placement; it cannot take effect with --expert-placement "
-                             f"{expert_placement}")
-        return "paged", n
-    return expert_placement or "auto", None
-
-
 def parse_budget(text: str, weight_bytes: int) -> int:
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     t = text.strip().lower().replace(" ", "")
     try:
@@ -101,8 +86,8 @@ def parse_budget(text: str, weight_bytes: int) -> int:
 
 def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
     """(label, plan or PlacementBudgetError, is_auto, is_selected) for the table."""
-    from pagedmoe.experts.placement import Placement
-    from pagedmoe.experts.planner import PlacementBudgetError, plan_memory, plan_placement
+    from pagedmoe.planning.placement import Placement
+    from pagedmoe.planning.planner import PlacementBudgetError, plan_memory, plan_placement
 
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     ns = sorted({0, E // 4, E // 2, (3 * E) // 4, E - 1} | ({num_gpu} if num_gpu is not None else set()))
@@ -134,7 +119,7 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio):
 
 
 def format_table(rows) -> str:
-    from pagedmoe.engine.memory import GiB
+    from pagedmoe.planning.kv_sizing import GiB
 
     # An all-to-all column only for expert-parallel plans (the one-GPU table is unchanged).
     comm = any(not isinstance(p, Exception) and p.estimate.decode.comm_s > 0 for _, p, _, _ in rows)
@@ -167,10 +152,12 @@ def format_table(rows) -> str:
 
 def run_plan(args) -> int:
     from pagedmoe.config import resolve_model
-    from pagedmoe.engine.memory import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
-    from pagedmoe.experts.cost_model import H200, HardwareProfile
-    from pagedmoe.experts.model_shape import ModelShape
-    from pagedmoe.experts.planner import PlanInputs
+    from pagedmoe.planning.cost_model import H200, HardwareProfile
+    from pagedmoe.planning.kv_sizing import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
+    from pagedmoe.planning.planner import PlanInputs
+    from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
 
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
@@ -192,13 +179,11 @@ def run_plan(args) -> int:
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
-    # what the engine keeps out of the KV cache on the GPU beside the activations (engine/memory.py)
+    # what the engine keeps out of the KV cache on the GPU beside the activations (planning/kv_sizing.py)
     reserve = start_up_reserve_bytes(act, args.max_num_seqs, shape.hidden_size, shape.moe_intermediate_size,
                                      shape.top_k, shape.vocab_size, shape.dtype_bytes, context_bytes=CUDA_CONTEXT_BYTES)
     act += reserve
-    buffers = "vmm" if args.expert_buffers == "auto" else args.expert_buffers
-    from pagedmoe.experts.manager import LOSSLESS_PLANNING_RATIO
-
+    buffers = planning_buffer_kind(args.expert_buffers, cuda=True)   # the plan is for a GPU
     host_ratio = LOSSLESS_PLANNING_RATIO if args.host_compression == "lossless" else 0.0
     name = shape.name or path
     print(f"pagedmoe plan {name}: {shape.num_layers} layers ({shape.num_moe_layers} MoE) x {shape.num_experts} "

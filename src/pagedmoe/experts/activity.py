@@ -23,7 +23,7 @@ class ActivityTable:
         self._ones = torch.ones(4096, dtype=torch.float32, device=device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Called from the MoE layer with its [T, A] routed expert ids."""
+        """Called by the experts object (experts/interface.py) with a MoE layer's [T, A] routed expert ids."""
         flat = topk_ids.reshape(-1)
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else \
             torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
@@ -41,10 +41,6 @@ class ActivityTable:
         self.total += self.step_counts
         self.ema.mul_(self.decay).add_(self.step_counts, alpha=1.0 - self.decay)
         self.step_counts.zero_()
-
-    def attach(self, model) -> None:
-        for moe in model.moe_layers():
-            moe.on_route = self.record
 
     def host_view(self) -> tuple[list[list[float]], list[list[int]]]:
         """(ema, last step routed to) per [layer][expert], read to the host (between steps only)."""

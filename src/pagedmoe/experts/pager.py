@@ -1,4 +1,6 @@
-"""The prefetch pipeline: layer l+1's experts are copied into its compute buffer while layer l computes.
+"""The pager: paged placement's experts object (the expert interface, experts/interface.py) and its
+prefetch pipeline: layer l+1's experts are copied into its compute buffer while layer l computes. What
+each layer's fill copies, decodes and dequantises is planned once (experts/fill_plan.py).
 
 On CUDA the copies run on a dedicated copy stream and are ordered by events, with no host sync:
 
@@ -20,7 +22,7 @@ CUDA-graph capture must be joined back before the capture ends. The decoder is t
 placement), each part into its buffer row, whatever the rows' padding (VMM rows are rounded up to 2 MiB:
 Qwen3-30B-A3B's 9 MiB experts sit 10 MiB apart). The decoder reads only device memory and never syncs.
 
-With ring buffers (`--expert-buffers vmm-ring`, experts/vmm.py) streamed rows rotate through one ring
+With ring buffers (`--expert-buffers vmm-ring`, experts/buffers.py) streamed rows rotate through one ring
 of S rows instead of two per-layer slots: layer j's copy waits only for the layer that last used its ring
 rows (free[m(j)], m(j) = the layer of row k - S for j's last row k) and is issued right after that
 layer's MoE, so a layer with host experts late in the model starts copying many layers ahead; the layers
@@ -38,10 +40,11 @@ from typing import Optional
 
 import torch
 
-from pagedmoe.experts.cost_model import ring_wait_layers
-from pagedmoe.experts.layout import consecutive_runs
+from pagedmoe.experts.interface import (TRITON_MAX_TOKENS, DenseOperand, ExpertOperand, MixedOperand,
+                                       QuantizedOperand)
+from pagedmoe.experts.fill_plan import FillPlan
 from pagedmoe.experts.store import ExpertStore
-from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT
+from pagedmoe.planning.cost_model import ring_wait_layers
 
 
 @dataclass
@@ -60,12 +63,12 @@ class PagerStats:
 
 
 class ExpertPager:
-    def __init__(self, store: ExpertStore, timing: bool = True, direct_quantized: bool = False) -> None:
+    def __init__(self, store: ExpertStore, timing: bool = True, direct_quantized: bool = False,
+                 activity=None) -> None:
         self.store = store
+        self.activity = activity   # ActivityTable (optional): counts the router's ids, on the device
         # --quantized-gemm direct: forwards of few tokens leave the quantized experts as they are and the
-        # MoE layer multiplies them directly (weights() hands it the QuantizedLayer); set per forward.
-        from pagedmoe.models.layers.moe import TRITON_MAX_TOKENS
-
+        # MoE layer multiplies them directly (weights() hands it the quantized operand); set per forward.
         self.direct_quantized = direct_quantized
         self._direct_max_tokens = TRITON_MAX_TOKENS  # larger forwards dequantise for grouped_mm
         self._direct = False
@@ -76,6 +79,7 @@ class ExpertPager:
         # NOTE: the fill plan holds views of the host rows; it is built on first use, after loading, so
         # a host tier compressed at ExpertStore.finalize can free its raw rows layer by layer.
         self._planned = False
+        self.fill: Optional[FillPlan] = None
         self.ring = self.cuda and getattr(store.buffers, "ring", False)
         if self.ring:
             self._wait_layer = ring_wait_layers(store.buffers.streamed_rows, store.buffers.ring_size)
@@ -103,61 +107,14 @@ class ExpertPager:
         """Drop the fill plan: it is rebuilt from the store on next use (after ExpertStore.finalize, which
         may have compressed the host tier)."""
         self._planned = False
-        self._copies = self._host_experts = None
+        self.fill = None
 
     def _plan(self) -> None:
-        """Build the host-side plan of every layer's fill from the store."""
+        """Build the host-side plan of every layer's fill from the store (experts/fill_plan.py)."""
         if self._planned:
             return
         self._planned = True
-        store = self.store
-        # (destination row, source row, is_host) copies of each layer
-        self._copies = [self._layer_copies(layer) for layer in range(self.num_layers)]
-        # a compressed host tier: per group, (host array, staging array) copies, its staging view, its rows
-        self._host_experts = [self._layer_host_experts(layer) for layer in range(self.num_layers)]
-        self._bytes_per_layer = [(sum(s.numel() * s.element_size() for _, s, h in c if h)
-                                  + sum(src.numel() * src.element_size() for arrays, _, _ in he for src, _ in arrays),
-                                  sum(s.numel() * s.element_size() for _, s, h in c if not h))
-                                 for c, he in zip(self._copies, self._host_experts)]
-        # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
-        self._decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
-        elem = store.dtype.itemsize
-        self._decoded_per_layer = [(store.table.count(layer, COMPRESSED)
-                                    + sum(view.num_parts for _, view, _ in self._host_experts[layer]))
-                                   * store.expert_numel * elem for layer in range(self.num_layers)]
-        self._dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
-                                       for layer in range(self.num_layers)]
-
-    def _layer_host_experts(self, layer: int) -> list[tuple[list, object, torch.Tensor]]:
-        store = self.store
-        cts, views = store.host_compressed[layer], store.host_staging[layer]
-        if not cts:
-            return []
-        names = ("stream", "block_bit_offsets", "lane_bits", "raw")  # what the decoder reads
-        dst, n = store.buffers.packed(layer), store.expert_numel
-        # a group of k consecutive experts decodes into their rows [k, n] (padded rows: a row stride)
-        return [([(getattr(ct, name), getattr(view, name)) for name in names], view, dst[e0:e0 + k, :n])
-                for ct, view, (e0, k) in zip(cts, views, store.host_groups[layer])]
-
-    def _layer_copies(self, layer: int):
-        store, table = self.store, self.store.table
-        dst = store.buffers.packed(layer)
-        n = store.expert_numel  # rows may be padded (VMM granularity): copy the weights only
-        copies = [] if store.host_compressed[layer] else \
-            [(dst[e, :n], store.row(layer, e)[:n], True) for e in table.ids(layer, HOST)]
-        if not store.buffers.maps_resident:
-            copies += [(dst[e, :n], store.row(layer, e)[:n], False) for e in table.ids(layer, RESIDENT)]
-        return copies
-
-    def _layer_decodes(self, layer: int) -> list[tuple[int, int, torch.Tensor]]:
-        """Runs of compressed experts whose parts and buffer rows are both consecutive: one decode each,
-        into the run's rows [k, expert_numel] (row padding up to the stride is skipped by the decoder)."""
-        store = self.store
-        ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
-        if not ids:
-            return []
-        dst, n = store.buffers.packed(layer), store.expert_numel
-        return [(p0, p0 + k, dst[e0:e0 + k, :n]) for p0, e0, k in consecutive_runs(ids)]
+        self.fill = FillPlan(self.store)
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
@@ -189,8 +146,11 @@ class ExpertPager:
         if not self.ring and layer + 1 < self.num_layers:
             self._issue(layer + 1)
 
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (w13, w2) views, once its experts are in place (the compute stream waits)."""
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> ExpertOperand:
+        """The layer's expert operand, once its experts are in place (the compute stream waits). `topk_ids`
+        [T, A] (the router's ids, a device tensor: never read on the host) go to the activity table."""
+        if self.activity is not None and topk_ids is not None:
+            self.activity.record(layer, topk_ids)
         if not self._issued[layer]:
             self._issue(layer)
         if self.cuda:
@@ -203,11 +163,12 @@ class ExpertPager:
         if self._direct:
             dyn = self.store.dynamic
             if dyn is not None:  # NOTE: the published version; a publish happens only between steps
-                return dyn.versions[layer].parts
-            return self.store.quantized[layer]
-        return self.store.views(layer)
+                return MixedOperand(dyn.versions[layer].parts)
+            q = self.store.quantized[layer]   # every expert of the layer quantized, in id order
+            return QuantizedOperand(q.w13, q.w2)
+        return DenseOperand(*self.store.views(layer))
 
-    def after_experts(self, layer: int) -> None:
+    def done(self, layer: int) -> None:
         """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""
         if self.ring:
             self.free[layer].record()
@@ -264,55 +225,13 @@ class ExpertPager:
             stream.wait_event(self.free[self._wait_layer[layer]])
 
     def _device_work(self, layer: int) -> bool:
-        """Whether the layer's fill reads GPU tiers (dynamic precision fills from its versions instead)."""
-        return self.store.dynamic is None and (
-            bool(self._decodes[layer]) or bool(self._dequantized_per_layer[layer] and not self._direct))
+        return self.fill.device_work(layer, self._direct)
 
     def _fill_copies(self, layer: int) -> None:
-        """The part of layer `layer`'s fill that reads host memory (on CUDA, the copy stream): copies from the
-        host tier (and resident rows for the plain double buffer), a compressed host tier's copies and their
-        decodes; under dynamic precision the whole fill (device work only). On CPU synchronously."""
-        dyn = self.store.dynamic
-        if dyn is not None:
-            # NOTE: read the published version once: a publish happens only between steps.
-            if not self._direct:  # direct: the MoE layer reads the version's parts (weights())
-                dyn.versions[layer].fill(self.store.buffers.packed(layer))
-            return
-        for dst, src, from_host in self._copies[layer]:
-            if not (from_host and self._skip_host):
-                dst.copy_(src, non_blocking=self.cuda)
-        if self._host_experts[layer]:
-            from pagedmoe.kernels.lossless_decode import decode_runs
-
-            for arrays, view, rows in self._host_experts[layer]:
-                if not self._skip_host:
-                    for src, dst in arrays:
-                        dst.copy_(src, non_blocking=self.cuda)
-                decode_runs(view, [(0, view.num_parts, rows)])
+        self.fill.fill_copies(layer, self._skip_host, self.cuda, self._direct)
 
     def _fill_on_device(self, layer: int) -> None:
-        """The part of the fill from GPU tiers (on CUDA, the decode stream, beside the copies): lossless
-        decodes of the compressed tier, dequantisation of the quantized one."""
-        if self._decodes[layer]:
-            from pagedmoe.kernels.lossless_decode import decode_runs
-
-            decode_runs(self._compressed(layer), self._decodes[layer])
-        if self._dequantized_per_layer[layer] and not self._direct:
-            # NOTE: sync-free: on CUDA one Triton launch per weight kind (kernels/dequant.py), on CPU the
-            # PyTorch reference.
-            self._quantized(layer).dequantize_into(self.store.buffers.packed(layer))
-
-    def _compressed(self, layer: int):
-        ct = self.store.compressed[layer]
-        if ct is None:
-            raise RuntimeError(f"MoE layer {layer}'s compressed experts are not encoded yet (ExpertStore.finalize)")
-        return ct
-
-    def _quantized(self, layer: int):
-        q = self.store.quantized[layer]
-        if q is None:
-            raise RuntimeError(f"MoE layer {layer}'s quantized experts are not quantised yet (ExpertStore.finalize)")
-        return q
+        self.fill.fill_on_device(layer, self._direct)
 
     def reset_stats(self) -> None:
         self.stats = PagerStats()
@@ -333,12 +252,12 @@ class ExpertPager:
             self.stats.bytes_dequantized += (self.store.table.num_experts - n_exact - n_lossless) * one
             self.stats.layers_loaded += 1
             return
-        h2d, d2d = self._bytes_per_layer[layer]
+        h2d, d2d = self.fill.bytes_per_layer[layer]
         self.stats.bytes_h2d += h2d
         self.stats.bytes_d2d += d2d
-        self.stats.bytes_decoded += self._decoded_per_layer[layer]
+        self.stats.bytes_decoded += self.fill.decoded_per_layer[layer]
         if not self._direct:
-            self.stats.bytes_dequantized += self._dequantized_per_layer[layer]
+            self.stats.bytes_dequantized += self.fill.dequantized_per_layer[layer]
         self.stats.layers_loaded += 1
 
     def account_replay(self) -> None:
@@ -351,17 +270,17 @@ class ExpertPager:
     @property
     def bytes_per_forward(self) -> int:
         self._plan()
-        return sum(h for h, _ in self._bytes_per_layer)
+        return sum(h for h, _ in self.fill.bytes_per_layer)
 
     @property
     def decoded_bytes_per_forward(self) -> int:
         self._plan()
-        return sum(self._decoded_per_layer)
+        return sum(self.fill.decoded_per_layer)
 
     @property
     def dequantized_bytes_per_forward(self) -> int:
         self._plan()
-        return sum(self._dequantized_per_layer)
+        return sum(self.fill.dequantized_per_layer)
 
     def abort_step(self) -> None:
         """A step that failed part-way (out of memory): drop its timing events, some never recorded."""

@@ -6,7 +6,7 @@ precision stays "bf16": the decode is exact) and "host" (pinned host memory, str
 buffer before its layer runs) and "quantized" (a lossy fp8/int8/int4 copy in GPU memory, dequantised into
 the compute buffer before its layer runs; its precision is that format). Under --expert-precision
 dynamic the tiers mix within a layer and change at run time: "resident" experts are exact rows on the
-device, "quantized" ones lossy forms; both slots are the expert id (experts/quantized.py::DynamicExperts).
+device, "quantized" ones lossy forms; both slots are the expert id (experts/dynamic/versions.py::DynamicExperts).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class ExpertTable:
 
     def set_entry(self, layer: int, expert: int, tier: str, slot: int, precision: str = "bf16") -> None:
         """Dynamic precision: one expert's tier and precision change when a new version is published
-        (experts/quantized.py::DynamicExperts; its slot is the expert id)."""
+        (experts/dynamic/versions.py::DynamicExperts; its slot is the expert id)."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}")
         old = self._entries[layer][expert]
@@ -104,6 +104,10 @@ class ExpertTable:
     def precision_map(self) -> list[list[str]]:
         """[layer][expert] -> precision (for stats and plots)."""
         return [[e.precision if e is not None else "" for e in row] for row in self._entries]
+
+    def lookup(self, layer: int, expert: int) -> Optional[ExpertEntry]:
+        """The entry of (layer, expert); None before it is placed."""
+        return self._entries[layer][expert]
 
     def entry(self, key: ExpertKey) -> ExpertEntry:
         entry = self._entries[key.layer_idx][key.expert_id]

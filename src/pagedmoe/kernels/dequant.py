@@ -1,6 +1,6 @@
 """Dequantisation of a layer's quantized experts straight into their rows of the compute buffer (Triton).
 
-Shapes: the quantized tier stacks its n experts' weights along output channels (experts/quantized.py):
+Shapes: the quantized tier stacks its n experts' weights along output channels (experts/tiers/quantized.py):
 R = n * N rows of K input features. Row r is channel r % N of the layer's (r // N)-th quantized expert;
 its K values land at out[base[r // N] + (r % N) * K : ... + K], base[i] being that expert's element offset
 in the packed [E, stride] buffer (expert id * stride + the weight's offset in the row).

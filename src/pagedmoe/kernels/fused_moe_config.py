@@ -1,103 +1,104 @@
-"""Tuned tile tables of the fused MoE kernels, per (expert shape, batch), as benchmarks/tune_fused_moe.py
-measures them on one GPU model; kernels/fused_moe.py's default_config is the fallback.
+"""Tiles and argument checks of the fused MoE kernels (kernels/fused_moe.py): the tile table by problem
+size and the shape/dtype/device checks every launcher runs before it launches. Never reads device data.
 
-A table is one JSON file per (device name, dtype), in pagedmoe/data/ (shipped with the package) as
-``fused_moe_<device>_<dtype>.json`` (device name with anything but [A-Za-z0-9] as "_", e.g.
-fused_moe_NVIDIA_H200_bfloat16.json), or the file named by PAGEDMOE_FUSED_MOE_CONFIG (``off``: no table):
-
-    {"device": "NVIDIA H200", "dtype": "bfloat16", "commit": "...", "triton": "3.6.0",
-     "shapes": {"E=128,H=2048,I=768,A=8": {"1": {"block_m": 16, ...FusedMoEConfig fields}, "64": {...}}}}
-
-A step of T tokens takes the entry of the smallest tuned batch >= T (the largest past the end): tiles tuned
-for a batch suit the sizes just below it, and padding rows only cost MMA work. A shape the table lacks, a
-device without a table, or float32 (the interpreter's small tiles) fall back to default_config. A table
-that does not parse raises ValueError naming the file, once, at its first use.
+Shapes: T tokens, A experts per token, E experts, H hidden, I expert intermediate size.
 """
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import functools
-import json
+import math
 import os
-import re
-from pathlib import Path
+from dataclasses import dataclass
+
 import torch
+import triton
 
-ENV = "PAGEDMOE_FUSED_MOE_CONFIG"
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from ._attention_checks import check_float, check_index, check_same_device
 
-
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},A={top_k}"
+__all__ = ["FusedMoEConfig", "expected_blocks", "choose_split_k", "default_config", "check_moe_args"]
 
 
-def table_name(device_name: str, dtype: torch.dtype) -> str:
-    return f"fused_moe_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}_{str(dtype).removeprefix('torch.')}.json"
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tiles of the two GEMMs. block_n/block_k/num_* : w13 GEMM (columns of I); *2: w2 GEMM (columns of H)."""
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    block_n2: int = 64
+    block_k2: int = 128
+    num_warps2: int = 4
+    num_stages2: int = 4
+    split_k: int = 0        # partitions of I in the w2 GEMM; 0: chosen by occupancy (choose_split_k)
+    swap_ab: bool = False   # dot(w, a^T): the weight tile on the MMA's M side (both GEMMs)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v}")
+        for name in ("num_warps", "num_warps2"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
+        if self.num_stages < 1 or self.num_stages2 < 1 or not 0 <= self.split_k <= 64:
+            raise ValueError(f"bad stages/split_k in {self}")
 
 
-def parse_table(text: str, source: str) -> dict[str, list[tuple[int, object]]]:
-    """JSON text -> {shape key: [(batch, FusedMoEConfig)] sorted by batch}; ValueError names the source."""
-    from pagedmoe.kernels.fused_moe import FusedMoEConfig
-
-    fields = {f.name for f in dataclasses.fields(FusedMoEConfig)}
-    try:
-        raw = json.loads(text)
-        shapes = raw["shapes"]
-        out = {}
-        for key, per_batch in shapes.items():
-            entries = []
-            for batch, cfg in per_batch.items():
-                unknown = set(cfg) - fields
-                if unknown:
-                    raise ValueError(f"unknown FusedMoEConfig fields {sorted(unknown)}")
-                entries.append((int(batch), FusedMoEConfig(**cfg)))
-            if not entries:
-                raise ValueError(f"shape {key} has no batches")
-            out[key] = sorted(entries, key=lambda e: e[0])
-        return out
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"fused MoE config table {source} is malformed: {e}") from None
+def expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> float:
+    """Blocks a uniform routing fills: touched experts, or slots / block_m when blocks are full."""
+    touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    return max(touched, num_tokens * top_k / block_m, 1.0)
 
 
-@functools.lru_cache(maxsize=None)
-def load_table(device_name: str, dtype: torch.dtype) -> dict:
-    """The table for this device and dtype ({} when there is none); cached, so it is read once."""
-    env = os.environ.get(ENV)
-    if env == "off":
-        return {}
-    path = Path(env) if env else DATA_DIR / table_name(device_name, dtype)
-    if not path.exists():
-        if env:
-            raise ValueError(f"{ENV}={env}: no such file")
-        return {}
-    return parse_table(path.read_text(), str(path))
+def choose_split_k(num_programs: float, k: int, block_k: int, num_sms: int) -> int:
+    """w2 GEMM splits: ~4 programs per SM, each split at least 4 BLOCK_K steps long."""
+    by_occupancy = math.ceil(4 * num_sms / max(num_programs, 1.0))
+    by_length = max(1, k // (4 * block_k))
+    return max(1, min(by_occupancy, by_length, 16))
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                   dtype: torch.dtype, num_sms: int = 132) -> FusedMoEConfig:
+    """The tile table by problem size (H200 defaults; benchmarks/bench_fused_moe.py sweeps them)."""
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units (and in the interpreter): small tiles
+        return FusedMoEConfig(block_m=16, block_n=64, block_k=64, num_stages=2,
+                              block_n2=64, block_k2=64, num_stages2=2, split_k=0)
+    rows = num_tokens * top_k / num_experts  # mean slots per expert
+    # One block per expert when the mean allows (each weight tile read by one program); the padding
+    # rows cost MMA work only, which decode sizes have to spare.
+    block_m = 16 if rows <= 12 else 32 if rows <= 24 else 64
+    blocks = expected_blocks(num_tokens, top_k, num_experts, block_m)
+    # Narrow column slices when few blocks are in play: ~2 programs per SM or more. The w2 GEMM
+    # counts its K splits first (long I: Mixtral at T=1 splits 14336 five ways rather than narrowing).
+    block_n = next((b for b in (64, 32) if blocks * triton.cdiv(inter, b) >= 2 * num_sms), 16)
+    max_splits = choose_split_k(0.0, inter, 128, num_sms)
+    block_n2 = next((b for b in (64, 32) if blocks * triton.cdiv(hidden, b) * max_splits >= 2 * num_sms), 16)
+    return FusedMoEConfig(block_m=block_m, block_n=block_n, block_k=64, num_warps=4, num_stages=4,
+                          block_n2=block_n2, block_k2=128, num_warps2=4, num_stages2=4, split_k=0)
 
 
-@functools.lru_cache(maxsize=4096)
-def _lookup(device_name: str, dtype: torch.dtype, key: str, num_tokens: int):
-    entries = load_table(device_name, dtype).get(key)
-    if not entries:
-        return None
-    batches = [b for b, _ in entries]
-    i = min(bisect.bisect_left(batches, num_tokens), len(entries) - 1)
-    return entries[i][1]
-
-
-def tuned_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device):
-    """The tuned FusedMoEConfig for this step, or None (then default_config). Host work only, memoised."""
-    if dtype == torch.float32:
-        return None
-    return _lookup(_device_name(device), dtype, shape_key(num_experts, hidden, inter, top_k), num_tokens)
-
-
-def clear_cache() -> None:
-    """Forget loaded tables (tests, or after writing a new one)."""
-    load_table.cache_clear()
-    _lookup.cache_clear()
+def check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """Shapes, dtypes, unit last strides, one device; never reads device data. -> (T, A, E, H, I)."""
+    check_float(x, "x", 2)
+    check_float(w13, "w13", 3)
+    check_float(w2, "w2", 3)
+    check_float(topk_weights, "topk_weights", 2)
+    check_index(topk_ids, "topk_ids", 2, (torch.int32, torch.int64))
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
+    E, two_i, H = w13.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must be [E, 2I, H] with I >= 1, got {tuple(w13.shape)}")
+    I = two_i // 2
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w2 must be [E, H, I] = {(E, H, I)} to match w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
+    T = x.shape[0]
+    if x.shape[1] != H:
+        raise ValueError(f"x hidden size {x.shape[1]} differs from the experts' {H}")
+    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={T}, A]")
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_moe runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
+    return T, topk_ids.shape[1], E, H, I

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmoe.codecs.lossless import CompressedTensor
+from pagedmoe.codecs.lossless import CompressedTensor, decode_reference
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def lossless_decode_kernel(
 
 def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
     """Checks ct's arrays once (then cached on ct): (part_size, blocks_per_part)."""
-    info = ct._cache.get("launch")
+    info = ct.cache.get("launch")
     if info is None:
         lay = ct.layout
         for name, t, dtype in (("stream", ct.stream, torch.int32), ("block_bit_offsets", ct.block_bit_offsets, torch.int64),
@@ -120,7 +120,7 @@ def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor on {ct.device}")
         if ct.lane_bits.shape != (ct.num_blocks, lay.lanes) or ct.raw.numel() != ct.numel:
             raise ValueError(f"lane_bits {tuple(ct.lane_bits.shape)} / raw {ct.raw.numel()} do not match the shape")
-        info = ct._cache["launch"] = (ct.part_size, ct.blocks_per_part)
+        info = ct.cache["launch"] = (ct.part_size, ct.blocks_per_part)
     return info
 
 
@@ -138,8 +138,6 @@ def decode_runs(ct: CompressedTensor, runs) -> None:
         for p0, p1, dst in runs:
             lossless_decode(ct, dst, parts=(p0, p1))
         return
-    from pagedmoe.codecs.lossless import decode_reference
-
     rows = decode_reference(ct, torch.empty(ct.num_parts, ct.part_size, dtype=torch.bfloat16))
     for p0, p1, dst in runs:
         dst.copy_(rows[p0:p1].reshape(dst.shape))

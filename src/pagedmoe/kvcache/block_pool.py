@@ -195,11 +195,12 @@ class KVCacheManager:
     (kvcache/kv_cache.py::LendableKVCache): withholding gives the tail's memory back to the device, and
     releasing maps it again first."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 backing=None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
-        self.backing = None
+        self.backing = backing
         self.enable_prefix_caching = enable_prefix_caching
         self._hasher = PrefixHasher(block_size)
         self._num_cached: dict[str, int] = {}   # leading blocks of the table that are in the cache

@@ -7,12 +7,19 @@ from typing import Optional
 
 import torch
 
+from pagedmoe import cuda_vmm as vmm
+
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype) -> int:
     """K and V, every layer, one block."""
     elem = dtype.itemsize
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def kv_cache_bytes(dims, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+    """Device bytes of `num_blocks` KV blocks of a model of `dims` (every layer's K and V)."""
+    return num_blocks * kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, dtype)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -45,9 +52,7 @@ class LendableKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_chunks: int = 64) -> None:
-        from pagedmoe.experts import vmm
-
-        cu = vmm._driver()
+        cu = vmm.driver()
         self.device = device
         self.device_idx = device.index if device.index is not None else torch.cuda.current_device()
         self.num_blocks = num_blocks
@@ -69,7 +74,7 @@ class LendableKVCache:
         self._finalizer.atexit = False   # at exit the driver frees it, and may already be gone
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         for _ in range(2 * num_layers):
-            self._ranges.append((int(vmm._check(cu.cuMemAddressReserve(reserve, gran, 0, 0))), reserve))
+            self._ranges.append((int(vmm.check(cu.cuMemAddressReserve(reserve, gran, 0, 0))), reserve))
         self.mapped = 0                                  # chunks [0, mapped) are backed by memory
         # bytes the budget has left for chunks mapped again (None: the device's free memory is the only limit);
         # the engine sets it once the KV cache is mapped (engine/llm_engine.py)
@@ -78,7 +83,7 @@ class LendableKVCache:
             self.close()
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: the KV cache's {num_blocks} blocks "
                                               f"({reserve * 2 * num_layers / 2**30:.2f} GiB) could not be mapped")
-        tensors = [torch.as_tensor(vmm._CudaArray(va, num_blocks * self.slice_bytes, self._memory), device=device)
+        tensors = [torch.as_tensor(vmm.CudaArray(va, num_blocks * self.slice_bytes, self._memory), device=device)
                    .view(dtype).view(shape) for va, _ in self._ranges]
         self.caches = list(zip(tensors[0::2], tensors[1::2]))
 
@@ -105,23 +110,21 @@ class LendableKVCache:
         return min(top, self.mapped * self.blocks_per_chunk)
 
     def _map_chunk(self, c: int) -> bool:
-        from pagedmoe.experts import vmm
-
-        cu = vmm._driver()
+        cu = vmm.driver()
         size, offset, handles = self.chunk_bytes[c], _chunk_offset(self.chunk_bytes, c), []
         if self.room is not None and self.room() < size * len(self._ranges):
             return False    # within the device's free memory but not the budget's: tick tries again
         for _ in self._ranges:
-            err, handle = cu.cuMemCreate(size, vmm._prop(self.device_idx), 0)
+            err, handle = cu.cuMemCreate(size, vmm.allocation_prop(self.device_idx), 0)
             if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:   # not yet: what the experts gave up is in use
                 for h in handles:
-                    vmm._check(cu.cuMemRelease(h))
+                    vmm.check(cu.cuMemRelease(h))
                 return False
-            vmm._check((err, handle))
+            vmm.check((err, handle))
             handles.append(handle)
         for (va, _), h in zip(self._ranges, handles):
             vmm.map_range(va + offset, size, h, self._access)
-            vmm._check(cu.cuMemsetD8(va + offset, 0, size))    # blocks come back zeroed, as allocated
+            vmm.check(cu.cuMemsetD8(va + offset, 0, size))    # blocks come back zeroed, as allocated
         self._handles[c] = handles
         return True
 
@@ -142,23 +145,19 @@ def _chunk_offset(chunk_bytes: list[int], c: int) -> int:
 
 
 def _unmap_chunk(ranges, handles, chunk_bytes, c: int) -> None:
-    from pagedmoe.experts import vmm
-
-    cu = vmm._driver()
+    cu = vmm.driver()
     offset = _chunk_offset(chunk_bytes, c)
     for (va, _), h in zip(ranges, handles[c]):
-        vmm._check(cu.cuMemUnmap(va + offset, chunk_bytes[c]))
-        vmm._check(cu.cuMemRelease(h))
+        vmm.check(cu.cuMemUnmap(va + offset, chunk_bytes[c]))
+        vmm.check(cu.cuMemRelease(h))
     handles[c] = None
 
 
 def _free_lendable(ranges, handles, chunk_bytes) -> None:
-    from pagedmoe.experts import vmm
-
-    cu = vmm._driver()
+    cu = vmm.driver()
     for c in range(len(handles)):
         if handles[c] is not None:
             _unmap_chunk(ranges, handles, chunk_bytes, c)
     for va, size in ranges:
-        vmm._check(cu.cuMemAddressFree(va, size))
+        vmm.check(cu.cuMemAddressFree(va, size))
     ranges.clear()

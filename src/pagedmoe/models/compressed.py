@@ -25,10 +25,10 @@ import torch
 
 from pagedmoe.codecs.lossless import (FORMAT_NAME, FORMAT_VERSION, CompressedTensor, CorruptCheckpointError,
                                       decode_reference)
-# _from_file reads one compressed tensor of an open file and checks its crc32s and offsets;
+# read_tensor_file reads one compressed tensor of an open file and checks its crc32s and offsets;
 # load_compressed would read the whole file (every plain tensor too) for each tensor.
 from pagedmoe.codecs.lossless_io import METADATA_KEY, SUFFIX
-from pagedmoe.codecs.lossless_io import _from_file as read_compressed_tensor
+from pagedmoe.codecs.lossless_io import read_tensor_file as read_compressed_tensor
 
 ORIGINAL_KEY = "pagedmoe.original"
 ORIGINAL_VERSION = 1

@@ -1,44 +1,27 @@
-"""Build a model from a local HF checkpoint folder (or random weights for --load-format dummy)."""
+"""Build a model from a local HF checkpoint folder (or random weights for --load-format dummy); the
+experts it is built with are made by engine/startup.py."""
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
-from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
+from pagedmoe.codecs.lossless import CorruptCheckpointError
+from pagedmoe.models.compressed import iter_file_tensors
 from pagedmoe.models.fp8 import Fp8Dequantizer, fp8_block_size
+from pagedmoe.models.hf_config import CheckpointError, load_hf_config
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.models.registry import spec_builder
 from pagedmoe.oom import DeviceOutOfMemoryError, naming_oom
 
 logger = logging.getLogger(__name__)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be used, with the reason."""
-
-
-def load_hf_config(path: str):
-    from transformers import AutoConfig
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"model folder {path!r} does not exist (models are read from local folders)")
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json")
-    try:
-        json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
-    try:
-        return AutoConfig.from_pretrained(str(folder))
-    except Exception as e:  # transformers raises many kinds here
-        raise CheckpointError(f"{cfg_file}: cannot be read as a transformers config ({e})") from e
+__all__ = ["CheckpointError", "load_hf_config", "resolve_dtype", "build_model", "checkpoint_files", "load_weights",
+           "init_dummy_weights"]
 
 
 def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
@@ -50,11 +33,13 @@ def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
     return torch.float16 if str(cfg_dtype).endswith("float16") and "b" not in str(cfg_dtype) else torch.bfloat16
 
 
-def build_model(hf_config, max_position: int, device: torch.device, dtype: torch.dtype) -> MoEForCausalLM:
-    """The module tree with uninitialised storage on the target device (no host round trip)."""
+def build_model(hf_config, max_position: int, device: torch.device, dtype: torch.dtype,
+                experts=None) -> MoEForCausalLM:
+    """The module tree with uninitialised storage on the target device (no host round trip), built with
+    the experts object its MoE layers call (experts/interface.py; engine/startup.py builds both)."""
     dims, spec = spec_builder(hf_config)(hf_config)
     with torch.device("meta"):
-        model = MoEForCausalLM(hf_config, dims, spec, max_position)
+        model = MoEForCausalLM(hf_config, dims, spec, max_position, experts)
     model = model.to(dtype=dtype)
     with naming_oom("allocating the backbone", sum(p.numel() * p.element_size() for p in model.parameters())):
         model = model.to_empty(device=device)
@@ -116,11 +101,6 @@ def load_weights(model: MoEForCausalLM, path: str, show_progress: bool = True) -
 
 def _load_file(model, file: Path, params: dict, fp8, decode_device: torch.device, written: set) -> list[str]:
     """Place every tensor of one checkpoint file; return the names of those holding NaN or inf."""
-    from safetensors import SafetensorError
-
-    from pagedmoe.codecs.lossless import CorruptCheckpointError
-    from pagedmoe.models.compressed import iter_file_tensors
-
     names, flags = [], []  # NaN/inf flags, read once per file (one device sync)
     current = None  # (name, bytes) of the tensor being placed; None while the file is read
     try:
@@ -186,28 +166,3 @@ def init_dummy_weights(model: MoEForCausalLM, seed: int) -> None:
         else:
             p.normal_(0.0, 0.02, generator=gen)
     model.tie_weights()
-
-
-def get_model(path: str, hf_config, load_format: str, max_position: int, device: torch.device,
-              dtype: torch.dtype, seed: int = 0, placement: str = "resident",
-              num_gpu_experts: Optional[int] = None, expert_buffers: str = "auto",
-              num_compressed_experts=None, quantized_precision: Optional[str] = None,
-              host_compression: str = "none", quantized_gemm: str = "dequant") -> MoEForCausalLM:
-    """Backbone on `device`; experts where the placement puts them (experts/manager.py)."""
-    from pagedmoe.experts.manager import attach_experts
-
-    model = build_model(hf_config, max_position, device, dtype)
-    with naming_oom(f"allocating the experts ({placement} placement)"):
-        attach_experts(model, placement, num_gpu_experts, device, dtype, expert_buffers, num_compressed_experts,
-                       quantized_precision, host_compression, quantized_gemm)
-    if load_format == "dummy":
-        with naming_oom("generating random weights (--load-format dummy)"):
-            init_dummy_weights(model, seed)
-            model.expert_store.init_random(seed)
-    else:
-        load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
-    with naming_oom("encoding the compressed / quantized expert tiers"):
-        model.expert_store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
-    if model.pager is not None:
-        model.pager.refresh()  # finalize may have compressed the host tier
-    return model

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedmoe.experts.interface import ExpertsProvider
 from pagedmoe.models.layers.attention import Attention, AttentionMetadata
 from pagedmoe.models.layers.mla import MLADims, MLAttention
 from pagedmoe.models.layers.mlp import GatedMLP
@@ -90,7 +91,7 @@ class ModelDims:
 
 class DecoderLayer(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, layer_idx: int, rotary: RotaryEmbedding,
-                 moe_idx: int) -> None:
+                 moe_idx: int, experts: Optional[ExpertsProvider] = None) -> None:
         super().__init__()
         if dims.mla is not None:
             self.self_attn = MLAttention(dims.hidden_size, dims.num_heads, dims.mla, rotary)
@@ -106,7 +107,7 @@ class DecoderLayer(nn.Module):
                            spec.renormalize, moe_idx, spec.shared_intermediate_size,
                            spec.shared_expert_gate, router=spec.router, n_group=spec.n_group,
                            topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
-                           shared_expert_name=spec.shared_expert_name)
+                           shared_expert_name=spec.shared_expert_name, experts=experts)
         else:
             moe = GatedMLP(dims.hidden_size, dims.dense_intermediate_size)
         # Registered under the family's checkpoint name so the tensors load by name.
@@ -140,7 +141,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
+    def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int,
+                 experts: Optional[ExpertsProvider] = None) -> None:
         super().__init__()
         rot_dim = dims.mla.qk_rope_head_dim if dims.mla is not None else dims.head_dim
         self.rotary = RotaryEmbedding(rot_dim, max_position, dims.rope_theta, dims.rotary_dim,
@@ -148,25 +150,36 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         moe_layers = [i for i in range(dims.num_layers) if i not in spec.dense_layers]
         self.layers = nn.ModuleList(
-            DecoderLayer(dims, spec, i, self.rotary, moe_layers.index(i) if i in moe_layers else -1)
+            DecoderLayer(dims, spec, i, self.rotary, moe_layers.index(i) if i in moe_layers else -1, experts)
             for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
 
 class MoEForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], meta, logits_indices [N]) -> logits [N, V] in float32."""
+    """forward(input_ids [T], positions [T], meta, logits_indices [N]) -> logits [N, V] in float32.
 
-    def __init__(self, hf_config, dims: ModelDims, spec: ArchSpec, max_position: int) -> None:
+    Built with one experts object (experts/interface.py; engine/startup.py makes it): the MoE layers
+    call it for their weights, the forward tells it where each forward and MoE layer begins."""
+
+    def __init__(self, hf_config, dims: ModelDims, spec: ArchSpec, max_position: int,
+                 experts: Optional[ExpertsProvider] = None) -> None:
         super().__init__()
         self.hf_config, self.dims, self.spec = hf_config, dims, spec
-        self.model = DecoderModel(dims, spec, max_position)
+        self.experts = experts
+        self.model = DecoderModel(dims, spec, max_position, experts)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
-        # Set by the expert subsystem: the store that holds expert weights (loader sink) and, for
-        # paged placement, the pager that is told where each forward and layer begins.
-        self.expert_store = None
-        self.pager = None
         # --fused-ops (layers/fused_ops.py): residual adds fused with the RMSNorms after them
         self.fused_residual_norm = False
+
+    @property
+    def expert_store(self):
+        """The store behind the experts object: the loader's sink for expert tensors."""
+        return None if self.experts is None else self.experts.store
+
+    @property
+    def pager(self):
+        """The experts object when it pages (it has side streams and traffic stats), else None."""
+        return None if self.experts is None or not self.experts.store.paged else self.experts
 
     def tie_weights(self) -> None:
         if self.dims.tie_word_embeddings:
@@ -181,14 +194,14 @@ class MoEForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        pager = self.pager
-        if pager is not None:
-            pager.begin_forward(input_ids.shape[0])
+        experts = self.experts
+        if experts is not None:
+            experts.begin_forward(input_ids.shape[0])
         fused = self.fused_residual_norm
         residual = None
         for layer in self.model.layers:
-            if pager is not None and layer.is_moe:
-                pager.before_layer(layer.ffn.moe_idx)
+            if experts is not None and layer.is_moe:
+                experts.before_layer(layer.ffn.moe_idx)
             if fused:
                 h, residual = layer.forward_fused(h, residual, positions, meta)
             else:

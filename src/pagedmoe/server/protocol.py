@@ -51,7 +51,7 @@ class StreamOptions(_Base):
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Base):
+class SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[StrictStr] = None
@@ -119,7 +119,7 @@ class _SamplingFields(_Base):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
@@ -157,7 +157,7 @@ class ChatMessage(_Base):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)

@@ -15,7 +15,7 @@ from pagedmoe.engine.limits import context_length_error
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
-                                      CompletionRequest, _SamplingFields, invalid)
+                                      CompletionRequest, SamplingFields, invalid)
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                              "continue_final_message", "chat_template", "tools", "documents"}
@@ -105,7 +105,7 @@ class OpenAIServing:
         if err is not None:
             raise invalid(err[0], param if err[1] == "prompt" else err[1])
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
+    def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
                         ) -> SamplingParams:
         bias = req.token_biases()
         if bias and max(bias) >= self.vocab_size:

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from pagedmoe.engine.memory import decode_buckets
+from pagedmoe.planning.kv_sizing import decode_buckets
 from pagedmoe.models.layers.attention import AttentionMetadata
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.worker.device_memory import polling_paused

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from pagedmoe.engine.memory import CUDA_CONTEXT_BYTES, GiB, others_at_start, process_device_bytes
+from pagedmoe.planning.kv_sizing import CUDA_CONTEXT_BYTES, GiB, others_at_start, process_device_bytes
 
 
 def _nvml_process_bytes(device_idx: int) -> Optional[int]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from pagedmoe.engine.scheduler import SchedulerOutput
+from pagedmoe.scheduler_output import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
-from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_bytes_per_block
+from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_cache_bytes
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
 from pagedmoe.models.layers.fused_ops import apply_fused_ops, resolve_fused_ops
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
@@ -36,21 +37,24 @@ class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 lendable_kv: bool = False, memory=None, fused_ops: str = "auto") -> None:
-        """`memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and the
-        CUDA graphs' stages; None off CUDA."""
+                 kv_backing: Optional[LendableKVCache] = None, memory=None,
+                 fused_ops: str = "auto") -> None:
+        """`kv_backing`: KV tensors lent to dynamic precision (kvcache/kv_cache.py), else plain ones are
+        allocated; `memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and
+        the CUDA graphs' stages; None off CUDA."""
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
-        kv_bytes = num_kv_blocks * kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size,
-                                                      dtype)
-        with naming_oom(f"allocating the KV cache ({num_kv_blocks} blocks)", kv_bytes):
-            # lendable_kv (dynamic precision on CUDA): the pool's withheld tail gives its memory back to the device
-            self.kv_backing = (LendableKVCache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                               dims.head_dim, dtype, device) if lendable_kv else None)
-            self.kv_caches = (self.kv_backing.caches if lendable_kv else
-                              allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
-                                                dims.head_dim, dtype, device))
+        # kv_backing (dynamic precision on CUDA): KV tensors whose withheld tail gives its memory back; it is
+        # allocated by start-up (under the same out-of-memory naming: engine/startup.py)
+        self.kv_backing = kv_backing
+        if kv_backing is not None:
+            self.kv_caches = kv_backing.caches
+        else:
+            with naming_oom(f"allocating the KV cache ({num_kv_blocks} blocks)", kv_cache_bytes(dims, num_kv_blocks,
+                                                                                                 block_size, dtype)):
+                self.kv_caches = allocate_kv_cache(dims.num_layers, num_kv_blocks, block_size, dims.num_kv_heads,
+                                                   dims.head_dim, dtype, device)
         if memory is not None:
             memory.mark("kv_cache")
         backend = make_attention_backend(attention_backend, device)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedmoe.experts.interface import TRITON_MAX_TOKENS, ExpertOperand, ExpertsProvider
 from pagedmoe.models.layers.mlp import GatedMLP
 
 
@@ -166,12 +167,6 @@ def sync_free(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torc
     return experts_fn is experts_auto and _grouped_mm_ok(x, w13, w2)
 
 
-# Up to this many tokens the Triton kernels win on the H200 (Mixtral-8x7B decode step at batch 64:
-# 31.7 ms vs 44.0 ms with grouped_mm); larger prefill chunks run faster through grouped_mm
-# (18.0k vs 11.6k prefill tokens/s at 16k-token chunks). docs/benchmarks.md has the figures.
-TRITON_MAX_TOKENS = 512
-
-
 def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= TRITON_MAX_TOKENS:
         return experts_triton(x, w13, w2, topk_weights, topk_ids)
@@ -200,7 +195,7 @@ class FusedMoE(nn.Module):
                  renormalize: bool, moe_idx: int, shared_intermediate_size: int = 0,
                  shared_expert_gate: bool = False, router: str = "softmax", n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 shared_expert_name: str = "shared_expert") -> None:
+                 shared_expert_name: str = "shared_expert", experts: Optional[ExpertsProvider] = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
@@ -231,15 +226,8 @@ class FusedMoE(nn.Module):
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.experts_fn: Callable = experts_auto
-        # The expert subsystem (experts/) sets these. weights_provider(moe_idx) returns the
-        # (w13 [E, 2I, H], w2 [E, H, I]) tensors the GEMMs read, or under --quantized-gemm direct the
-        # layer's QuantizedLayer (static: every expert quantized, in id order) or a list of per-precision
-        # parts (dynamic: LayerVersion.parts); on_experts_done(moe_idx) is told
-        # when the GEMMs reading them are issued (the pager may then reuse the buffer).
-        self.weights_provider: Optional[Callable[[int], object]] = None
-        self.on_experts_done: Optional[Callable[[int], None]] = None
-        # Hook for the activity table: called with the router's top-k ids (device tensor, no sync).
-        self.on_route: Optional[Callable[[int, torch.Tensor], None]] = None
+        # The experts object the model was built with (experts/interface.py: resident provider or pager).
+        self.experts = experts
         self.fused_router = False  # --fused-ops (layers/fused_ops.py) sets it where the kernel fits
 
     def shared_mlp(self) -> Optional[GatedMLP]:
@@ -263,28 +251,27 @@ class FusedMoE(nn.Module):
                                      self.n_group, self.topk_group, self.renormalize,
                                      self.routed_scaling_factor)
 
-    def expert_weights(self):
-        if self.weights_provider is None:
-            raise RuntimeError("expert weights are not attached (no expert store)")
-        return self.weights_provider(self.moe_idx)
+    def run_experts(self, x: torch.Tensor, operand: ExpertOperand, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' GEMMs over the operand the experts object handed out (by its kind)."""
+        if operand.kind == "dense":
+            return self.experts_fn(x, operand.w13, operand.w2, topk_weights, topk_ids)
+        # --quantized-gemm direct: the Triton kernels read the quantized weights (triton: optional package)
+        from pagedmoe.kernels.fused_moe import fused_moe_mixed, fused_moe_quantized
+
+        if operand.kind == "mixed":  # dynamic precision: (w13, w2, slots) per precision group
+            return fused_moe_mixed(x, operand.parts, self.num_experts, topk_weights, topk_ids)
+        # static precision: every expert of the layer quantized, in id order
+        return fused_moe_quantized(x, operand.w13, operand.w2, self.num_experts, topk_weights, topk_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        if experts is None:
+            raise RuntimeError("this model was built without experts (engine/startup.py builds them)")
         topk_weights, topk_ids = self.route(x)
-        if self.on_route is not None:
-            self.on_route(self.moe_idx, topk_ids)
-        weights = self.expert_weights()
-        if isinstance(weights, tuple):
-            out = self.experts_fn(x, *weights, topk_weights, topk_ids)
-        elif isinstance(weights, list):  # --quantized-gemm direct, dynamic: (w13, w2, slots) per precision
-            from pagedmoe.kernels.fused_moe import fused_moe_mixed
-
-            out = fused_moe_mixed(x, weights, self.num_experts, topk_weights, topk_ids)
-        else:  # --quantized-gemm direct, static: the layer's QuantizedLayer, every expert quantized in id order
-            from pagedmoe.kernels.fused_moe import fused_moe_quantized
-
-            out = fused_moe_quantized(x, weights.w13, weights.w2, self.num_experts, topk_weights, topk_ids)
-        if self.on_experts_done is not None:
-            self.on_experts_done(self.moe_idx)
+        # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
+        out = self.run_experts(x, experts.weights(self.moe_idx, topk_ids), topk_weights, topk_ids)
+        experts.done(self.moe_idx)
         if self.shared_expert_name is not None:
             shared = self.shared_mlp()(x)
             if self.shared_expert_gate is not None:

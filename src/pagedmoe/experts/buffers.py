@@ -1,4 +1,9 @@
-"""Stable-address expert compute buffers with CUDA virtual memory management (cuda-python).
+"""The compute buffers the expert GEMMs read, one [E, stride] range per MoE layer.
+
+`PlainDoubleBuffer`: two device buffers, layer l uses buffer l % 2 (works anywhere, CPU included);
+resident rows are copied in by the pager like streamed ones.
+
+`VmmExpertBuffers`: stable-address buffers with CUDA virtual memory management (pagedmoe/cuda_vmm.py).
 
 Each MoE layer l gets one reserved virtual range holding its packed [E, stride] expert rows; the
 GEMMs always read that range, so its address never changes (CUDA graphs stay valid). Physical
@@ -17,103 +22,43 @@ Rows are padded to the allocation granularity (2 MiB on the H200) so every row m
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from pagedmoe import cuda_vmm as vmm
 from pagedmoe.experts.table import RESIDENT
 
 
-def _driver():
-    from cuda.bindings import driver as cu
+class PlainDoubleBuffer:
+    """Two [E, stride] device buffers; layer l uses buffer l % 2. Works anywhere (CPU included)."""
 
-    return cu
+    maps_resident = False  # resident rows must be copied in
 
+    def __init__(self, num_experts: int, stride: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffers = [torch.empty(num_experts, stride, dtype=dtype, device=device) for _ in range(2)]
 
-def _check(result):
-    """cuda-python calls return (CUresult, *values); raise on error, return the values."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    cu = _driver()
-    if err != cu.CUresult.CUDA_SUCCESS:
-        name = cu.cuGetErrorName(err)[1]
-        raise RuntimeError(f"CUDA driver call failed: {name.decode() if isinstance(name, bytes) else name}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
+    def packed(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer % 2]
 
-
-def _prop(device_idx: int):
-    cu = _driver()
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device_idx
-    return prop
-
-
-@functools.lru_cache(maxsize=None)
-def granularity(device: torch.device) -> int:
-    cu = _driver()
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return int(_check(cu.cuMemGetAllocationGranularity(_prop(idx), flag)))
-
-
-def available(device: torch.device) -> bool:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.init()
-        _check(_driver().cuInit(0))
-        return granularity(device) > 0
-    except Exception:  # no cuda-python, or a driver without VMM
-        return False
-
-
-class _CudaArray:
-    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap a raw device range (bytes). torch
-    keeps this object alive with the tensor, and it keeps `owner` alive: e.g. the token whose collection
-    frees the memory (kvcache/kv_cache.py), which must not be the tensor's own holder (a reference held
-    inside a tensor is invisible to gc, so a cycle through it would never be freed)."""
-
-    def __init__(self, ptr: int, nbytes: int, owner=None) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
-def access_desc(device_idx: int):
-    """Read-write access for the device, as cuMemSetAccess takes it."""
-    cu = _driver()
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = device_idx
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    return access
-
-
-def map_range(va: int, nbytes: int, handle, access) -> None:
-    """Map a physical allocation (from offset 0) at `va` and make it readable and writable."""
-    cu = _driver()
-    _check(cu.cuMemMap(va, nbytes, 0, handle, 0))
-    _check(cu.cuMemSetAccess(va, nbytes, [access], 1))
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 class VmmExpertBuffers:
     maps_resident = True  # resident rows live in the layer's range; the pager copies host rows only
 
     def __init__(self, store, ring: bool = False) -> None:
-        cu = _driver()
+        cu = vmm.driver()
         table, device = store.table, store.device
         self.device_idx = device.index if device.index is not None else torch.cuda.current_device()
         self.row_bytes = store.row_bytes
-        gran = granularity(device)
+        gran = vmm.granularity(device)
         if self.row_bytes % gran:
             raise ValueError(f"expert rows of {self.row_bytes} bytes are not a multiple of the {gran}-byte "
                              "VMM granularity")
         L, E = table.num_layers, table.num_experts
         self._handles, self._mappings, self._reservations = [], [], []
-        self._access = access_desc(self.device_idx)
+        self._access = vmm.access_desc(self.device_idx)
         # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
         # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
         max_streamed = max((E - table.count(l, RESIDENT) for l in range(L)), default=0)
@@ -130,13 +75,13 @@ class VmmExpertBuffers:
         self._resident_rows: list[list[torch.Tensor]] = []
         k = 0
         for layer in range(L):
-            va = int(_check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
+            va = int(vmm.check(cu.cuMemAddressReserve(E * self.row_bytes, gran, 0, 0)))
             self._reservations.append((va, E * self.row_bytes))
             resident_ids = table.ids(layer, RESIDENT)
             streamed = 0  # host and compressed experts share the rotating slot's rows
             rows = []
             for e in range(E):
-                if table._entries[layer][e].tier == RESIDENT:
+                if table.lookup(layer, e).tier == RESIDENT:
                     handle = self._create(self.row_bytes)
                 elif ring:
                     handle = ring_rows[k % self.ring_size]
@@ -146,19 +91,19 @@ class VmmExpertBuffers:
                     handle, streamed = self.slots[layer % 2][streamed], streamed + 1
                 self._map(va + e * self.row_bytes, handle)
             self.streamed_rows.append(rows)
-            flat = torch.as_tensor(_CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
+            flat = torch.as_tensor(vmm.CudaArray(va, E * self.row_bytes), device=device).view(store.dtype)
             packed = flat.view(E, store.stride)
             self._packed.append(packed)
             self._resident_rows.append([packed[e] for e in resident_ids])
 
     def _create(self, nbytes: int):
-        cu = _driver()
-        handle = _check(cu.cuMemCreate(nbytes, _prop(self.device_idx), 0))
+        cu = vmm.driver()
+        handle = vmm.check(cu.cuMemCreate(nbytes, vmm.allocation_prop(self.device_idx), 0))
         self._handles.append(handle)
         return handle
 
     def _map(self, va: int, handle) -> None:
-        map_range(va, self.row_bytes, handle, self._access)
+        vmm.map_range(va, self.row_bytes, handle, self._access)
         self._mappings.append(va)
 
     def packed(self, layer: int) -> torch.Tensor:
@@ -173,14 +118,14 @@ class VmmExpertBuffers:
         return self.slot_bytes
 
     def close(self) -> None:
-        cu = _driver()
+        cu = vmm.driver()
         torch.cuda.synchronize()
         self._packed.clear()
         self._resident_rows.clear()
         for va in self._mappings:
-            _check(cu.cuMemUnmap(va, self.row_bytes))
+            vmm.check(cu.cuMemUnmap(va, self.row_bytes))
         for va, size in self._reservations:
-            _check(cu.cuMemAddressFree(va, size))
+            vmm.check(cu.cuMemAddressFree(va, size))
         for handle in self._handles:
-            _check(cu.cuMemRelease(handle))
+            vmm.check(cu.cuMemRelease(handle))
         self._mappings, self._reservations, self._handles = [], [], []

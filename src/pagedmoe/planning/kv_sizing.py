@@ -1,6 +1,7 @@
-"""How the device budget splits between weights, activations and KV blocks. Pure Python.
+"""The KV sizing measured at start-up: how the device budget splits between the loaded weights, the
+activation estimate and KV blocks; and the host-memory limit of the host tier. Pure Python.
 
-(The expert-paging planner will extend this with expert buffers and tiers.)
+The planner (planning/planner.py) *models* the same split from the config alone, before loading.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ class KVBlocks:
 
 
 @dataclass(frozen=True)
-class MemoryPlan(KVBlocks):
+class KVSizing(KVBlocks):
+    """The measured split at start-up (after loading): the budget less the loaded weights and the
+    activation estimate, given to KV blocks (planning/planner.py models the same split from the config)."""
+
     budget_bytes: int
     weight_bytes: int
     activation_bytes: int
@@ -47,8 +51,8 @@ class MemoryPlan(KVBlocks):
                 f"GiB ({self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens)")
 
 
-def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_bytes_per_block: int,
-                block_size: int, max_model_len: int, max_useful_blocks: int, reserve_bytes: int = 0) -> MemoryPlan:
+def size_kv_cache(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_bytes_per_block: int,
+                  block_size: int, max_model_len: int, max_useful_blocks: int, reserve_bytes: int = 0) -> KVSizing:
     """Give the KV cache everything the weights, activations and the reserve leave, up to what can be used."""
     min_blocks = -(-max_model_len // block_size)
     free = budget_bytes - weight_bytes - activation_bytes - reserve_bytes
@@ -60,8 +64,8 @@ def plan_memory(budget_bytes: int, weight_bytes: int, activation_bytes: int, kv_
             f"a budget of {budget_bytes / GiB:.2f} GiB cannot hold the weights ({weight_bytes / GiB:.2f} GiB), "
             f"activations ({activation_bytes / GiB:.2f} GiB){reserve} and one sequence of max_model_len="
             f"{max_model_len} tokens; the minimum is {need / GiB:.2f} GiB (or lower --max-model-len)")
-    return MemoryPlan(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
-                      block_size, reserve_bytes)
+    return KVSizing(budget_bytes, weight_bytes, activation_bytes, kv_bytes_per_block, int(num_blocks),
+                    block_size, reserve_bytes)
 
 
 # -- what --gpu-memory-gb must hold beyond weights, activations and KV ---------------------------------
@@ -116,7 +120,7 @@ def device_reserve_bytes(activation_bytes: int, graph_bytes: int = 0, build_byte
 
 
 def dynamic_build_bytes(num_experts: int, expert_bytes: int, expert_numel: int) -> int:
-    """A dynamic-precision build's transient: built one layer at a time (experts/controller.py), it holds one
+    """A dynamic-precision build's transient: built one layer at a time (experts/dynamic/manager.py), it holds one
     layer's new version beside the old one (at most every expert of the layer exact), plus the quantiser's
     float32 temporaries of one expert (its rows, their scaled copy and the rounding)."""
     return num_experts * expert_bytes + 3 * 4 * expert_numel

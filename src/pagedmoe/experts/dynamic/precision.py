@@ -1,5 +1,5 @@
 """Quality-aware expert precision: the ladder, quality costs and the budget policy (the pressure controller
-that drives it at run time: experts/controller.py).
+that drives it at run time: experts/dynamic/controller.py).
 
 Pure decisions on numbers (no torch): the runtime feeds in bytes per rung, quality costs, free KV
 blocks and last-access steps, and applies the (expert, from, to) moves it gets back.
@@ -23,7 +23,7 @@ LADDER = ("bf16", "lossless", "fp8", "int8", "int4")
 EXACT = frozenset({"bf16", "lossless"})
 ExpertKey = tuple[int, int]     # (layer_idx, expert_id)
 
-_EPS = 1e-30
+EPS = 1e-30  # guards divisions by a quality cost of zero
 
 
 def rung_index(precision: str) -> int:
@@ -155,7 +155,7 @@ class PrecisionPolicy:
                 out.append(p)
         return out
 
-    def _neighbour(self, key: ExpertKey, current: str, step: int) -> Optional[str]:
+    def neighbour(self, key: ExpertKey, current: str, step: int) -> Optional[str]:
         f = self.frontier(key)
         if current in f:
             j = f.index(current) + step
@@ -168,13 +168,13 @@ class PrecisionPolicy:
         return cands[0] if step > 0 else cands[-1]
 
     def demotion(self, key: ExpertKey, current: str) -> Optional[Move]:
-        dst = self._neighbour(key, current, +1)
+        dst = self.neighbour(key, current, +1)
         if dst is None:
             return None
         return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
 
     def promotion(self, key: ExpertKey, current: str) -> Optional[Move]:
-        dst = self._neighbour(key, current, -1)
+        dst = self.neighbour(key, current, -1)
         if dst is None:
             return None
         return Move(key, current, dst, self.bytes_per_rung[dst] - self.bytes_per_rung[current])
@@ -183,7 +183,7 @@ class PrecisionPolicy:
         """Smaller is demoted first."""
         dcost = self.costs.cost(m.key, m.dst) - self.costs.cost(m.key, m.src)
         lossy = m.dst not in EXACT
-        saved_per_cost = -m.bytes_delta / max(dcost, _EPS) if lossy else 0.0
+        saved_per_cost = -m.bytes_delta / max(dcost, EPS) if lossy else 0.0
         return (lossy, -saved_per_cost, last_access.get(m.key, -1), m.key)
 
     def promote_rank(self, m: Move, last_access: Mapping[ExpertKey, int]) -> tuple:
@@ -223,12 +223,3 @@ class PrecisionPolicy:
             candidates[best.key] = self.demotion(best.key, best.dst)
         return assignment
 
-
-def __getattr__(name: str):
-    # The pressure controller lives in experts/controller.py (which imports this module); re-exported
-    # lazily for older imports.
-    if name in ("PressureController", "Watermarks"):
-        from pagedmoe.experts import controller
-
-        return getattr(controller, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+# The family builders map a transformers config to (ModelDims, ArchSpec) without building modules; the
+# shape reads their dims (torch is imported with them, torch.cuda never used).
+from pagedmoe.models.hf_config import load_hf_config
+from pagedmoe.models.registry import spec_builder
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -75,14 +80,10 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, path_or_config, dtype_bytes: int = 2) -> "ModelShape":
         """From a checkpoint folder's config.json (or a transformers config object), as
-        `models/loader.py::build_model` reads it; no weights are loaded."""
-        from pagedmoe.models.registry import spec_builder
-
+        `models/loader.py::build_model` reads it (the family's builder in models/registry.py); no weights are loaded."""
         name = ""
         config = path_or_config
         if isinstance(path_or_config, (str, bytes)) or hasattr(path_or_config, "__fspath__"):
-            from pagedmoe.models.loader import load_hf_config
-
             name = str(path_or_config).rstrip("/").split("/")[-1]
             config = load_hf_config(str(path_or_config))
         dims, spec = spec_builder(config)(config)

@@ -1,5 +1,5 @@
 """Placement: how many experts of each MoE layer sit in each tier. Pure Python; sized and costed by
-experts/planner.py, carried out by the expert table (which decides *which* experts: the first N today,
+planning/planner.py, carried out by the expert table (which decides *which* experts: the first N today,
 the most active ones once the activity table exists).
 
 Tiers per MoE layer: resident bf16 on the GPU, lossless compressed on the GPU (issue 6; decoded into the
@@ -9,6 +9,11 @@ add one count per precision the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PLACEMENTS = ("resident", "paged", "auto")
+# Stored bytes / bf16 bytes the planner assumes for the lossless tier before any weight is seen: the
+# default layout on N(0, 0.02) weights (docs/benchmarks.md, "Lossless codec"); trained weights are close.
+LOSSLESS_PLANNING_RATIO = 0.683
 
 # A compressed host tier (--host-compression lossless) moves and decodes a layer's host experts in groups of
 # consecutive experts of at most this many bf16 bytes: one copy per array and one decode launch per group,

@@ -1,112 +1,26 @@
-"""The quantized tier of one MoE layer: its lossy experts (fp8 / int8 / int4) held on the device, stacked
-so one dequantisation per weight kind fills the layer's compute buffer.
+"""Dynamic precision's runtime (`--expert-precision dynamic`): each expert of a layer at its own rung.
 
-Shapes: n quantized experts of the layer (slot order = expert-id order), H hidden, I intermediate.
-  w13  data [n*2I, ...] + scales [n*2I, ...]   the n experts' [2I, H] weights stacked along output channels
-  w2   data [n*H, ...]  + scales [n*H, ...]    the n experts' [H, I] weights stacked likewise
-Every format's scales are per output channel (fp8/int8) or per output channel and group along K
-(int4), so stacking experts along N changes nothing: dequantising the stack gives, element for element,
-what dequantising each expert alone gives (codecs/quant.py::dequantize, the PyTorch reference; its
-on CUDA kernels/dequant.py writes the rows directly, bit-identical to it). Bytes are exactly `quant.bytes_of` per weight (data + float32 scales).
-
-Dynamic precision (`--expert-precision dynamic`, end of file): each expert of a layer at its own rung;
-a LayerVersion holds the exact rows, the lossless experts (exponent-Huffman CompressedTensors, one per run
+A LayerVersion holds the exact rows, the lossless experts (exponent-Huffman CompressedTensors, one per run
 of consecutive ids, decoded into their buffer rows) and one QuantizedLayer per lossy precision;
 DynamicExperts builds new versions from the host master and publishes them atomically.
+
+Shapes: E experts of a layer, H hidden, I intermediate (experts/layout.py).
 """
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
 from typing import Optional, Sequence
 
 import torch
 
-from pagedmoe.codecs.quant import QuantizedTensor, dequantize, quantize
+from pagedmoe.codecs.lossless import LosslessLayout, encode
+from pagedmoe.codecs.quant import LOSSY_PRECISIONS, QuantizedTensor, dequantize, expert_bytes, quantize
+from pagedmoe.experts.dynamic.offline import OfflineForms
 from pagedmoe.experts.layout import consecutive_runs, expert_views
+from pagedmoe.experts.table import COMPRESSED, QUANTIZED, RESIDENT
+from pagedmoe.experts.tiers.quantized import QuantizedLayer, stack_quantized
 
 
-class QuantizedLayer:
-    def __init__(self, precision: str, hidden: int, inter: int, expert_ids: Sequence[int],
-                 w13: QuantizedTensor, w2: QuantizedTensor) -> None:
-        self.precision, self.hidden, self.inter = precision, hidden, inter
-        self.expert_ids = list(expert_ids)
-        self.w13, self.w2 = w13, w2
-        n = len(self.expert_ids)
-        self._run = None  # (first expert, count) when the ids are consecutive: a slice, else an index
-        if self.expert_ids == list(range(self.expert_ids[0], self.expert_ids[0] + n)):
-            self._run = (self.expert_ids[0], n)
-        # NOTE: the index lives on the data's device so the pager's writes need no host sync.
-        self._index = torch.tensor(self.expert_ids, dtype=torch.long, device=w13.data.device)
-        self._base_cache: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _bases(self, stride: int, lo: int) -> torch.Tensor:
-        """Element offsets of each expert's weight in a packed buffer of row `stride`. Built on the first
-        forward (a CUDA-graph warm-up, before any capture), then reused."""
-        key = (stride, lo)
-        if key not in self._base_cache:
-            self._base_cache[key] = self._index * stride + lo
-        return self._base_cache[key]
-
-    @classmethod
-    def quantize_rows(cls, rows: torch.Tensor, precision: str, hidden: int, inter: int,
-                      expert_ids: Sequence[int], device: torch.device) -> "QuantizedLayer":
-        """rows [n, >= 3*I*H] (raw expert rows, any float dtype, any device) -> the layer's quantized tier on
-        `device`. Quantised where the rows are moved to (the device: fast), in float32 like the reference."""
-        n, I, H = rows.shape[0], inter, hidden
-        if n != len(expert_ids) or n == 0:
-            raise ValueError(f"{n} rows for {len(expert_ids)} expert ids")
-        # One expert at a time: the quantiser's float32 temporaries stay one expert large.
-        parts13, parts2 = [], []
-        for i in range(n):
-            r = rows[i, :3 * I * H].to(device)
-            parts13.append(quantize(r[:2 * I * H].view(2 * I, H), precision))
-            parts2.append(quantize(r[2 * I * H:].view(H, I), precision))
-        return cls(precision, hidden, inter, expert_ids, _stack(parts13), _stack(parts2))
-
-    @property
-    def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.data.device
-
-    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        """[n, 3*I*H] in `dtype`: the experts' dequantised rows (w13 then w2), for tests and the CPU path."""
-        n, I, H = len(self.expert_ids), self.inter, self.hidden
-        return torch.cat([dequantize(self.w13, dtype).reshape(n, 2 * I * H),
-                          dequantize(self.w2, dtype).reshape(n, H * I)], dim=1)
-
-    def dequantize_into(self, packed: torch.Tensor) -> None:
-        """Write the dequantised experts into their rows of a compute buffer packed [E, stride] (its dtype).
-        No host sync: runs on whatever stream is current (the pager's copy stream). On CUDA one Triton launch
-        per weight kind writes the rows directly (kernels/dequant.py); elsewhere the PyTorch reference."""
-        I, H = self.inter, self.hidden
-        if packed.is_cuda and packed.is_contiguous():
-            from pagedmoe.kernels.dequant import dequantize_into
-
-            for qt, lo in ((self.w13, 0), (self.w2, 2 * I * H)):
-                dequantize_into(qt, packed, self._bases(packed.stride(0), lo))
-            return
-        E, n = packed.shape[0], len(self.expert_ids)
-        for qt, lo, (N, K) in ((self.w13, 0, (2 * I, H)), (self.w2, 2 * I * H, (H, I))):
-            # [n*N, K] (int4: a strided slice of its padded groups): viewed per expert, copied once
-            vals = dequantize(qt, packed.dtype).view(n, N, K)
-            if self._run is not None:
-                e0, k = self._run
-                packed[e0:e0 + k, lo:lo + N * K].view(k, N, K).copy_(vals)
-            else:
-                packed[:, lo:lo + N * K].view(E, N, K).index_copy_(0, self._index, vals)
-
-
-def _stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    """Experts' quantized [N, K] weights -> one [n*N, K] QuantizedTensor (per-row scales stack with them)."""
-    n_rows = sum(p.shape[0] for p in parts)
-    return QuantizedTensor(parts[0].precision, (n_rows, parts[0].shape[1]),
-                           torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
-
-
-# -- dynamic precision: per-expert forms, mixed within a layer ---------------------------------------
 class LayerVersion:
     """One published state of a MoE layer under --expert-precision dynamic: its exact experts' rows
     (`exact_rows` [n, 3*I*H], model dtype, on the device), its lossless experts (`lossless`: (first expert
@@ -154,7 +68,7 @@ class LayerVersion:
             n = self.exact_rows.shape[1]
             packed[:, :n].index_copy_(0, self._index, self.exact_rows)
         if self.lossless:  # one launch per run, each part into its row (rows may be longer than a part)
-            from pagedmoe.kernels.lossless_decode import decode_runs
+            from pagedmoe.kernels.lossless_decode import decode_runs  # triton: an optional package
 
             for e0, ct in self.lossless:
                 decode_runs(ct, [(0, ct.num_parts, packed[e0:e0 + ct.num_parts, :ct.part_size])])
@@ -213,8 +127,6 @@ class DynamicExperts:
         self._lossless_bytes: Optional[int] = None
 
     def bytes_per_rung(self) -> dict[str, int]:
-        from pagedmoe.codecs.quant import LOSSY_PRECISIONS, expert_bytes
-
         elem = self.dtype.itemsize
         out = {"bf16": self.numel * elem}   # "bf16": the exact rung, in the model dtype
         if self.lossless:
@@ -228,8 +140,6 @@ class DynamicExperts:
         sizes are data dependent; the experts of one model are drawn alike, so the largest of the sample
         with a margin bounds the rest (the runtime's own total, `device_bytes`, is exact)."""
         if self._lossless_bytes is None:
-            from pagedmoe.codecs.lossless import encode
-
             L, E, n = self.num_layers, self.num_experts, self.numel
             sample = sorted({(0, 0), (0, E - 1), (L - 1, 0), (L - 1, E - 1)})
             rows = torch.stack([self.master[l][e, :n] for l, e in sample]).to(self.device)
@@ -268,7 +178,7 @@ class DynamicExperts:
             # the side stream must not start before what the compute stream queued (e.g. the loader);
             # taken before entering the side stream's context, where it would be the side stream itself
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        ctx = torch.cuda.stream(self.stream) if self.cuda else _nullcontext()
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             for layer in layers:
                 old = self.versions[layer]
@@ -295,8 +205,6 @@ class DynamicExperts:
 
     def publish(self) -> dict[tuple[int, int], dict[str, float]]:
         """Swap the built layers in; returns the measured relative weight error of each new lossy form."""
-        from pagedmoe.experts.table import COMPRESSED, QUANTIZED, RESIDENT
-
         if not self.ready():
             raise RuntimeError("publish() before the build finished")
         for layer, version in self._staged.items():
@@ -343,7 +251,7 @@ class DynamicExperts:
                     w13, w2 = self._quantize_expert(layer, e, p)
                 parts13.append(w13)
                 parts2.append(w2)
-            groups[p] = QuantizedLayer(p, H, I, ids, _stack(parts13), _stack(parts2))
+            groups[p] = QuantizedLayer(p, H, I, ids, stack_quantized(parts13), stack_quantized(parts2))
         return LayerVersion(exact_ids, exact_rows, groups, H, I, E, lossless)
 
     def _build_lossless(self, layer: int, old: Optional[LayerVersion], ids: list[int]) -> list[tuple[int, object]]:
@@ -354,8 +262,6 @@ class DynamicExperts:
         if ids and not self.lossless:
             raise ValueError("the lossless rung needs bf16 weights and buffers filled every forward "
                              "(not --quantized-gemm direct)")
-        from pagedmoe.codecs.lossless import LosslessLayout, encode
-
         n = self.numel
         kept = {(e0, ct.num_parts): ct for e0, ct in (old.lossless if old is not None else ())}
         out = []
@@ -367,7 +273,7 @@ class DynamicExperts:
                 ct = encode(rows, num_parts=k, checksum=False,
                             chunk_blocks=max(1, (1 << 21) // LosslessLayout().block_elems))
                 if self.cuda:  # the fill's launch touches no host state
-                    from pagedmoe.kernels.lossless_decode import prepare_launch
+                    from pagedmoe.kernels.lossless_decode import prepare_launch  # triton: optional
 
                     prepare_launch(ct)
             out.append((e0, ct))
@@ -388,91 +294,3 @@ class DynamicExperts:
         d = (dequantize(q13, torch.float32) - w13).pow(2).sum() + (dequantize(q2, torch.float32) - w2).pow(2).sum()
         self._errors.append(((layer, e), p, (d / r.pow(2).sum().clamp_min(1e-30)).sqrt()))
         return q13, q2
-
-
-# -- lossy forms written offline by `pagedmoe compress --precisions` ------------------------------------
-LOSSY_DIR = "expert-lossy"   # inside the model folder: the checkpoint loader reads top-level files only
-
-
-def offline_forms_of_store(store, precisions, out, device) -> Path:
-    """Quantise every expert row of `store` (its master rows) at each precision and write
-    OUT/expert-lossy/<p>.safetensors ('<layer>.<expert>.<w13|w2>.<data|scales>') and quality.json
-    (relative weight error per expert and precision: the compress-time quality cost)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    folder = Path(out) / LOSSY_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    L, E, H, I, n = store.table.num_layers, store.table.num_experts, store.hidden, store.inter, store.expert_numel
-    rel: dict[tuple[int, int], dict[str, float]] = {}
-    for p in precisions:
-        tensors = {}
-        for layer in range(L):
-            for e in range(E):
-                r = store.row(layer, e)[:n].to(device).float()
-                w13, w2 = r[:2 * I * H].view(2 * I, H), r[2 * I * H:].view(H, I)
-                q13, q2 = quantize(w13, p), quantize(w2, p)
-                d = (dequantize(q13, torch.float32) - w13).pow(2).sum() + \
-                    (dequantize(q2, torch.float32) - w2).pow(2).sum()
-                rel.setdefault((layer, e), {})[p] = (d / r.pow(2).sum().clamp_min(1e-30)).sqrt().item()
-                for tag, q in (("w13", q13), ("w2", q2)):
-                    tensors[f"{layer}.{e}.{tag}.data"] = q.data.cpu().contiguous()
-                    tensors[f"{layer}.{e}.{tag}.scales"] = q.scales.cpu().contiguous()
-        save_file(tensors, str(folder / f"{p}.safetensors"),
-                  metadata={"precision": p, "hidden": str(H), "inter": str(I), "layers": str(L), "experts": str(E)})
-    (folder / "quality.json").write_text(json.dumps(
-        {"precisions": list(precisions), "rel_error": [[l, e, v] for (l, e), v in sorted(rel.items())]}))
-    return folder
-
-
-class OfflineForms:
-    """Reads the forms `offline_forms_of_store` wrote; DynamicExperts takes a form from here instead of
-    quantising it (the same values: quantisation is deterministic)."""
-
-    def __init__(self, folder, hidden: int, inter: int) -> None:
-        import json
-
-        from safetensors import safe_open
-
-        self.hidden, self.inter = hidden, inter
-        self.files = {}
-        for p in ("fp8", "int8", "int4"):
-            f = folder / f"{p}.safetensors"
-            if f.is_file():
-                h = safe_open(str(f), framework="pt", device="cpu")
-                meta = h.metadata() or {}
-                if (meta.get("hidden"), meta.get("inter")) != (str(hidden), str(inter)):
-                    raise ValueError(f"{f}: lossy forms of experts H={meta.get('hidden')}, I={meta.get('inter')}; "
-                                     f"this model has H={hidden}, I={inter}")
-                self.files[p] = h
-        q = folder / "quality.json"
-        self.quality = json.loads(q.read_text()) if q.is_file() else None
-
-    @classmethod
-    def open(cls, model_folder, hidden: int, inter: int) -> Optional["OfflineForms"]:
-        folder = Path(model_folder) / LOSSY_DIR
-        return cls(folder, hidden, inter) if folder.is_dir() else None
-
-    def rel_error(self) -> Optional[dict]:
-        if self.quality is None:
-            return None
-        return {(int(l), int(e)): dict(v) for l, e, v in self.quality["rel_error"]}
-
-    def get(self, layer: int, e: int, p: str) -> Optional[tuple[QuantizedTensor, QuantizedTensor]]:
-        h = self.files.get(p)
-        if h is None:
-            return None
-        out = []
-        for tag, shape in (("w13", (2 * self.inter, self.hidden)), ("w2", (self.hidden, self.inter))):
-            out.append(QuantizedTensor(p, shape, h.get_tensor(f"{layer}.{e}.{tag}.data"),
-                                       h.get_tensor(f"{layer}.{e}.{tag}.scales")))
-        return out[0], out[1]
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

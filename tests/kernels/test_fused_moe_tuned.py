@@ -1,4 +1,4 @@
-"""Tuned fused-MoE tile tables (kernels/fused_moe_config.py): lookup by shape and batch, the fallback to
+"""Tuned fused-MoE tile tables (kernels/fused_moe_tuned.py): lookup by shape and batch, the fallback to
 default_config, bad tables, the launcher taking a table's tiles, and benchmarks/tune_fused_moe.py writing a
 table that loads (a quick grid on a tiny shape under the interpreter)."""
 import dataclasses
@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
-from pagedmoe.kernels import fused_moe_config as fmc  # noqa: E402
+from pagedmoe.kernels import fused_moe_tuned as fmc  # noqa: E402
 from pagedmoe.models.layers.moe import experts_loop  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

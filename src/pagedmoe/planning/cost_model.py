@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Sequence, Union
 
-from pagedmoe.experts.model_shape import ModelShape
+from pagedmoe.planning.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

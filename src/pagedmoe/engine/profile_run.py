@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from pagedmoe.engine.request import Request
-from pagedmoe.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
 
 
@@ -35,8 +36,6 @@ def profile_step_bytes(model, block_size: int, device: torch.device, dtype: torc
     """Device bytes the largest step needs above what is allocated before it (its activations, the logits and
     the sampler's float32 working copy of them). On CUDA `memory` (worker/device_memory.py) counts the growth
     outside torch's pool; off CUDA the step runs (so the path is exercised) and 0 is returned."""
-    from pagedmoe.worker.model_runner import ModelRunner
-
     lengths = profile_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
     num_blocks = sum(-(-n // block_size) for n in lengths)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, attention_backend, moe_backend,

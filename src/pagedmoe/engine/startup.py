@@ -1,0 +1,328 @@
+"""Start-up in one place: EngineConfig + the model's config + the device -> one frozen ExpertPlan -> the
+model built with its experts -> the KV sizing -> the KV cache, the model runner and dynamic precision.
+
+    config ──> device, dtype, max_model_len
+           ──> resolve_expert_plan (planning/resolve.py; `pagedmoe plan` and `bench sweep` read the same
+               flags through it) ──> ExpertPlan (frozen)
+           ──> build_experts (experts/build.py): table, store, buffers, and the experts object
+           ──> build_model(experts=...) ──> weights loaded into the store's tiers ──> finalize
+           ──> size_kv_cache (planning/kv_sizing.py): the budget less what was loaded
+           ──> KV cache (lendable under dynamic precision) ──> ModelRunner ──> dynamic precision
+
+LLMEngine (engine/llm_engine.py) keeps the serving loop and calls `start_engine` once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagedmoe import cuda_vmm
+from pagedmoe.config import EngineConfig, resolve_model
+from pagedmoe.experts.activity import ActivityTable
+from pagedmoe.experts.build import build_experts, settle_buffers
+from pagedmoe.experts.dynamic.start import load_expert_stats, start_dynamic_precision
+from pagedmoe.extras import require
+from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block, kv_cache_bytes
+from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
+                                    resolve_dtype)
+from pagedmoe.models.registry import spec_builder
+from pagedmoe.oom import naming_oom
+from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
+                                         size_kv_cache, start_up_reserve_bytes)
+from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
+from pagedmoe.worker.device_memory import process_monitor
+from pagedmoe.worker.model_runner import ModelRunner
+from pagedmoe.engine.profile_run import profile_step_bytes
+
+logger = logging.getLogger("pagedmoe")
+# The last device memory a budget of the whole device cannot have: the driver keeps some for itself.
+DEVICE_HEADROOM = 256 << 20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class EngineParts:
+    """Everything start-up made, handed to LLMEngine."""
+    model_path: str
+    hf_config: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    expert_plan: ExpertPlan
+    model: Any
+    activity: ActivityTable
+    plan: KVSizing
+    kv: KVCacheManager
+    runner: ModelRunner
+    precision: Any            # DynamicPrecisionManager under --expert-precision dynamic, else None
+    memory: Any               # DeviceMemoryMonitor (worker/device_memory.py) on CUDA, else None
+
+
+def start_engine(config: EngineConfig) -> EngineParts:
+    model_path = resolve_model(config.model)
+    hf_config = load_hf_config(model_path)
+    tokenizer = load_tokenizer(config.tokenizer or model_path, config.load_format)
+    device = pick_device(config.device)
+    check_gpu_packages(device)
+    dtype = resolve_dtype(config.dtype, device, hf_config)
+    max_model_len = resolve_max_model_len(config, hf_config)
+    name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+
+    # The process's device memory as the driver counts it (context, torch's pool, VMM mappings): what
+    # --gpu-memory-gb bounds. Its peak is reset here: this engine's start-up and run are one window.
+    memory = process_monitor(device)
+    if memory is not None:
+        memory.reset_peak()
+        memory.mark("engine_start")
+
+    t0 = time.perf_counter()
+    dims, spec = spec_builder(hf_config)(hf_config)
+    dynamic = config.expert_precision == "dynamic"
+    # MLA runs a PyTorch path that reads host copies of the sequence lengths: not capturable in a CUDA
+    # graph; under dynamic precision graphs would bake old expert versions.
+    eager = config.enforce_eager or dynamic or dims.mla is not None
+    expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
+    activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
+    model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
+                       expert_plan, activity)
+    store = model.expert_store
+    _mark(memory, "model")
+    if dynamic and device.type == "cuda":
+        _expandable_segments()
+    if expert_plan.dynamic_min_precision is not None:  # before sizing the KV cache: sized around the floor
+        # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
+        store.enable_dynamic(expert_plan.dynamic_min_precision, lossless=expert_plan.quantized_gemm != "direct")
+    plan = plan_kv_cache(config, model, device, dtype, max_model_len, memory, eager)
+    logger.info("loaded %s (%s, %s) in %.1f s; %s", name, device, dtype, time.perf_counter() - t0, plan.summary())
+    logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
+                "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
+                store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
+                config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
+    # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
+    backing = None
+    if dynamic and cuda_vmm.available(device):
+        with naming_oom(f"allocating the KV cache ({plan.num_kv_blocks} blocks)",
+                        kv_cache_bytes(dims, plan.num_kv_blocks, config.block_size, dtype)):
+            backing = LendableKVCache(dims.num_layers, plan.num_kv_blocks, config.block_size, dims.num_kv_heads,
+                                      dims.head_dim, dtype, device)
+    elif dynamic and device.type == "cuda":
+        logger.warning("dynamic precision without CUDA VMM (cuda-python): KV blocks lent to experts keep "
+                       "their memory, so the GPU holds up to the budget plus the experts' bytes above "
+                       "--min-expert-precision")
+    kv = KVCacheManager(plan.num_kv_blocks, config.block_size, config.enable_prefix_caching, backing=backing)
+    logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)")
+    runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
+                         config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                         enforce_eager=eager, kv_backing=backing, memory=memory, fused_ops=config.fused_ops)
+    if backing is not None and memory is not None and config.num_kv_blocks is None:
+        # lent blocks come back only while the process stays within the budget with room for a step's
+        # activations and the next build (not whenever the device has memory free)
+        limit = plan.budget_bytes - plan.activation_bytes - store.dynamic_build_bytes
+        backing.room = lambda: limit - memory.used_bytes()
+    activity.reset()  # CUDA-graph capture warm-ups routed tokens too
+    precision = None
+    stats = load_expert_stats(config.expert_stats, activity)
+    if store.dynamic is not None:
+        precision = start_dynamic_precision(config, model_path, store, kv, plan.kv_bytes_per_block,
+                                            -(-max_model_len // config.block_size), activity, stats)
+    _mark(memory, "ready")
+    if memory is not None:
+        logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB)%s",
+                    memory.stages["ready"] / GiB, memory.peak_bytes / GiB,
+                    f" of the {plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
+    return EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
+                       activity, plan, kv, runner, precision, memory)
+
+
+def _mark(memory, stage: str) -> None:
+    if memory is not None:
+        memory.mark(stage)
+
+
+def _expandable_segments() -> None:
+    """Dynamic precision frees expert versions of every size between steps; in fixed segments torch cannot
+    hand the freed parts back while a live version shares the segment (measured on the H200: 4.8 GiB stuck
+    in Mixtral's pool, so lent KV blocks could not come back within the budget). Expandable segments unmap
+    freed pages. A PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    setter("expandable_segments:True")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def check_gpu_packages(device: torch.device) -> None:
+    """The gpu extra, checked before any weight is read: pagedmoe's CUDA kernels are Triton kernels."""
+    if device.type == "cuda":
+        require("triton", "gpu", "running on a CUDA device")
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}")
+    max_model_len = config.max_model_len or max_pos
+    if not max_model_len:
+        raise ValueError("the config has no max_position_embeddings; pass max_model_len")
+    return max_model_len
+
+
+def load_tokenizer(path: str, load_format: str):
+    from transformers import AutoTokenizer  # heavy: only when an engine starts
+
+    has_files = any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+    try:
+        if not has_files:
+            # transformers may build an empty tokenizer from config.json alone: treat it as none.
+            raise FileNotFoundError("no tokenizer files")
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        if load_format == "dummy":
+            # Shape-only benchmark folders (a config.json) need no tokenizer: prompts are token ids.
+            logger.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
+            return None
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from e
+
+
+# -- the expert plan ------------------------------------------------------------------------------------
+def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
+                       max_model_len: int, memory=None, eager: bool = True) -> ExpertPlan:
+    """The resolver's plan (planning/resolve.py) with what the device decides: the compute buffers, the
+    static lossy format, the quantized GEMM path and the dynamic floor."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
+                               max_model_len=max_model_len, budget=lambda: planning_budget(config, device, memory),
+                               host_budget=lambda: host_budget(config), eager=eager)
+    x = config.experts
+    dynamic = x.precision == "dynamic"
+    return plan.replace(buffers=settle_buffers("plain" if dynamic else x.buffers, plan.paged, device),
+                        quantized_precision=x.quantized_precision(),
+                        quantized_gemm=config.resolved_quantized_gemm(device.type),
+                        dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
+
+
+def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:
+    """Device bytes the planner splits: --gpu-memory-gb, else default_budget on CUDA; None on CPU."""
+    if config.gpu_memory_gb is not None:
+        return int(config.gpu_memory_gb * GiB)
+    if device.type == "cuda":
+        return default_budget(memory)
+    return None
+
+
+def default_budget(memory) -> int:
+    """Without --gpu-memory-gb on CUDA: 0.9 of what the device has beside other processes (vLLM's default
+    --gpu-memory-utilization)."""
+    return int(0.9 * (memory.total_bytes - memory.others_bytes))
+
+
+def host_budget(config: EngineConfig) -> Optional[int]:
+    """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
+    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded."""
+    if config.host_memory_gb is not None:
+        return int(config.host_memory_gb * GiB)
+    budget = detect_host_budget_bytes()
+    if budget is None:
+        logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
+    else:
+        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
+                    budget / GiB)
+    return budget
+
+
+def load_model(path: str, hf_config, load_format: str, max_position: int, device: torch.device,
+               dtype: torch.dtype, seed: int, plan: ExpertPlan, activity: Optional[ActivityTable] = None):
+    """The model built with its experts object (laid out by `plan`), its weights loaded (or random for
+    --load-format dummy) and its GPU tiers encoded."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    with naming_oom(f"allocating the experts ({plan.mode} placement)"):
+        experts = build_experts(plan, dims.num_layers - len(spec.dense_layers), dims, device, dtype, activity)
+    model = build_model(hf_config, max_position, device, dtype, experts)
+    if load_format == "dummy":
+        with naming_oom("generating random weights (--load-format dummy)"):
+            init_dummy_weights(model, seed)
+            experts.store.init_random(seed)
+    else:
+        load_weights(model, path, show_progress=os.environ.get("PAGEDMOE_NO_PROGRESS") is None)
+    with naming_oom("encoding the compressed / quantized expert tiers"):
+        experts.store.finalize()  # encode (quantise) the compressed (quantized) tier's staged rows
+    if model.pager is not None:
+        model.pager.refresh()  # finalize may have compressed the host tier
+    return model
+
+
+# -- the KV cache ---------------------------------------------------------------------------------------
+def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                  memory=None, eager: bool = True) -> KVSizing:
+    """The measured split: the budget less what was loaded, the activations and a reserve, in KV blocks."""
+    c, dims, store = config, model.dims, model.expert_store
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + store.device_bytes
+    per_block = kv_bytes_per_block(dims.num_layers, dims.num_kv_heads, dims.head_dim, c.block_size, dtype)
+    blocks_per_seq = -(-max_model_len // c.block_size)
+    useful = c.max_num_seqs * blocks_per_seq
+    act = estimate_activation_bytes(c.max_num_batched_tokens, c.max_num_seqs, dims.hidden_size,
+                                    dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype.itemsize)
+    if c.num_kv_blocks is not None:
+        budget = weight_bytes + act + c.num_kv_blocks * per_block
+        return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, c.num_kv_blocks)
+    if device.type == "cuda":
+        budget = int(c.gpu_memory_gb * GiB) if c.gpu_memory_gb is not None else default_budget(memory)
+        budget = clamp_to_device(memory, budget)
+        # Measured: everything the process holds now (context, weights, experts, buffers, torch's cache
+        # and fragmentation, VMM mappings) beyond the weights' own bytes; the dynamic experts' floor is
+        # counted in weight_bytes but built only once the KV cache exists.
+        pending = store.dynamic_bytes
+        if store.dynamic is None:  # dynamic experts are built after the KV cache: estimated
+            estimate, act = act, profile_step_bytes(
+                model, c.block_size, device, dtype, c.attention_backend, c.moe_backend,
+                c.max_num_seqs, max_model_len, c.max_num_batched_tokens, memory, c.fused_ops)
+            logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
+                        c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
+                        estimate / GiB)
+        torch.cuda.empty_cache()  # loading's temporaries: what the run re-grows is the reserve's to hold
+        measured = memory.mark("loaded")
+        overhead = max(0, measured - (weight_bytes - pending))
+        reserve = overhead + start_up_reserve_bytes(
+            act, c.max_num_seqs, dims.hidden_size, dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
+            dtype.itemsize, cuda_graphs=not eager, build_bytes=store.dynamic_build_bytes)
+        return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful, reserve)
+    if c.gpu_memory_gb is not None:
+        budget = int(c.gpu_memory_gb * GiB)
+    else:
+        # CPU without a budget: room for every sequence at full length, within 4 GiB of KV.
+        useful = min(useful, max(blocks_per_seq, (4 * GiB) // per_block))
+        budget = weight_bytes + act + useful * per_block
+    return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful)
+
+
+def clamp_to_device(memory, budget: int) -> int:
+    """A budget above the device's memory is refused. One above what it can give beside other processes
+    (less DEVICE_HEADROOM, which the driver keeps) is lowered to that, with a warning. `memory`: the
+    process's DeviceMemoryMonitor."""
+    total, others = memory.total_bytes, memory.others_bytes
+    if budget > total:
+        raise ValueError(f"--gpu-memory-gb {budget / GiB:.2f} exceeds this device's {total / GiB:.2f} GiB")
+    available = total - others - DEVICE_HEADROOM
+    if budget > available:
+        logger.warning("--gpu-memory-gb %.2f is more than this device can give (%.2f GiB of %.2f, other "
+                       "processes hold %.2f): planning for %.2f GiB", budget / GiB, available / GiB,
+                       total / GiB, others / GiB, available / GiB)
+        return available
+    return budget

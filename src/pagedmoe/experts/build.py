@@ -1,0 +1,123 @@
+"""Build the expert subsystem the model is constructed with: table + store, and the experts object the MoE
+layers call (experts/interface.py): ResidentExperts for resident placement, the ExpertPager for paged."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Sequence, Union
+
+import torch
+
+from pagedmoe import cuda_vmm as vmm
+from pagedmoe.experts.buffers import VmmExpertBuffers
+from pagedmoe.experts.pager import ExpertPager
+from pagedmoe.experts.store import ExpertStore
+from pagedmoe.experts.table import ExpertTable
+from pagedmoe.experts.tiers.resident import ResidentExperts
+from pagedmoe.extras import require
+
+logger = logging.getLogger(__name__)
+
+
+# Expert rows without VMM start every 16 bytes (vectorised loads); VMM rounds them up to its granularity.
+STRIDE_ALIGN_BYTES = 16
+
+
+def _per_layer(counts: Union[int, Sequence[int], None], num_layers: int, what: str) -> list[int]:
+    out = list(counts) if isinstance(counts, (list, tuple)) else [counts or 0] * num_layers
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} {what} counts for {num_layers} MoE layers")
+    return out
+
+
+def settle_buffers(requested: str, paged: bool, device: torch.device) -> str:
+    """The compute buffers --expert-buffers `requested` gets: "vmm" / "vmm-ring" (CUDA virtual memory
+    management: stable addresses, resident rows mapped in place) for paged placement on CUDA when the
+    driver offers it (auto falls back on "plain"), else "plain"; a kind that cannot be had is an error."""
+    if paged and requested in ("auto", "vmm", "vmm-ring") and device.type == "cuda":
+        if requested != "auto":  # asked for by name: say which package is missing rather than "unavailable"
+            require("cuda.bindings", "gpu", f"--expert-buffers {requested}", package="cuda-python")
+        if vmm.available(device):
+            return "vmm-ring" if requested == "vmm-ring" else "vmm"
+        if requested != "auto":
+            raise ValueError(f"expert buffers '{requested}' asked for, but CUDA virtual memory management is "
+                             "unavailable")
+    elif requested in ("vmm", "vmm-ring"):
+        raise ValueError(f"expert buffers '{requested}' need a CUDA device")
+    return "plain"
+
+
+def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: torch.dtype, activity=None):
+    """The experts object for a model of `dims` with `num_moe_layers` MoE layers, laid out by the resolved
+    ExpertPlan `plan` (planning/resolve.py): its table, store and buffers (the loader writes the weights into
+    `.store` later). `activity` (optional ActivityTable) counts the router ids the MoE layers pass in.
+
+    placement "resident": every expert in device memory. "paged": `num_gpu_experts` resident (one
+    count for every layer, or one per MoE layer), the rest in (pinned) host memory, streamed into a
+    double-buffered compute area. `num_compressed_experts` (paged only; one count, or one per MoE
+    layer) of the others are kept losslessly compressed on the device instead (bf16 only) and decoded
+    into the compute area; the store encodes them when loading ends (ExpertStore.finalize).
+    `quantized_precision` ("fp8", "int8" or "int4"; paged only): the experts that would go to the host
+    tier are held on the device in that lossy format instead and dequantised into the compute area (the
+    static `--expert-precision static-*` modes: every expert, with no resident or compressed ones).
+    `host_compression` "lossless": the host tier is held losslessly compressed (ExpertStore.finalize
+    encodes it) and decoded on the device after each copy. `quantized_gemm` "direct" (static lossy
+    experts, every expert of every layer quantized): forwards of up to TRITON_MAX_TOKENS tokens skip the
+    dequantisation and the MoE GEMMs read the quantized weights (kernels/fused_moe.py::fused_moe_quantized).
+    """
+    placement, num_gpu_experts, num_compressed_experts = plan.mode, plan.num_gpu_experts, plan.num_compressed
+    buffers, quantized_precision = plan.buffers, plan.quantized_precision
+    host_compression, quantized_gemm = plan.host_compression, plan.quantized_gemm
+    if placement not in ("resident", "paged"):
+        raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
+    num_layers = num_moe_layers
+    table = ExpertTable(num_layers, dims.num_experts)
+    paged = placement == "paged"
+    comp = _per_layer(num_compressed_experts, num_layers, "compressed-expert")
+    if any(comp) and not paged:
+        raise ValueError("compressed experts are decoded into paged compute buffers; they need placement 'paged'")
+    if any(comp) and dtype != torch.bfloat16:
+        raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
+                         "(use --dtype bfloat16)")
+    if quantized_precision is not None and not paged:
+        raise ValueError("quantized experts are dequantised into paged compute buffers; they need placement "
+                         "'paged'")
+    if not paged:
+        table.place_first(dims.num_experts)
+    else:
+        counts = _per_layer(num_gpu_experts, num_layers, "resident-expert")
+        E = dims.num_experts
+        bad = [(n, c) for n, c in zip(counts, comp) if n < 0 or c < 0 or n + c > E]
+        if bad:
+            raise ValueError(f"{bad[0][0]} resident + {bad[0][1]} compressed experts exceed the model's {E} "
+                             "experts per layer")
+        # Without activity statistics every expert is as good as another: the first N resident, the
+        # next C compressed (consecutive ids: one decode launch per layer).
+        quant = None
+        if quantized_precision is not None:
+            quant = [range(n + c, E) for n, c in zip(counts, comp)]
+        table.place([range(n) for n in counts], [range(n, n + c) for n, c in zip(counts, comp)], quant,
+                    quantized_precision or "int8")
+    factory, align = None, STRIDE_ALIGN_BYTES
+    if settle_buffers(buffers, paged, device) != "plain":
+        factory = functools.partial(VmmExpertBuffers, ring=buffers == "vmm-ring")
+        align = vmm.granularity(device)
+    if host_compression != "none" and not paged:
+        raise ValueError("--host-compression compresses the host tier; it needs placement 'paged'")
+    store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
+                        stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression)
+    if quantized_gemm == "direct":
+        # static: every expert of every layer quantized, in id order; dynamic (no quantized_precision here:
+        # ExpertStore.enable_dynamic follows) reads each layer's published version instead
+        if not paged or quantized_precision is not None and any(
+                table.ids(l, "quantized") != list(range(dims.num_experts)) for l in range(num_layers)):
+            raise ValueError("--quantized-gemm direct needs every expert of every layer quantized (--expert-precision "
+                             "static-fp8/int8/int4) or dynamic precision")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--quantized-gemm direct runs Triton kernels: it needs a CUDA device")
+    if paged:
+        return ExpertPager(store, direct_quantized=quantized_gemm == "direct", activity=activity)
+    return ResidentExperts(store, activity)
+
+

@@ -1,0 +1,1 @@
+"""Dynamic expert precision: the ladder and policy, the pressure controller, the layer versions."""

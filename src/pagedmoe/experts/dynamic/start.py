@@ -1,0 +1,54 @@
+"""Start-up of `--expert-precision dynamic` and `--expert-stats`: the activity file, the manager."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from pagedmoe.experts.dynamic.manager import DynamicPrecisionManager, parse_state
+from pagedmoe.experts.dynamic.offline import OfflineForms
+
+logger = logging.getLogger(__name__)
+
+
+def load_expert_stats(path: Optional[str], activity) -> Optional[dict]:
+    """--expert-stats PATH: load the activity table when the file exists (the first run creates it)."""
+    if not path or not Path(path).exists():
+        return None
+    try:
+        data = activity.load(path)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--expert-stats {path}: not an expert stats file written by pagedmoe ({e!r})") from e
+    logger.info("expert stats loaded from %s", path)
+    return data
+
+
+def save_expert_stats(path: str, activity, precision=None) -> None:
+    """At exit: the activity table, and under dynamic precision the precision map and measured errors."""
+    try:
+        activity.save(path, precision.state_json() if precision is not None else None)
+    except Exception as e:  # at interpreter exit: report, never raise
+        logger.warning("could not save expert stats to %s: %s", path, e)
+
+
+def start_dynamic_precision(config, model_path: str, store, kv, block_bytes: int, min_usable_blocks: int, activity,
+                            stats: Optional[dict] = None):
+    """Build the DynamicPrecisionManager of `--expert-precision dynamic` (the store's DynamicExperts was
+    enabled before the KV cache was sized). A precision map in the stats file is the starting point
+    when it fits the budget."""
+    initial = rel = None
+    if stats is not None:
+        initial, rel = parse_state(stats, store.table.num_layers, store.table.num_experts)
+    offline = OfflineForms.open(model_path, store.hidden, store.inter)
+    if offline is not None:   # `pagedmoe compress --precisions`: forms and compress-time costs
+        store.dynamic.offline = offline
+        rel = rel if rel is not None else offline.rel_error()
+        logger.info("dynamic expert precision: offline lossy forms %s", sorted(offline.files))
+    low, high = config.experts.watermarks()
+    mgr = DynamicPrecisionManager(store.dynamic, kv, block_bytes, low, high, store.dynamic.min_precision,
+                                  activity=activity, min_usable_blocks=min_usable_blocks, initial=initial,
+                                  rel_error=rel)
+    logger.info("dynamic expert precision: %s; %d KV blocks lent to experts (watermarks %d / %d of %d blocks)",
+                mgr.precision_counts(), mgr.withheld, mgr.watermarks.low, mgr.watermarks.high, mgr.num_blocks)
+    return mgr

@@ -1,0 +1,1 @@
+"""The expert tiers: resident, host (pinned), compressed (GPU, lossless), quantized (GPU, lossy)."""

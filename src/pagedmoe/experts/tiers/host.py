@@ -1,0 +1,153 @@
+"""The host tier: experts in pinned host memory, copied into their layer's compute rows before it runs.
+
+Raw (`rows[l]` [n_host, stride], pinned on CUDA) or, under `--host-compression lossless`, compressed: per
+layer its host experts in groups of consecutive ids (at most HOST_GROUP_BYTES of bf16 each), each group a
+CompressedTensor (one part per expert) in pinned host memory, copied into one of HOST_STAGING_SLOTS
+device staging slots and decoded into its compute rows by the pager in one launch (experts/pager.py).
+The raw rows then only stage a layer until it is encoded.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from pagedmoe.codecs.lossless import ARRAYS, CompressedTensor, encode
+from pagedmoe.experts.layout import consecutive_runs
+from pagedmoe.experts.table import HOST
+from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly this size.
+
+    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds every
+    block up to a power of two (a 2.6 GiB Mixtral layer would pin 4 GiB, 128 GiB for the model), so
+    the pages are allocated normally and registered with the driver instead.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    # Fault the pages in on every core first (zero_ runs in parallel): cudaHostRegister faults fresh
+    # pages in one by one on one thread (GLM-4.5-Air's 100 GiB host tier: load 147 s that way, 52 s this way).
+    t.zero_()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # 1: cudaHostRegisterPortable
+    if int(err) != 0 or not t.is_pinned():
+        # Fall back on the caching allocator (exact size lost, but copies stay asynchronous).
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    # NOTE: registered pages must be unregistered before they are freed.
+    weakref.finalize(t, _unregister, t.data_ptr())
+    return t
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process is going away anyway
+        pass
+
+
+class HostTier:
+    def __init__(self, table, stride: int, expert_numel: int, dtype: torch.dtype, device: torch.device,
+                 paged: bool, compression: str = "none") -> None:
+        L = table.num_layers
+        self.table, self.expert_numel, self.device, self.compression = table, expert_numel, device, compression
+        self.rows: list[Optional[torch.Tensor]] = [None] * L
+        self.staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
+        self.compressed: list = [None] * L      # per layer: a CompressedTensor per group (compressed host tier)
+        self.groups: list = [None] * L          # per layer: (first expert id, experts) of each group
+        self.staging: list = [None] * L         # per layer: the groups' device views into the slots
+        self.staging_bytes = 0
+        if not paged:
+            return
+        pin = device.type == "cuda"
+        for layer in range(L):
+            n_host = table.count(layer, HOST)
+            # With a compressed host tier the raw rows only stage a layer until it is encoded (pageable,
+            # touched lazily): pinning them all first would peak host memory at the raw host tier.
+            self.rows[layer] = pinned_empty((n_host, stride), dtype) if pin and compression == "none" \
+                else torch.empty(n_host, stride, dtype=dtype)
+
+    def stage(self, layer: int, slot: int, parts) -> bool:
+        """A compressed host tier's raw row parts written; True once the layer's rows are complete."""
+        self.staged_parts[layer].update((slot, p) for p in parts)
+        return len(self.staged_parts[layer]) == 3 * self.rows[layer].shape[0]
+
+    def compress_layer(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Encode one layer's host rows (on the device: fast; one codebook per layer), or `rows` (device,
+        slot order) given; keep each expert's part in pinned host memory and free the raw rows."""
+        rows = self.rows[layer] if rows is None else rows
+        if rows is None or not rows.shape[0]:
+            return
+        self.rows[layer] = None
+        self.staged_parts[layer] = set()
+        ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
+                    checksum=False)
+        # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
+        groups = consecutive_runs(self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel))
+        self.groups[layer] = [(e0, k) for _, e0, k in groups]
+        self.compressed[layer] = to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
+                                               self.device.type == "cuda")
+
+    def build_staging(self) -> None:
+        """Once every host layer is encoded: the device staging slots and each group's views into its slot."""
+        names = ARRAYS
+        experts = [ct for cts in self.compressed if cts for ct in cts]   # groups of experts
+        if not experts:
+            return
+        # NOTE: the k-th host group of the model decodes from slot k % HOST_STAGING_SLOTS; its copies follow
+        # the decode of the group before it in that slot on the same copy stream, so the slot is free.
+        staging = [{name: torch.empty(max(getattr(ct, name).numel() for ct in experts),
+                                      dtype=getattr(experts[0], name).dtype, device=self.device) for name in names}
+                   for _ in range(HOST_STAGING_SLOTS)]
+        self.staging_bytes = sum(t.numel() * t.element_size() for st in staging for t in st.values())
+        # NOTE: CUDA-graph warm-ups decode without copying (ExpertPager.no_host_copies): the slots must hold
+        # a real group's arrays, or the decoder would follow garbage bit offsets out of its buffers. The group
+        # with the most parts: every view's blocks are a prefix of its blocks, their offsets inside its stream.
+        fill = max(experts, key=lambda ct: (ct.num_parts, ct.stream.numel()))
+        for slot in staging:
+            for name in names:
+                src = getattr(fill, name).reshape(-1)
+                slot[name][:src.numel()].copy_(src)
+        k = 0
+        for layer, cts in enumerate(self.compressed):
+            if not cts:
+                continue
+            views = []
+            for ct in cts:
+                slot = staging[k % HOST_STAGING_SLOTS]
+                k += 1
+                view = CompressedTensor(ct.shape, ct.num_parts, ct.layout, ct.code_lengths, ct.fill_exponent, **{
+                    name: slot[name][:getattr(ct, name).numel()].view(getattr(ct, name).shape) for name in names})
+                if self.device.type == "cuda":
+                    from pagedmoe.kernels.lossless_decode import prepare_launch  # triton: optional
+
+                    prepare_launch(view)  # NOTE: host work, before any CUDA-graph capture
+                views.append(view)
+            self.staging[layer] = views
+
+    @property
+    def nbytes(self) -> int:
+        raw = sum(t.numel() * t.element_size() for t in self.rows if t is not None)
+        return raw + sum(ct.nbytes for cts in self.compressed if cts for ct in cts)
+
+
+def to_host(parts: list, pin: bool) -> list:
+    """One layer's CompressedTensors (its host groups) with their arrays moved to host memory: one (pinned,
+    when `pin`) tensor per array kind for the whole layer, each group a view of it (a few registrations per
+    layer, not five per group)."""
+    names = ARRAYS
+    arrays: list[dict] = [{} for _ in parts]
+    for name in names:
+        src = [getattr(p, name) for p in parts]
+        flat = torch.cat([a.reshape(-1) for a in src])
+        host = pinned_empty(tuple(flat.shape), flat.dtype) if pin else torch.empty(flat.shape, dtype=flat.dtype)
+        host.copy_(flat)
+        off = 0
+        for d, a in zip(arrays, src):
+            d[name] = host[off:off + a.numel()].view(a.shape)
+            off += a.numel()
+    return [CompressedTensor(p.shape, p.num_parts, p.layout, p.code_lengths, p.fill_exponent, **d)
+            for p, d in zip(parts, arrays)]

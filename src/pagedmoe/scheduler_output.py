@@ -1,0 +1,38 @@
+"""What one engine step runs: the scheduler's output, read by the model runner (worker/).
+
+Its own module so that worker/ can import it without importing the engine (imports go one way:
+engine -> worker). Pure Python; `request` is an engine Request, read by attribute only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedmoe.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
