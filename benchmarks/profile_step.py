@@ -26,8 +26,10 @@ from pagedmoe.bench.engine_args import add_offline_bench_args, make_engine, rand
 from pagedmoe.sampling_params import SamplingParams
 
 # First matching pattern names the class; kernel names come from Triton (our own *_kernel bodies),
-# cuBLAS/CUTLASS and torch's elementwise/reduction kernels.
+# cuBLAS/CUTLASS and torch's elementwise/reduction kernels. The fused ops' kernels: fused_add_rmsnorm_kernel
+# counts as norm, router_topk_kernel as router.
 CLASSES = [
+    ("qk-rope-kv", r"qk_norm_rope"),  # --fused-ops: q/k norm + RoPE + KV write in one kernel (kernels/qk_norm_rope.py)
     ("moe", r"fused_moe|moe_|grouped|expert|silu_and_mul|topk_sum"),
     ("attention", r"paged_|attention|attn|flash|softmax_kernel|sdpa"),
     ("kv-write", r"kv_write|reshape_and_cache|index_put|scatter"),

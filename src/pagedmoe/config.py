@@ -25,6 +25,7 @@ _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
+_FUSED_OPS = ("auto", "on", "off")  # layers/fused_ops.py
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_COMPRESSION = ("none", "lossless")
@@ -69,6 +70,9 @@ class EngineConfig:
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
     moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)
+    fused_ops: str = _flag("auto", "fused Triton kernels for the decode step's small ops (residual add + RMSNorm; "
+                                   "q/k norm + RoPE + KV write; router top-k): on, off, or auto (off for now: "
+                                   "their speed on the H200 is not measured yet)", _FUSED_OPS)
     expert_placement: str = _flag("auto", "resident: every expert in GPU memory; paged: experts stream "
                                               "from pinned host memory one layer ahead (with "
                                               "--num-gpu-experts resident per layer); auto: the planner picks",
@@ -139,6 +143,7 @@ class EngineConfig:
     def _check_choices(self) -> None:
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
+                              ("fused_ops", _FUSED_OPS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),

@@ -28,6 +28,7 @@ class ModelConfig:
     enforce_eager: bool
     attention_backend: str
     moe_backend: str
+    fused_ops: str
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ SECTIONS = {
     "model_config": (ModelConfig, {"model": "path", "tokenizer": "tokenizer", "dtype": "dtype", "device": "device",
                                    "max_model_len": "max_model_len", "seed": "seed", "load_format": "load_format",
                                    "served_model_name": "served_model_name", "enforce_eager": "enforce_eager",
-                                   "attention_backend": "attention_backend", "moe_backend": "moe_backend"}),
+                                   "attention_backend": "attention_backend", "moe_backend": "moe_backend",
+                                   "fused_ops": "fused_ops"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",
                                     "max_num_batched_tokens": "max_num_batched_tokens"}),
     "cache": (CacheConfig, {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",

@@ -32,14 +32,15 @@ def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_le
 @torch.inference_mode()
 def profile_step_bytes(model, block_size: int, device: torch.device, dtype: torch.dtype, attention_backend: str,
                        moe_backend: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                       memory=None) -> int:
+                       memory=None, fused_ops: str = "auto") -> int:
     """Device bytes the largest step needs above what is allocated before it (its activations, the logits and
     the sampler's float32 working copy of them). On CUDA `memory` (worker/device_memory.py) counts the growth
     outside torch's pool; off CUDA the step runs (so the path is exercised) and 0 is returned."""
     lengths = profile_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
     num_blocks = sum(-(-n // block_size) for n in lengths)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, attention_backend, moe_backend,
-                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True)
+                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True,
+                         fused_ops=fused_ops)
     kv = KVCacheManager(num_blocks, block_size)
     vocab = model.dims.vocab_size
     low = min(10, vocab - 1)   # no special ids, as bench's random prompts

@@ -33,6 +33,7 @@ import triton.language as tl
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision
 from .device_info import sm_count
 from .fused_moe_config import FusedMoEConfig, check_moe_args, choose_split_k, default_config, expected_blocks
+from .fused_moe_tuned import tuned_config
 from .moe_align import moe_align
 from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 
@@ -344,7 +345,8 @@ def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, ov
     if T == 0:
         return out
     num_sms = sm_count(x.device)
-    cfg = config or default_config(T, A, E, H, I, x.dtype, num_sms)
+    # a tuned table's entry for this GPU, shape and batch (kernels/fused_moe_config.py), else the defaults
+    cfg = config or tuned_config(T, A, E, H, I, x.dtype, x.device) or default_config(T, A, E, H, I, x.dtype, num_sms)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     N = T * A

@@ -69,6 +69,11 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         """q [T, Hq, D], k, v [T, Hkv, D] of this step; writes k, v into the layer's caches, returns [T, Hq, D]."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale, out=out)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
+               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode or prefill over caches that already hold this step's k, v (written by a fused kernel)."""
         if meta.is_decode_only:
             return paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out, max_seq_len=meta.max_seq_len

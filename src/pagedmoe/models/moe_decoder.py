@@ -122,6 +122,23 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, meta)
         return h + self.ffn(self.post_attention_layernorm(h))
 
+    def forward_fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """--fused-ops: (x, residual) -> (this layer's FFN output, the residual stream before it added).
+        Each residual add runs fused with the RMSNorm after it (kernels/fused_norm.py), in place: x and
+        residual are this step's own activations."""
+        from pagedmoe.kernels.fused_norm import fused_add_rmsnorm
+
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:  # the first layer: the embedding is the residual stream
+            residual = x
+            x, _ = fused_add_rmsnorm(x, None, ln1.weight, ln1.eps)
+        else:
+            x, residual = fused_add_rmsnorm(x, residual, ln1.weight, ln1.eps, out=x, residual_out=residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = fused_add_rmsnorm(x, residual, ln2.weight, ln2.eps, out=x, residual_out=residual)
+        return self.ffn(x), residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, max_position: int,
@@ -151,6 +168,8 @@ class MoEForCausalLM(nn.Module):
         self.experts = experts
         self.model = DecoderModel(dims, spec, max_position, experts)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        # --fused-ops (layers/fused_ops.py): residual adds fused with the RMSNorms after them
+        self.fused_residual_norm = False
 
     @property
     def expert_store(self):
@@ -178,13 +197,24 @@ class MoEForCausalLM(nn.Module):
         experts = self.experts
         if experts is not None:
             experts.begin_forward(input_ids.shape[0])
+        fused = self.fused_residual_norm
+        residual = None
         for layer in self.model.layers:
             if experts is not None and layer.is_moe:
                 experts.before_layer(layer.ffn.moe_idx)
-            h = layer(h, positions, meta)
+            if fused:
+                h, residual = layer.forward_fused(h, residual, positions, meta)
+            else:
+                h = layer(h, positions, meta)
         if logits_indices is not None:
             h = h[logits_indices]
-        h = self.model.norm(h)
+            residual = None if residual is None else residual[logits_indices]
+        if fused:
+            from pagedmoe.kernels.fused_norm import fused_add_rmsnorm
+
+            h, _ = fused_add_rmsnorm(h, residual, self.model.norm.weight, self.model.norm.eps)
+        else:
+            h = self.model.norm(h)
         return self.lm_head(h).float()
 
     # -- weight loading ------------------------------------------------------------------------

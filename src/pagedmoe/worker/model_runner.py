@@ -14,6 +14,7 @@ from pagedmoe.scheduler_output import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_cache_bytes
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
+from pagedmoe.models.layers.fused_ops import apply_fused_ops, resolve_fused_ops
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.oom import naming_oom
@@ -36,7 +37,8 @@ class ModelRunner:
     def __init__(self, model: MoEForCausalLM, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 kv_backing: Optional[LendableKVCache] = None, memory=None) -> None:
+                 kv_backing: Optional[LendableKVCache] = None, memory=None,
+                 fused_ops: str = "auto") -> None:
         """`kv_backing`: KV tensors lent to dynamic precision (kvcache/kv_cache.py), else plain ones are
         allocated; `memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and
         the CUDA graphs' stages; None off CUDA."""
@@ -62,6 +64,7 @@ class ModelRunner:
             raise ValueError(f"unknown MoE backend {moe_backend!r}; known: {sorted(MOE_BACKENDS)}")
         for moe in model.moe_layers():
             moe.experts_fn = MOE_BACKENDS[moe_backend]
+        apply_fused_ops(model, resolve_fused_ops(fused_ops, device))  # before the graphs capture the kernels
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             moes = model.moe_layers()

@@ -37,6 +37,10 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over caches that already hold this step's k, v (the fused q/k rope kernel wrote them)."""
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.seq_lens_cpu, scale)
 
@@ -93,6 +97,12 @@ class Attention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
         self.backend = None
+        # --fused-ops (layers/fused_ops.py): q/k norm + RoPE + KV write in one kernel
+        self.fused_qk_rope = False
+
+    def can_fuse_qk_rope(self) -> bool:
+        """Whether kernels/qk_norm_rope.py computes exactly this layer's q/k path."""
+        return self.qk_norm in (None, "head") and self.clip_qkv is None and not self.rotary.interleaved
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -104,6 +114,15 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.fused_qk_rope:
+            from pagedmoe.kernels.qk_norm_rope import qk_norm_rope_kv
+
+            head = self.qk_norm == "head"
+            q = qk_norm_rope_kv(q, k, v, self.rotary.cos_sin, positions, self.q_norm.weight if head else None,
+                                self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
+                                self.k_cache, self.v_cache, meta.slot_mapping, q_out=q)
+            out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

@@ -228,12 +228,20 @@ class FusedMoE(nn.Module):
         self.experts_fn: Callable = experts_auto
         # The experts object the model was built with (experts/interface.py: resident provider or pager).
         self.experts = experts
+        self.fused_router = False  # --fused-ops (layers/fused_ops.py) sets it where the kernel fits
 
     def shared_mlp(self) -> Optional[GatedMLP]:
         return None if self.shared_expert_name is None else self._modules[self.shared_expert_name]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights f32 [T, A], ids [T, A])."""
+        if self.fused_router:  # --fused-ops: one Triton kernel (kernels/router_topk.py, layers/fused_ops.py)
+            from pagedmoe.kernels.router_topk import router_topk
+
+            if self.router == "softmax":
+                return router_topk(self.gate(x), self.top_k, self.renormalize)
+            return router_topk(self.gate(x), self.top_k, self.renormalize, "sigmoid",
+                               self.gate.e_score_correction_bias, self.routed_scaling_factor)
         if self.router == "softmax":
             return route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         if self.router == "softmax_grouped":

@@ -1,0 +1,109 @@
+"""Triton fused residual-add + RMSNorm: one read of x and the residual, one write of each output.
+
+The unfused decoder layer runs ``h = h + x`` (one kernel, rounded to the model dtype) and then
+RMSNorm (``xf = h.float(); xf * rsqrt(mean(xf^2) + eps)``, cast to the model dtype, times the weight in
+the model dtype: layers/norm.py, as HF does). This kernel keeps that op order and rounds where the
+torch ops round, so the new residual is bit-exact and the normed output differs from the unfused path
+only through the order of the float32 sum of squares and of the rsqrt (<= 2 ulp of the model dtype, rarely).
+Reference: ``fused_add_rmsnorm_ref``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_checks import check_float, check_same_device, next_pow2
+
+MAX_HIDDEN = 16384  # one row in one tile of registers
+
+
+@triton.jit
+def fused_add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    hidden, eps,
+    stride_x, stride_res, stride_out, stride_res_out,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # One program per row (token): the whole hidden vector in one tile.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the model dtype before the norm reads it, as torch's `h + x` is.
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * inv).to(dt).to(tl.float32)  # RMSNorm casts back to the model dtype before the weight
+    tl.store(out_ptr + row * stride_out + offs, (w * y).to(dt), mask=mask)
+
+
+def _check_rows(t: torch.Tensor, name: str, shape) -> None:
+    check_float(t, name, 2)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x [T, H] (+ residual [T, H]) -> (RMSNorm(x + residual) * weight [T, H], x + residual [T, H]).
+
+    residual None: plain RMSNorm, returns (normed, None). ``out`` / ``residual_out`` may alias x /
+    residual (each program reads its row whole before writing it): the decoder passes them to update in
+    place. Dtypes: x, residual and the outputs share the model dtype; weight any float dtype of [H].
+    """
+    check_float(x, "x", 2)
+    T, H = x.shape
+    if not 0 < H <= MAX_HIDDEN:
+        raise ValueError(f"hidden size must be in [1, {MAX_HIDDEN}], got {H}")
+    if weight.dim() != 1 or weight.shape[0] != H or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{H}] tensor, got shape {tuple(weight.shape)}")
+    out = torch.empty_like(x) if out is None else out
+    _check_rows(out, "out", (T, H))
+    tensors = dict(x=x, weight=weight, out=out)
+    if residual is not None:
+        _check_rows(residual, "residual", (T, H))
+        residual_out = torch.empty_like(residual) if residual_out is None else residual_out
+        _check_rows(residual_out, "residual_out", (T, H))
+        if residual.dtype != x.dtype or residual_out.dtype != x.dtype or out.dtype != x.dtype:
+            raise ValueError(f"x, residual and the outputs must share one dtype, got {x.dtype}, {residual.dtype}, "
+                             f"{out.dtype}, {residual_out.dtype}")
+        tensors.update(residual=residual, residual_out=residual_out)
+    elif residual_out is not None:
+        raise ValueError("residual_out given without a residual")
+    check_same_device(**tensors)
+    if T == 0:
+        return out, residual_out
+    res, res_out = (residual, residual_out) if residual is not None else (x, out)  # unread when not HAS_RESIDUAL
+    block = next_pow2(H)
+    fused_add_rmsnorm_kernel[(T,)](
+        x, res, weight, out, res_out,
+        H, float(eps),
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out, residual_out
+
+
+def fused_add_rmsnorm_ref(x, residual, weight, eps):
+    """The unfused path, op for op (layers/norm.py after the decoder's residual add)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual

@@ -1,0 +1,108 @@
+"""Triton router: scores, top-k and renormalisation of one token's experts in one kernel.
+
+Unfused (layers/moe.py) this is softmax, topk, sum, divide: four to six launches per MoE layer. Two
+scorings, both in float32 over the router logits of any float dtype:
+  softmax  Mixtral / Qwen / OLMoE (route_softmax_topk): weights = the top-k probabilities, optionally
+           divided by their sum;
+  sigmoid  GLM-4.5 with n_group == 1 (route_sigmoid_grouped): experts chosen by sigmoid + correction
+           bias, weights = the plain sigmoid scores, optionally divided by (their sum + 1e-20), times the
+           routed scaling factor.
+Ids come out in descending order of the choice score (ties: the lower id first). The softmax's sum runs
+in another order than torch's, so weights differ from the torch path by float32 rounding (rel. <= 1e-6);
+ids are the same unless two scores tie within that rounding. Reference: the functions in layers/moe.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_checks import next_pow2
+
+MAX_EXPERTS = 256
+MAX_TOP_K = 8
+
+
+@triton.jit
+def router_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, stride_l, scaling,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        choice = scores + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        choice = tl.where(mask, choice, float("-inf"))
+    else:
+        e = tl.exp(x - tl.max(x, axis=0))
+        scores = e / tl.sum(e, axis=0)
+        choice = tl.where(mask, scores, float("-inf"))
+    offs_k = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        # the lowest id among the maxima (tl.argmax's tie-break is not specified across backends)
+        idx = tl.min(tl.where(choice == best, offs, E_PAD), axis=0)
+        hit = offs == idx
+        w = tl.where(offs_k == i, tl.sum(tl.where(hit, scores, 0.0), axis=0), w)
+        ids = tl.where(offs_k == i, idx, ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORMALIZE:
+        total = tl.sum(w, axis=0)
+        if SIGMOID:
+            total += 1e-20
+        w = w / total
+    if SIGMOID:
+        w = w * scaling
+    kmask = offs_k < TOP_K
+    tl.store(weights_ptr + t * TOP_K + offs_k, w, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=kmask)
+
+
+def router_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+    correction_bias: Optional[torch.Tensor] = None, routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k]); E <= 256, top_k <= 8.
+
+    scoring "softmax" (no bias, no scaling) or "sigmoid" (correction_bias [E], routed_scaling_factor)."""
+    if router_logits.dim() != 2 or router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"router_logits must be a float [T, E] tensor, got {tuple(router_logits.shape)} "
+                         f"{router_logits.dtype}")
+    if router_logits.numel() and router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must be contiguous in its last dim, got strides {router_logits.stride()}")
+    T, E = router_logits.shape
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"the router kernel takes 1..{MAX_EXPERTS} experts, got {E}")
+    if not 1 <= top_k <= min(MAX_TOP_K, E):
+        raise ValueError(f"top_k must be in 1..{min(MAX_TOP_K, E)}, got {top_k}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    sigmoid = scoring == "sigmoid"
+    if sigmoid:
+        if (correction_bias is None or correction_bias.shape != (E,) or correction_bias.dtype != torch.float32
+                or not correction_bias.is_contiguous() or correction_bias.device != router_logits.device):
+            raise ValueError(f"sigmoid scoring needs a contiguous float32 correction_bias [{E}] on "
+                             f"{router_logits.device}")
+    elif correction_bias is not None or routed_scaling_factor != 1.0:
+        raise ValueError("softmax scoring takes no correction_bias and no routed_scaling_factor")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    router_topk_kernel[(T,)](
+        router_logits, correction_bias if sigmoid else router_logits, weights, ids,
+        E, router_logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=max(16, next_pow2(E)),
+        SIGMOID=sigmoid, RENORMALIZE=bool(renormalize),
+        num_warps=1 if E <= 64 else 2,
+    )
+    return weights, ids

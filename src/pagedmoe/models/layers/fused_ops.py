@@ -1,0 +1,65 @@
+"""The registry switch of the decode step's fused small ops (``--fused-ops auto|on|off``).
+
+Three Triton kernels replace chains of small torch ops in every layer:
+  residual_norm  residual add + RMSNorm (kernels/fused_norm.py): every decoder layer, the final norm
+  qk_rope_kv     per-head q/k RMSNorm + RoPE + paged KV write (kernels/qk_norm_rope.py): attention
+                 layers with no q/k norm or a per-head one, half-split rope (full or partial), no qkv
+                 clipping (not MLA, not OLMoE's whole-projection norm)
+  router         softmax or sigmoid scores + top-k + renormalisation (kernels/router_topk.py): the
+                 "softmax" router, and "sigmoid_grouped" with n_group == 1 (GLM-4.5), E <= 256, top_k <= 8
+Outputs equal the unfused path's except for float32 sums taken in another order (the kernels' files
+state the bounds: the residual stream and rope without norm are bit-exact; normed values within a few
+ulp; router weights within 1e-6 relative). Layers a kernel cannot take keep the torch path.
+
+auto is off for now: the kernels' speed on the H200 is not measured yet (issue 25); once it is, auto
+will turn them on where they measured faster.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FUSED_OPS_MODES = ("auto", "on", "off")
+
+
+def resolve_fused_ops(mode: str, device: torch.device) -> bool:
+    """Whether the fused kernels run. `on` fails loudly where Triton cannot run."""
+    if mode not in FUSED_OPS_MODES:
+        raise ValueError(f"fused_ops must be one of {', '.join(FUSED_OPS_MODES)}; got {mode!r}")
+    if mode != "on":
+        return False  # auto: not yet measured faster on the H200, so off
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--fused-ops on runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1, "
+                         "the interpreter the CPU tests use)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError("--fused-ops on needs triton installed") from e
+    return True
+
+
+def apply_fused_ops(model, enabled: bool) -> list[str]:
+    """Switch the model's layers to the fused kernels (or back). Returns what is fused, for the log."""
+    from pagedmoe.kernels.router_topk import MAX_EXPERTS, MAX_TOP_K
+
+    model.fused_residual_norm = enabled
+    fused = ["residual_norm"] if enabled else []
+    attn_layers = [a for a in model.attention_layers() if hasattr(a, "can_fuse_qk_rope")]
+    for attn in attn_layers:
+        attn.fused_qk_rope = enabled and attn.can_fuse_qk_rope()
+    if any(a.fused_qk_rope for a in attn_layers):
+        fused.append("qk_rope_kv")
+    moes = model.moe_layers()
+    for moe in moes:
+        router_ok = moe.router == "softmax" or (moe.router == "sigmoid_grouped" and moe.n_group == 1)
+        moe.fused_router = (enabled and router_ok and moe.num_experts <= MAX_EXPERTS
+                            and moe.top_k <= MAX_TOP_K)
+    if any(m.fused_router for m in moes):
+        fused.append("router")
+    if enabled:
+        logger.info("fused ops on: %s", ", ".join(fused))
+    return fused

@@ -1,0 +1,142 @@
+"""--fused-ops on against off and against transformers, whole tiny models (layers/fused_ops.py).
+
+On CPU the fused Triton kernels run under the interpreter (float32). Every decode step's logits of
+the fused engine match the unfused engine's within 1e-5 (the kernels' float32 sums run in another
+order; the bounds per kernel are in tests/kernels/test_fused_ops.py) and transformers' within 1e-4,
+as test_golden.py requires of the unfused path; the greedy tokens are the same.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+    from triton_interp import fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
+
+# family, checkpoint overrides, the fused ops expected to take effect
+CASES = {
+    "mixtral": ("mixtral", {}, ["residual_norm", "qk_rope_kv", "router"]),      # rope alone, softmax renorm
+    "qwen3_moe": ("qwen3_moe", {}, ["residual_norm", "qk_rope_kv", "router"]),  # per-head q/k norm
+    "qwen2_moe": ("qwen2_moe", {}, ["residual_norm", "qk_rope_kv", "router"]),  # no renorm, qkv bias, shared
+    # GLM-4.5's real configs have n_group 1: the sigmoid router fuses; partial rotary, q/k norm
+    "glm4_moe": ("glm4_moe", {"n_group": 1, "topk_group": 1}, ["residual_norm", "qk_rope_kv", "router"]),
+    "glm4_grouped": ("glm4_moe", {}, ["residual_norm", "qk_rope_kv"]),           # grouped router stays torch
+    "olmoe": ("olmoe", {}, ["residual_norm", "router"]),                         # whole-projection q/k norm
+    "deepseek_v2": ("deepseek_v2", {}, ["residual_norm"]),                      # MLA, grouped softmax
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    family, overrides, fused = CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_checkpoint(family, path, seed=3, **overrides)
+    return request.param, path, hf, fused
+
+
+def _run(path, fused_ops, prompt, steps):
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=128,
+                                    fused_ops=fused_ops))
+    captured, orig = [], engine.sampler.sample
+
+    def spy(logits, params, gens, *rest):
+        captured.append(logits.clone())
+        return orig(logits, params, gens, *rest)
+
+    engine.sampler.sample = spy
+    for i, p in enumerate(prompt):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           prompt_token_ids=p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine, captured
+
+
+def test_fused_matches_unfused_and_transformers(checkpoint):
+    name, path, hf, expected = checkpoint
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (13, 5)]
+    steps = 4
+    engine, fused = _run(path, "on", prompts, steps)
+    model = engine.runner.model
+    got = ["residual_norm"] if model.fused_residual_norm else []
+    got += ["qk_rope_kv"] if any(getattr(a, "fused_qk_rope", False) for a in model.attention_layers()) else []
+    got += ["router"] if any(m.fused_router for m in model.moe_layers()) else []
+    assert got == expected
+    _, plain = _run(path, "off", prompts, steps)
+    assert len(fused) == len(plain) == steps
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-5, f"{name} step {i}: fused vs unfused max abs diff {diff}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # the first prompt against transformers' full forward, greedy
+    tokens = list(prompts[0])
+    with torch.no_grad():
+        for i in range(steps):
+            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
+            diff = (fused[i][0] - ref).abs().max().item()
+            assert diff <= 1e-4, f"{name} step {i}: fused vs transformers max abs diff {diff}"
+            tokens.append(int(ref.argmax()))
+
+
+def test_fused_ops_flag():
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.models.layers.fused_ops import resolve_fused_ops
+
+    assert resolve_fused_ops("auto", torch.device("cpu")) is False  # auto: off until measured on the H200
+    assert resolve_fused_ops("off", torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="fused_ops must be one of"):
+        EngineConfig(fused_ops="maybe")
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="needs a CUDA device"):
+                resolve_fused_ops("on", torch.device("cpu"))
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_cuda_graphs_fused_matches_unfused(family, tmp_path):
+    """On the GPU: bf16, decode in CUDA graphs, the fused kernels captured; greedy tokens as unfused, and
+    the first step's logits close (bf16: the fused norm may round a value 1 ulp the other way)."""
+    from pagedmoe import LLM, SamplingParams
+
+    make_tiny_checkpoint(family, tmp_path, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 31, 17, 64)]
+    tokens = {}
+    for mode in ("off", "on"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
+                  enforce_eager=False, fused_ops=mode)
+        assert llm.engine.runner.graphs is not None and llm.engine.model.fused_residual_norm == (mode == "on")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        tokens[mode] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    # tiny random models have near-ties: require most sequences identical, all of them to start alike
+    same = sum(a == b for a, b in zip(tokens["off"], tokens["on"]))
+    assert same >= len(prompts) - 1 and all(a[:3] == b[:3] for a, b in zip(tokens["off"], tokens["on"]))
