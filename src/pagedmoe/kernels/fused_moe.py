@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ._attention_checks import check_float, check_index, check_same_device, dot_precision
 from .device_info import sm_count
+from .fused_moe_tiles import acc_zeros, block_rows, mma, store_block, weight_tile
 from .fused_moe_config import FusedMoEConfig, check_moe_args, choose_split_k, default_config, expected_blocks
 from .fused_moe_tuned import tuned_config
 from .moe_align import moe_align
@@ -43,77 +44,6 @@ SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 
 # Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
 # batch bucket; strides, N, K and k_per_split keep their divisibility hints (16-byte loads).
-@triton.jit
-def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile in like_ptr's dtype (the activations'). QUANT 0: as stored. 1 (fp8 /
-    int8, one float32 scale per output channel): q * s. 2 (int4 stored v + 8, two per byte, a scale per
-    GROUP inputs; the tile lies in one group, starting at an even K): w_ptrs / mask address the tile's
-    BLOCK_K / 2 bytes, each loaded once and split into its two nibbles, interleaved back into K order:
-    (nibble - 8) * s. Products in float32, rounded once to nearest even: the values kernels/dequant.py
-    writes, so the GEMM sees the same weights as through a dequantized copy."""
-    if QUANT == 0:
-        w = tl.load(w_ptrs, mask=mask, other=0.0)
-    else:
-        if QUANT == 1:
-            s = tl.load(s_ptrs, mask=n_mask, other=0.0)
-            # no `other` (an int constant does not cast to fp8 when compiled): masked lanes zeroed after
-            q = tl.where(mask, tl.load(w_ptrs, mask=mask).to(tl.float32), 0.0)
-        else:
-            s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
-            byte = tl.load(w_ptrs, mask=mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: each byte once
-            q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
-        w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    return w
-
-
-@triton.jit
-def _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    """A block's slots (padding rows hold the sentinel num_slots), their rows of a (slot // TOP_K), its output
-    columns and their masks."""
-    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slots < num_slots
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        n_mask = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        n_mask = offs_n < N
-    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
-
-
-@triton.jit
-def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """fp32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the weight tile on the MMA's M side."""
-    if SWAP_AB:
-        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-
-
-@triton.jit
-def _mma(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += a @ w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc += w @ a^T ([BLOCK_N, BLOCK_M]: the weight tile
-    on the MMA's M side)."""
-    if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask,
-                 GATED: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Writes a block's rows: silu(gate) * up when GATED, else the plain product (of split pid_k)."""
-    if GATED:
-        res = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:
-        res = acc_g
-    if SWAP_AB:
-        res = tl.trans(res)
-    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
-                + offs_n[None, :])
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_kernel(
     a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, ws_ptr, slot_ptr,
@@ -127,7 +57,7 @@ def fused_moe_kernel(
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ w[e, n, k-range]^T) for one block.
 
     GATED: w rows n (gate) and N + n (up), output silu(gate) * up. Not GATED: plain product of one
-    split of K, for moe_sum_kernel to add up. QUANT (see _weight_tile): w holds quantized values (int4:
+    split of K, for moe_sum_kernel to add up. QUANT (see weight_tile): w holds quantized values (int4:
     bytes, stride_wn counted in bytes) and ws_ptr their float32 scales (stride_se per expert, stride_sn
     per output row); the tiles are dequantized in registers, not through a bf16 copy in memory.
     USE_SLOTS: w holds only some experts (one precision group of a mixed layer); slot_ptr [E] gives each
@@ -145,7 +75,7 @@ def fused_moe_kernel(
         if expert < 0:  # another precision group's expert: its own launch computes these rows
             return
 
-    slots, m_mask, a_rows, offs_n, n_mask = _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
+    slots, m_mask, a_rows, offs_n, n_mask = block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
                                                         BLOCK_M, BLOCK_N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
@@ -161,8 +91,8 @@ def fused_moe_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
     sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
     su_ptrs = sg_ptrs + N * stride_sn
-    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # a constant-true mask keeps the K direction unmasked (16-byte loads)
             k_mask = tl.full([BLOCK_K], 1, tl.int1)
@@ -173,17 +103,17 @@ def fused_moe_kernel(
             w_mask = n_mask[:, None] & ((k0 + 2 * offs_kh) < k_end)[None, :]
         else:
             w_mask = n_mask[:, None] & k_mask[None, :]
-        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
-        acc_g = _mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
+        wg = weight_tile(wg_ptrs, sg_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
+        acc_g = mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
         w_step = BLOCK_K // 2 if QUANT == 2 else BLOCK_K
         if GATED:
-            wu = _weight_tile(wu_ptrs, su_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
-            acc_u = _mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
+            wu = weight_tile(wu_ptrs, su_ptrs, k0, w_mask, n_mask, a_ptr, QUANT, GROUP, BLOCK_K)
+            acc_u = mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
             wu_ptrs += w_step
         a_ptrs += BLOCK_K
         wg_ptrs += w_step
 
-    _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
+    store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits"])
@@ -249,7 +179,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Returns out [T, H] in x's dtype.
     """
     T, A, E, H, I = check_moe_args(x, w13, w2, topk_weights, topk_ids)
-    return _fused_moe(x, [(_ExpertWeights.of(w13), _ExpertWeights.of(w2), None)], topk_weights, topk_ids,
+    return fused_moe_groups(x, [(_ExpertWeights.of(w13), _ExpertWeights.of(w2), None)], topk_weights, topk_ids,
                       T, A, E, H, I, out, config, overrides)
 
 
@@ -295,7 +225,7 @@ def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights
     T, A = topk_ids.shape
     cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    return _fused_moe(x, [(*_quantized_pair(q13, q2, E, H, I, cfg), None)], topk_weights, topk_ids,
+    return fused_moe_groups(x, [(*_quantized_pair(q13, q2, E, H, I, cfg), None)], topk_weights, topk_ids,
                       T, A, E, H, I, out, cfg, {})
 
 
@@ -334,10 +264,10 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
             raise ValueError(f"exact part {tuple(w13.shape)} / {tuple(w2.shape)} does not fit H={H}, I={I} "
                              f"in {x.dtype}")
         groups.append((_ExpertWeights.of(w13), _ExpertWeights.of(w2), slots))
-    return _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
+    return fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, cfg, {})
 
 
-def _fused_moe(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, overrides) -> torch.Tensor:
+def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, config, overrides) -> torch.Tensor:
     """groups: [(w13, w2, slots)], one per precision group of the layer; slots (int32 [E]: each expert's
     index in the group's weights, -1 elsewhere) is None for a group holding every expert by id. Every
     slot's rows of h and y are written by its expert's group's launches; one moe_sum adds them up."""

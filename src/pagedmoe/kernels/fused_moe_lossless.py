@@ -29,7 +29,8 @@ from pagedmoe.codecs import tiled
 
 from ._attention_checks import check_float, check_index, check_same_device
 from .device_info import sm_count
-from .fused_moe import FusedMoEConfig, _acc_zeros, _block_rows, _fused_moe, _mma, _store_block, default_config, fused_moe
+from .fused_moe import FusedMoEConfig, default_config, fused_moe, fused_moe_groups
+from .fused_moe_tiles import acc_zeros, block_rows, mma, store_block
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
 MAX_UNROLLED_ESCAPES = 32    # above this many escapes in one weight tile's column, the kernel loops over them
@@ -108,7 +109,7 @@ def fused_moe_lossless_kernel(
         expert = tl.load(slot_ptr + expert)
         if expert < 0:  # another group's expert
             return
-    slots, m_mask, a_rows, offs_n, n_mask = _block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
+    slots, m_mask, a_rows, offs_n, n_mask = block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
                                                         BLOCK_M, BLOCK_N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kh = tl.arange(0, BLOCK_K // 2)
@@ -132,8 +133,8 @@ def fused_moe_lossless_kernel(
         base_u = tl.load(base_ptr + e64 * part_rows + N + offs_n, mask=n_mask, other=0).to(tl.int32)
         rows17_u = (offs_n + N) & 0x1FFFF
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_k)[None, :]
-    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             k_mask = tl.full([BLOCK_K], 1, tl.int1)
@@ -147,15 +148,15 @@ def fused_moe_lossless_kernel(
         wg = _decode_tile(raw_e + k0 + raw_off, nib_e + k0 // 2 + nib_off, base_g, esc_off_ptr, esc_ptr, rows17_g,
                           pid_n * BLOCK_N, n_end, tile0, k0, offs_k, w_mask, nib_mask, tile_rows_pp, tile_cols, a_ptr,
                           BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
-        acc_g = _mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
+        acc_g = mma(acc_g, wg, a, SWAP_AB, DOT_PRECISION)
         if GATED:  # the up rows: N rows further in the part
             wu = _decode_tile(raw_e + N * K + k0 + raw_off, nib_e + N * half + k0 // 2 + nib_off, base_u, esc_off_ptr,
                               esc_ptr, rows17_u, N + pid_n * BLOCK_N, N + n_end, tile0, k0, offs_k, w_mask, nib_mask,
                               tile_rows_pp, tile_cols, a_ptr, BLOCK_K, not (EVEN_K and EVEN_N), ESC_CAP)
-            acc_u = _mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
+            acc_u = mma(acc_u, wu, a, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
 
-    _store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
+    store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
 def _check_tiled(tt, name: str, shape: tuple, device) -> None:
@@ -286,7 +287,7 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
     T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
     cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device))
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    return _fused_moe(x, [(TiledExperts(w13, escapes), TiledExperts(w2, escapes), None)], topk_weights, topk_ids,
+    return fused_moe_groups(x, [(TiledExperts(w13, escapes), TiledExperts(w2, escapes), None)], topk_weights, topk_ids,
                       T, A, E, H, I, out, cfg, {})
 
 

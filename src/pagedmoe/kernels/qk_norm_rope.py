@@ -192,7 +192,6 @@ def qk_norm_rope_kv(
 def qk_norm_rope_kv_ref(q, k, v, cos_sin, positions, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping):
     """The unfused path op for op: per-head RMSNorm (layers/norm.py), RoPE (layers/rotary.py), write_kv_ref."""
     from pagedmoe.kernels.attention_ref import write_kv_ref
-    from pagedmoe.models.layers.rotary import _rotate_half
 
     def norm(x, w):
         xf = x.float()
@@ -205,9 +204,10 @@ def qk_norm_rope_kv_ref(q, k, v, cos_sin, positions, q_weight, k_weight, eps, k_
     cos = cos_sin[0, positions].unsqueeze(1).to(q.dtype)
     sin = cos_sin[1, positions].unsqueeze(1).to(q.dtype)
 
-    def rope(x):
+    def rope(x):  # half-split rotation, as layers/rotary.py (kernels import no models: written out here)
         xr = x[..., :r]
-        return torch.cat((xr * cos + _rotate_half(xr) * sin, x[..., r:]), dim=-1)
+        rotated = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
+        return torch.cat((xr * cos + rotated * sin, x[..., r:]), dim=-1)
 
     q, k = rope(q), rope(k)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,76 @@
+"""Triton building blocks of the MoE GEMM kernels (kernels/fused_moe.py, kernels/fused_moe_lossless.py): a
+block's rows and masks, the weight tile (as stored, or dequantized), the accumulator, the MMA in either operand
+order and the block's store (SiLU-and-mul when gated). Shared so both kernels reduce in the same order."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile in like_ptr's dtype (the activations'). QUANT 0: as stored. 1 (fp8 /
+    int8, one float32 scale per output channel): q * s. 2 (int4 stored v + 8, two per byte, a scale per
+    GROUP inputs; the tile lies in one group, starting at an even K): w_ptrs / mask address the tile's
+    BLOCK_K / 2 bytes, each loaded once and split into its two nibbles, interleaved back into K order:
+    (nibble - 8) * s. Products in float32, rounded once to nearest even: the values kernels/dequant.py
+    writes, so the GEMM sees the same weights as through a dequantized copy."""
+    if QUANT == 0:
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+    else:
+        if QUANT == 1:
+            s = tl.load(s_ptrs, mask=n_mask, other=0.0)
+            # no `other` (an int constant does not cast to fp8 when compiled): masked lanes zeroed after
+            q = tl.where(mask, tl.load(w_ptrs, mask=mask).to(tl.float32), 0.0)
+        else:
+            s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
+            byte = tl.load(w_ptrs, mask=mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: each byte once
+            q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
+        w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return w
+
+
+@triton.jit
+def block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """A block's slots (padding rows hold the sentinel num_slots), their rows of a (slot // TOP_K), its output
+    columns and their masks."""
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_mask = offs_n < N
+    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+
+
+@triton.jit
+def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """fp32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the weight tile on the MMA's M side."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def mma(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += a @ w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc += w @ a^T ([BLOCK_N, BLOCK_M]: the weight tile
+    on the MMA's M side)."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask,
+                 GATED: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Writes a block's rows: silu(gate) * up when GATED, else the plain product (of split pid_k)."""
+    if GATED:
+        res = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        res = acc_g
+    if SWAP_AB:
+        res = tl.trans(res)
+    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + slots.to(tl.int64)[:, None] * stride_om
+                + offs_n[None, :])
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
