@@ -108,6 +108,12 @@ class EngineConfig:
                                                     "fraction of the KV cache (default 0.05)", type_=float)
     kv_high_watermark: Optional[float] = _flag(None, "dynamic: promote experts while free KV blocks are above this "
                                                      "fraction (default 0.25; 1.0 never promotes)", type_=float)
+    tensor_parallel_size: int = _flag(1, "ranks (one process and GPU each) the model is split over: attention "
+                                         "heads, MLPs and each expert's intermediate dim; the process started "
+                                         "spawns the others (or run under torchrun)", type_=int)
+    enable_expert_parallel: bool = _flag(False, "split the experts over the tensor-parallel ranks (E/N whole "
+                                                "experts each, each rank paging its share under its own "
+                                                "budget) instead of splitting every expert", type_=bool)
     expert_stats: Optional[str] = _flag(None, "JSON file of expert activity (and the dynamic precision map): "
                                               "loaded at start when it exists, saved at exit")
 
@@ -130,6 +136,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 (the experts are split "
+                             "over the tensor-parallel ranks)")
+        if self.tensor_parallel_size > 1 and self.expert_precision == "dynamic":
+            raise ValueError("--expert-precision dynamic does not support --tensor-parallel-size > 1 yet (each "
+                             "rank would demote and promote its experts on its own)")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
