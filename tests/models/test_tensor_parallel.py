@@ -8,6 +8,7 @@ atol 1e-5 leaves 6x room and still fails a wrong shard (errors of 1e-2 and more)
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -126,7 +127,10 @@ def test_torchrun_launch(ckpts, tmp_path):
         torch.save((logits, [o.outputs[0].token_ids for o in outs]), {str(out)!r})
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
+    with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-port", "0", str(script)], check=True, env=env, timeout=120,
+                    "--master-port", str(port), str(script)], check=True, env=env, timeout=120,
                    capture_output=True)
     _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
