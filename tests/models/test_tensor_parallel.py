@@ -79,6 +79,11 @@ def test_two_ranks_match_one_process(ckpts, family, flags):
     else:
         assert dims.num_experts == 8 and dims.moe_intermediate_size == 16  # each expert split in two
     assert dims.num_heads == 2 and dims.num_kv_heads == 1
+    # `pagedmoe plan --tensor-parallel-size 2` plans the shape this rank was built and planned with
+    from pagedmoe.planning.model_shape import ModelShape
+    ep = bool(flags.get("enable_expert_parallel"))
+    shape = ModelShape.from_hf_config(ckpts[family], 4, tensor_parallel_size=2, expert_parallel=ep)
+    assert shape == ModelShape.from_model_dims(dims, engine.model.spec, 4, name=shape.name)
     if "cpu_moe" in flags or "num_gpu_experts" in flags:
         n = 0 if "cpu_moe" in flags else flags["num_gpu_experts"]
         stats = engine.get_stats()["experts"]
