@@ -1,6 +1,6 @@
 """Engine configuration: one frozen dataclass field per CLI flag, invariants checked on construction.
 
-The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache` and `.experts` are the
+The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache`, `.parallel` and `.experts` are the
 same values nested by section (config_sections.py), checked on construction.
 
 The same fields back `LLM(**flags)`, the CLI (`--max-model-len` etc., generated from the fields below)
@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, SchedulerConfig,
-                                      EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
+from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, ParallelConfig,
+                                      SchedulerConfig, EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
 
 __all__ = ["EngineConfig", "ModelConfig", "SchedulerConfig", "CacheConfig", "ExpertConfig", "add_engine_args",
            "engine_config_from_args", "engine_config_from_kwargs", "default_model_path", "resolve_model"]
@@ -200,6 +200,10 @@ class EngineConfig:
     @property
     def experts(self) -> ExpertConfig:
         return self.section("experts")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.section("parallel")
 
     # the expert flags' derived values live with them (ExpertConfig); kept here under their old names
     def watermarks(self) -> tuple[float, float]:
