@@ -101,16 +101,12 @@ def _init(backend: str, rank: int, world: int, init_method: str, local_rank: int
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_TIMEOUT)
 
 
-def worker_main(config, rank: int, port: int) -> None:
-    """A spawned rank: join the group, start the same engine, serve rank 0's steps until it shuts down."""
+def join_group(config, rank: int, port: int) -> None:
+    """A spawned rank (parallel/worker.py) joins rank 0's group before it starts the same engine."""
     n = config.tensor_parallel_size
     _init(_backend(config.device), rank, n, f"tcp://127.0.0.1:{port}", rank)
     set_state(ParallelState(n, rank, config.enable_expert_parallel),
               dist.new_group(backend="gloo", timeout=_TIMEOUT))
-    from pagedmoe.engine.startup import start_engine  # the engine imports this module
-
-    parts = start_engine(config)
-    serve_steps(parts)
 
 
 def serve_steps(parts) -> None:
