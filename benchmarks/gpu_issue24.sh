@@ -7,7 +7,7 @@
 #        host tier: resident cannot load) against TP=2 and EP=2 (= --tensor-parallel-size 2
 #        --enable-expert-parallel, vLLM's meaning), each resident and paged + lossless.
 #   x8:  run(kind="nvidia-h200-x8", command="COMMIT=<HEAD> bash benchmarks/gpu_issue24.sh glm")
-#        GLM-4.5 (355B) EP=8 paged + lossless at 120 GiB a GPU, beside `pagedmoe plan` for the same rank.
+#        GLM-4.5 (355B) EP=8 paged + lossless at 64 GiB a GPU (resident needs 84.7 GiB a rank), beside `pagedmoe plan` for the same rank.
 # NCCL's NVLink multicast stays off (the engine sets these for its ranks too).
 # Results: $OUT/<point>.json (bench throughput's JSON), $OUT/issue24-<part>.log.
 set -uo pipefail
@@ -60,9 +60,9 @@ case ${1:-mixtral} in
   mixtral) pair mixtral $M ;;
   qwen3) pair qwen3 $Q ;;
   glm)
-    python -m pagedmoe.cli plan $G --gpu-memory-gb 120 --tensor-parallel-size 8 --enable-expert-parallel \
+    python -m pagedmoe.cli plan $G --gpu-memory-gb 64 --tensor-parallel-size 8 --enable-expert-parallel \
       --expert-placement paged --host-compression lossless --input-len 1024 --output-len 1024 | tee -a "$LOG"
-    point glm45-ep8-paged-lossless $G 560 --gpu-memory-gb 120 --tensor-parallel-size 8 --enable-expert-parallel \
+    point glm45-ep8-paged-lossless $G 560 --gpu-memory-gb 64 --tensor-parallel-size 8 --enable-expert-parallel \
       --expert-placement paged --host-compression lossless ;;
   *) echo "part: mixtral | qwen3 | glm" >&2; exit 2 ;;
 esac
