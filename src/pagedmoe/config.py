@@ -144,6 +144,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.expert_precision == "dynamic":
             raise ValueError("--expert-precision dynamic does not support --tensor-parallel-size > 1 yet (each "
                              "rank would demote and promote its experts on its own)")
+        if self.enable_expert_parallel and self.expert_stats:
+            raise ValueError("--expert-stats does not support --enable-expert-parallel yet (each rank's experts "
+                             "are its own share)")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:

@@ -51,6 +51,10 @@ def setup_parallel(config) -> ParallelState:
     """Join (or create) this process's tensor-parallel group for `config`; the identity for one rank."""
     n, ep = config.tensor_parallel_size, config.enable_expert_parallel
     state = get_state()
+    if state.enabled and state.rank == 0 and not state.torchrun and _LIVE:
+        # a second engine in this process (bench sweep): the previous engine's workers end first
+        _LIVE[-1].close()
+        state = get_state()
     if state.enabled:  # a spawned worker (joined before start-up) or an engine started before in this process
         if state.world_size != n:
             raise ValueError(f"this process already runs a tensor-parallel group of {state.world_size} ranks")
@@ -126,14 +130,21 @@ def serve_steps(parts) -> None:
     dist.destroy_process_group()
 
 
+_LIVE: list = []  # rank 0's StepBroadcast while its workers run
+
+
 class StepBroadcast:
     """Rank 0's side: ModelRunner.execute sends each step's host inputs; close() ends the workers."""
 
     def __init__(self) -> None:
         self.open = True
+        _LIVE[:] = [self]
         atexit.register(self.close)
 
     def send(self, host: dict) -> None:
+        if not self.open:
+            raise RuntimeError("this engine's tensor-parallel workers were shut down (a later engine in this "
+                               "process replaced them)")
         dist.broadcast_object_list([host], src=0, group=control_group())
 
     def close(self) -> None:
@@ -143,6 +154,7 @@ class StepBroadcast:
             dist.broadcast_object_list([None], src=0, group=control_group())
             dist.destroy_process_group()
             set_state(ParallelState())
+            _LIVE.clear()
 
 
 def abandon_group(state: ParallelState) -> None:
