@@ -62,8 +62,7 @@ def setup_parallel(config) -> ParallelState:
     if n == 1:
         return state
     backend = _backend(config.device)
-    for k, v in NCCL_ENV.items():
-        os.environ.setdefault(k, v)
+    os.environ.update(NCCL_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != n:
