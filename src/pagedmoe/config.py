@@ -51,7 +51,7 @@ class EngineConfig:
     gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)
-    host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
+    host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take (a rank's, under --tensor-parallel-size), in "
                                                   "GiB; the planner keeps more experts on the GPU to stay within "
                                                   "it (default: MemAvailable at start-up less a tenth of RAM, at "
                                                   "least 4 GiB or a quarter of a smaller machine's; unbounded "

@@ -262,15 +262,18 @@ def default_budget(memory) -> int:
 
 def host_budget(config: EngineConfig) -> Optional[int]:
     """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
-    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded."""
+    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded. Both are one rank's
+    under --tensor-parallel-size: the machine's share is split evenly over its ranks."""
     if config.host_memory_gb is not None:
         return int(config.host_memory_gb * GiB)
     budget = detect_host_budget_bytes()
+    ranks = config.tensor_parallel_size
     if budget is None:
         logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
     else:
-        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
-                    budget / GiB)
+        budget //= ranks  # every rank reads the same MemAvailable
+        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve%s; --host-memory-gb overrides)",
+                    budget / GiB, f", over {ranks} ranks" if ranks > 1 else "")
     return budget
 
 
