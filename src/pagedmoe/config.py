@@ -1,7 +1,7 @@
 """Engine configuration: one frozen dataclass field per CLI flag, invariants checked on construction.
 
-The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache`, `.parallel` and `.experts` are the
-same values nested by section (config_sections.py), checked on construction.
+The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache`, `.parallel` and `.experts`
+are the same values nested by section (config_sections.py), checked on construction.
 
 The same fields back `LLM(**flags)`, the CLI (`--max-model-len` etc., generated from the fields below)
 and environment variables `PAGEDMOE_<FLAG_NAME>` (flags win over the environment).
@@ -51,9 +51,9 @@ class EngineConfig:
     gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)
-    host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take (a rank's, under --tensor-parallel-size), in "
-                                                  "GiB; the planner keeps more experts on the GPU to stay within "
-                                                  "it (default: MemAvailable at start-up less a tenth of RAM, at "
+    host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
+                                                  "GiB (a rank's, under --tensor-parallel-size); the planner keeps "
+                                                  "more experts on the GPU to stay within it (default: MemAvailable at start-up less a tenth of RAM, at "
                                                   "least 4 GiB or a quarter of a smaller machine's; unbounded "
                                                   "without /proc/meminfo)", type_=float)
     block_size: int = _flag(16, "tokens per KV cache block", type_=int)

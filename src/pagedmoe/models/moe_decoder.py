@@ -238,7 +238,8 @@ class MoEForCausalLM(nn.Module):
                     if kind == "w13":  # gate rows then up rows: each split on its own
                         gate, up = tensor[e].chunk(2, dim=0)
                         for part, t in (("gate", gate), ("up", up)):
-                            self.expert_store.write(moe_idx, self._local_expert(e), part, self._expert_share(t, part))
+                            self.expert_store.write(moe_idx, self._local_expert(e), part,
+                                                    self._expert_share(t, part))
                     else:
                         self.expert_store.write(moe_idx, self._local_expert(e), "down",
                                                 self._expert_share(tensor[e], "down"))
