@@ -35,10 +35,10 @@ def ckpts(tmp_path_factory):
 _REFS: dict = {}
 
 
-def _trace(path, **flags):
+def _trace(path, device="cpu", **flags):
     from pagedmoe import LLM
 
-    llm = LLM(str(path), device="cpu", max_model_len=96, **flags)
+    llm = LLM(str(path), device=device, max_model_len=96, **flags)
     try:
         logits, outs = greedy_logits(llm, LENGTHS, max_tokens=MAX_TOKENS, seed=5)
         return logits, [o.outputs[0].token_ids for o in outs], llm.engine
@@ -52,12 +52,12 @@ def _reference(path):
     return _REFS[path]
 
 
-def _assert_same(ref, got):
+def _assert_same(ref, got, atol=1e-5):
     (ref_logits, ref_tokens), (got_logits, got_tokens) = ref, got
     assert got_tokens == ref_tokens
     assert len(got_logits) == len(ref_logits)
     for a, b in zip(ref_logits, got_logits):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=0, atol=atol)
 
 
 CASES = ([(fam, {}) for fam in FAMILIES]
@@ -139,3 +139,15 @@ def test_torchrun_launch(ckpts, tmp_path):
                     "--master-port", str(port), str(script)], check=True, env=env, timeout=120,
                    capture_output=True)
     _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("flags", [{}, dict(enable_expert_parallel=True),
+                                   dict(enable_expert_parallel=True, cpu_moe=True)])
+def test_nccl_two_gpus_match_one(ckpts, flags):
+    """The same over NCCL on two GPUs (float32, so one GPU's logits are the reference within 1e-4)."""
+    for fam in ("mixtral", "qwen3_moe"):
+        ref = _trace(ckpts[fam], device="cuda", dtype="float32")[:2]
+        got = _trace(ckpts[fam], device="cuda", dtype="float32", tensor_parallel_size=2, **flags)[:2]
+        _assert_same(ref, got, atol=1e-4)
