@@ -33,7 +33,9 @@ from pagedmoe.parallel.state import ParallelState, control_group, get_state, set
 logger = logging.getLogger("pagedmoe")
 # NVLink multicast (NVLS) stays off in every rank: the machines this runs on do not support it reliably
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_TIMEOUT = timedelta(minutes=30)  # a worker waits this long for rank 0's next step (idle servers wait long)
+_TIMEOUT = timedelta(minutes=30)  # a collective of the model (a rank that died ends the others by then)
+# a worker waits for rank 0's next step over the control group: an idle server may send none for days
+_IDLE_TIMEOUT = timedelta(days=365)
 
 
 def _backend(device_name: str) -> str:
@@ -75,7 +77,7 @@ def setup_parallel(config) -> ParallelState:
             _spawn_worker(config, rank, port)
         _init(backend, 0, n, f"tcp://127.0.0.1:{port}", 0)
         state = ParallelState(n, 0, ep)
-    set_state(state, dist.new_group(backend="gloo", timeout=_TIMEOUT))
+    set_state(state, dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
     logger.info("tensor parallel: rank %d of %d (%s)%s", state.rank, n, backend,
                 ", experts split over the ranks" if ep else "")
     return state
@@ -109,7 +111,7 @@ def join_group(config, rank: int, port: int) -> None:
     n = config.tensor_parallel_size
     _init(_backend(config.device), rank, n, f"tcp://127.0.0.1:{port}", rank)
     set_state(ParallelState(n, rank, config.enable_expert_parallel),
-              dist.new_group(backend="gloo", timeout=_TIMEOUT))
+              dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
 
 
 def serve_steps(parts) -> None:
