@@ -1,7 +1,7 @@
 """Engine configuration: one frozen dataclass field per CLI flag, invariants checked on construction.
 
-The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache` and `.experts` are the
-same values nested by section (config_sections.py), checked on construction.
+The flat fields are the flag surface; `config.model_config`, `.scheduler`, `.cache`, `.parallel` and `.experts`
+are the same values nested by section (config_sections.py), checked on construction.
 
 The same fields back `LLM(**flags)`, the CLI (`--max-model-len` etc., generated from the fields below)
 and environment variables `PAGEDMOE_<FLAG_NAME>` (flags win over the environment).
@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, SchedulerConfig,
-                                      EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
+from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, ParallelConfig,
+                                      SchedulerConfig, EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
 
 __all__ = ["EngineConfig", "ModelConfig", "SchedulerConfig", "CacheConfig", "ExpertConfig", "add_engine_args",
            "engine_config_from_args", "engine_config_from_kwargs", "default_model_path", "resolve_model"]
@@ -53,8 +53,8 @@ class EngineConfig:
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)
     host_memory_gb: Optional[float] = _flag(None, "pinned host memory the host tier (paged experts) may take, in "
-                                                  "GiB; the planner keeps more experts on the GPU to stay within "
-                                                  "it (default: MemAvailable at start-up less a tenth of RAM, at "
+                                                  "GiB (a rank's, under --tensor-parallel-size); the planner keeps "
+                                                  "more experts on the GPU to stay within it (default: MemAvailable at start-up less a tenth of RAM, at "
                                                   "least 4 GiB or a quarter of a smaller machine's; unbounded "
                                                   "without /proc/meminfo)", type_=float)
     block_size: int = _flag(16, "tokens per KV cache block", type_=int)
@@ -112,6 +112,12 @@ class EngineConfig:
                                                     "fraction of the KV cache (default 0.05)", type_=float)
     kv_high_watermark: Optional[float] = _flag(None, "dynamic: promote experts while free KV blocks are above this "
                                                      "fraction (default 0.25; 1.0 never promotes)", type_=float)
+    tensor_parallel_size: int = _flag(1, "ranks (one process and GPU each) the model is split over: attention "
+                                         "heads, MLPs and each expert's intermediate dim; the process started "
+                                         "spawns the others (or run under torchrun)", type_=int)
+    enable_expert_parallel: bool = _flag(False, "split the experts over the tensor-parallel ranks (E/N whole "
+                                                "experts each, each rank paging its share under its own "
+                                                "budget) instead of splitting every expert", type_=bool)
     expert_stats: Optional[str] = _flag(None, "JSON file of expert activity (and the dynamic precision map): "
                                               "loaded at start when it exists, saved at exit")
 
@@ -134,6 +140,17 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 (the experts are split "
+                             "over the tensor-parallel ranks)")
+        if self.tensor_parallel_size > 1 and self.expert_precision == "dynamic":
+            raise ValueError("--expert-precision dynamic does not support --tensor-parallel-size > 1 yet (each "
+                             "rank would demote and promote its experts on its own)")
+        if self.enable_expert_parallel and self.expert_stats:
+            raise ValueError("--expert-stats does not support --enable-expert-parallel yet (each rank's experts "
+                             "are its own share)")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
@@ -191,6 +208,10 @@ class EngineConfig:
     @property
     def experts(self) -> ExpertConfig:
         return self.section("experts")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.section("parallel")
 
     # the expert flags' derived values live with them (ExpertConfig); kept here under their old names
     def watermarks(self) -> tuple[float, float]:

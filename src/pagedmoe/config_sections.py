@@ -47,6 +47,13 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's names: the ranks the model is split over and whether the experts are split whole (parallel/)."""
+    tensor_parallel_size: int
+    enable_expert_parallel: bool
+
+
+@dataclass(frozen=True)
 class ExpertConfig:
     placement: str
     num_gpu_experts: Optional[int]
@@ -170,6 +177,8 @@ SECTIONS = {
     "cache": (CacheConfig, {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
                             "gpu_memory_gb": "gpu_memory_gb", "host_memory_gb": "host_memory_gb",
                             "enable_prefix_caching": "enable_prefix_caching"}),
+    "parallel": (ParallelConfig, {"tensor_parallel_size": "tensor_parallel_size",
+                                  "enable_expert_parallel": "enable_expert_parallel"}),
     "experts": (ExpertConfig, {"expert_placement": "placement", "num_gpu_experts": "num_gpu_experts",
                                "cpu_moe": "cpu_moe", "num_compressed_experts": "num_compressed_experts",
                                "expert_compression": "compression", "host_compression": "host_compression",

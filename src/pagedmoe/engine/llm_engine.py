@@ -140,6 +140,12 @@ class LLMEngine:
         """Forget the cached prefixes (vLLM's name): later requests compute every token again."""
         self.kv.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (parallel/launch.py); nothing to do on one process. The engine
+        runs no step after this."""
+        if self.runner.control is not None:
+            self.runner.control.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -234,6 +240,8 @@ class LLMEngine:
         Runs alone, outside the scheduler: call it only while no requests are running."""
         if self.has_unfinished_requests():
             raise RuntimeError("score() needs an idle engine")
+        if self.runner.control is not None:
+            raise ValueError("score() (perplexity) does not support --tensor-parallel-size > 1 yet")
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
         req = Request("__score__", list(token_ids), SamplingParams(max_tokens=1))

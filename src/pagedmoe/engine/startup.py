@@ -13,6 +13,7 @@ LLMEngine (engine/llm_engine.py) keeps the serving loop and calls `start_engine`
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -32,8 +33,11 @@ from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block, kv_cache_bytes
 from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
                                     resolve_dtype)
-from pagedmoe.models.registry import spec_builder
+from pagedmoe.models.registry import rank_arch, spec_builder
 from pagedmoe.oom import naming_oom
+from pagedmoe.parallel.launch import abandon_group, finish_start, setup_parallel
+from pagedmoe.parallel.sharding import shard_arch
+from pagedmoe.parallel.state import all_reduce_min
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
@@ -70,6 +74,24 @@ class EngineParts:
 def start_engine(config: EngineConfig) -> EngineParts:
     model_path = resolve_model(config.model)
     hf_config = load_hf_config(model_path)
+    # --tensor-parallel-size: this process's rank (parallel/launch.py); a split the model cannot take is
+    # refused before any worker starts
+    check_split(hf_config, config)
+    parallel = setup_parallel(config)
+    try:
+        return _start(config, model_path, hf_config, parallel)
+    except BaseException:
+        abandon_group(parallel)  # the workers' pending collectives fail and they exit
+        raise
+
+
+def check_split(hf_config, config) -> None:
+    """ValueError when the model cannot be split over --tensor-parallel-size ranks as asked."""
+    dims, spec = spec_builder(hf_config)(hf_config)
+    shard_arch(dims, spec, config.tensor_parallel_size, config.enable_expert_parallel)
+
+
+def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> EngineParts:
     tokenizer = load_tokenizer(config.tokenizer or model_path, config.load_format)
     device = pick_device(config.device)
     check_gpu_packages(device)
@@ -85,11 +107,12 @@ def start_engine(config: EngineConfig) -> EngineParts:
         memory.mark("engine_start")
 
     t0 = time.perf_counter()
-    dims, spec = spec_builder(hf_config)(hf_config)
+    dims, spec = rank_arch(hf_config)
     dynamic = config.expert_precision == "dynamic"
     # MLA runs a PyTorch path that reads host copies of the sequence lengths: not capturable in a CUDA
     # graph; under dynamic precision graphs would bake old expert versions.
-    eager = config.enforce_eager or dynamic or dims.mla is not None
+    # Tensor parallel: eager for now (capturing the all-reduces in the decode graphs is a GPU follow-up).
+    eager = config.enforce_eager or dynamic or dims.mla is not None or parallel.enabled
     expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
@@ -102,6 +125,8 @@ def start_engine(config: EngineConfig) -> EngineParts:
         # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
         store.enable_dynamic(expert_plan.dynamic_min_precision, lossless=expert_plan.quantized_gemm != "direct")
     plan = plan_kv_cache(config, model, device, dtype, max_model_len, memory, eager)
+    if parallel.enabled:  # one block table serves every rank: the fewest blocks any rank can hold
+        plan = dataclasses.replace(plan, num_kv_blocks=all_reduce_min(plan.num_kv_blocks))
     logger.info("loaded %s (%s, %s) in %.1f s; %s", name, device, dtype, time.perf_counter() - t0, plan.summary())
     logger.info("experts: %s placement, %.2f GiB resident, %.2f GiB compressed (GPU), %.2f GiB quantized "
                 "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
@@ -139,8 +164,10 @@ def start_engine(config: EngineConfig) -> EngineParts:
         logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB)%s",
                     memory.stages["ready"] / GiB, memory.peak_bytes / GiB,
                     f" of the {plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
-    return EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
-                       activity, plan, kv, runner, precision, memory)
+    parts = EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
+                        activity, plan, kv, runner, precision, memory)
+    finish_start(parts)  # rank 0 broadcasts its steps; a torchrun worker serves them here
+    return parts
 
 
 def _mark(memory, stage: str) -> None:
@@ -206,7 +233,7 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
                        max_model_len: int, memory=None, eager: bool = True) -> ExpertPlan:
     """The resolver's plan (planning/resolve.py) with what the device decides: the compute buffers, the
     static lossy format, the quantized GEMM path and the dynamic floor."""
-    dims, spec = spec_builder(hf_config)(hf_config)
+    dims, spec = rank_arch(hf_config)
     plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
                                max_model_len=max_model_len, budget=lambda: planning_budget(config, device, memory),
                                host_budget=lambda: host_budget(config), eager=eager)
@@ -235,15 +262,18 @@ def default_budget(memory) -> int:
 
 def host_budget(config: EngineConfig) -> Optional[int]:
     """Pinned host memory the planner may give the host tier: --host-memory-gb, else what the machine has
-    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded."""
+    available at start-up less a reserve (planning/kv_sizing.py); None: unbounded. Both are one rank's
+    under --tensor-parallel-size: the machine's share is split evenly over its ranks."""
     if config.host_memory_gb is not None:
         return int(config.host_memory_gb * GiB)
     budget = detect_host_budget_bytes()
+    ranks = config.tensor_parallel_size
     if budget is None:
         logger.info("host memory unknown (no /proc/meminfo): the host tier is unbounded")
     else:
-        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve; --host-memory-gb overrides)",
-                    budget / GiB)
+        budget //= ranks  # every rank reads the same MemAvailable
+        logger.info("host tier limit %.2f GiB (MemAvailable less a reserve%s; --host-memory-gb overrides)",
+                    budget / GiB, f", over {ranks} ranks" if ranks > 1 else "")
     return budget
 
 
@@ -251,7 +281,7 @@ def load_model(path: str, hf_config, load_format: str, max_position: int, device
                dtype: torch.dtype, seed: int, plan: ExpertPlan, activity: Optional[ActivityTable] = None):
     """The model built with its experts object (laid out by `plan`), its weights loaded (or random for
     --load-format dummy) and its GPU tiers encoded."""
-    dims, spec = spec_builder(hf_config)(hf_config)
+    dims, spec = rank_arch(hf_config)
     with naming_oom(f"allocating the experts ({plan.mode} placement)"):
         experts = build_experts(plan, dims.num_layers - len(spec.dense_layers), dims, device, dtype, activity)
     model = build_model(hf_config, max_position, device, dtype, experts)

@@ -36,6 +36,13 @@ def register(sub) -> None:
     p.add_argument("--num-gpus", type=int, nargs="+", default=[1],
                    help="GPUs of the same kind, experts split evenly across them (expert parallel, backbone "
                         "replicated); several values print one plan each (e.g. 1 8)")
+    p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int),
+                   help="plan one rank of the engine's --tensor-parallel-size N: the rank's share of the backbone "
+                        "(heads, MLPs), of the experts and of the KV heads, as the engine splits them "
+                        "(parallel/sharding.py); its budget is one GPU's")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   default=_env("enable_expert_parallel", False, lambda v: v.lower() in ("1", "true", "yes", "on")),
+                   help="with --tensor-parallel-size: whole experts split over the ranks, as the engine does")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (workload)")
     p.add_argument("--output-len", type=int, default=1024, help="output tokens per request (workload)")
     p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
@@ -167,7 +174,12 @@ def run_plan(args) -> int:
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
     path = resolve_model(args.model)
-    shape = ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype])
+    if args.tensor_parallel_size > 1 and args.num_gpus != [1]:
+        raise ValueError("--num-gpus (modelled: backbone replicated) and --tensor-parallel-size (the engine's "
+                         "split) plan different layouts: give one")
+    shape = ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype],
+                                      tensor_parallel_size=args.tensor_parallel_size,
+                                      expert_parallel=args.enable_expert_parallel)
     for n in args.num_gpus:
         if not 1 <= n <= shape.num_experts:
             raise ValueError(f"--num-gpus {n} is outside [1, {shape.num_experts}] (the experts per layer)")

@@ -15,7 +15,7 @@ from pagedmoe.models.compressed import iter_file_tensors
 from pagedmoe.models.fp8 import Fp8Dequantizer, fp8_block_size
 from pagedmoe.models.hf_config import CheckpointError, load_hf_config
 from pagedmoe.models.moe_decoder import MoEForCausalLM
-from pagedmoe.models.registry import spec_builder
+from pagedmoe.models.registry import rank_arch
 from pagedmoe.oom import DeviceOutOfMemoryError, naming_oom
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def build_model(hf_config, max_position: int, device: torch.device, dtype: torch
                 experts=None) -> MoEForCausalLM:
     """The module tree with uninitialised storage on the target device (no host round trip), built with
     the experts object its MoE layers call (experts/interface.py; engine/startup.py builds both)."""
-    dims, spec = spec_builder(hf_config)(hf_config)
+    dims, spec = rank_arch(hf_config)
     with torch.device("meta"):
         model = MoEForCausalLM(hf_config, dims, spec, max_position, experts)
     model = model.to(dtype=dtype)

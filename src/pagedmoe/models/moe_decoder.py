@@ -21,6 +21,8 @@ from pagedmoe.models.layers.mlp import GatedMLP
 from pagedmoe.models.layers.moe import FusedMoE
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from pagedmoe.parallel.sharding import shard_tensor
+from pagedmoe.parallel.state import all_reduce, get_state
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class DecoderLayer(nn.Module):
                            spec.renormalize, moe_idx, spec.shared_intermediate_size,
                            spec.shared_expert_gate, router=spec.router, n_group=spec.n_group,
                            topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
-                           shared_expert_name=spec.shared_expert_name, experts=experts)
+                           shared_expert_name=spec.shared_expert_name, experts=experts,
+                           ep_size=get_state().ep_size, ep_rank=get_state().ep_rank)
         else:
             moe = GatedMLP(dims.hidden_size, dims.dense_intermediate_size)
         # Registered under the family's checkpoint name so the tensors load by name.
@@ -119,8 +122,10 @@ class DecoderLayer(nn.Module):
         return self._modules[self.ffn_name]
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta)
-        return h + self.ffn(self.post_attention_layernorm(h))
+        # NOTE: under tensor parallelism both outputs are each rank's partial sums (row-parallel o_proj and
+        # down projections, this rank's experts): summed over the ranks here, the identity on one process
+        h = h + all_reduce(self.self_attn(self.input_layernorm(h), positions, meta))
+        return h + all_reduce(self.ffn(self.post_attention_layernorm(h)))
 
     def forward_fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +170,8 @@ class MoEForCausalLM(nn.Module):
                  experts: Optional[ExpertsProvider] = None) -> None:
         super().__init__()
         self.hf_config, self.dims, self.spec = hf_config, dims, spec
+        # this rank's place (parallel/): checkpoint tensors are sliced to its share as they load
+        self.parallel = get_state()
         self.experts = experts
         self.model = DecoderModel(dims, spec, max_position, experts)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
@@ -241,21 +248,33 @@ class MoEForCausalLM(nn.Module):
         expert = self.expert_tensor_name(name)
         if expert is not None:
             layer, e, kind = expert
-            if not 0 <= e < self.dims.num_experts:
+            if not 0 <= e < self.dims.num_experts * self.parallel.ep_size:
                 raise KeyError(name)
-            self.expert_store.write(self._moe_idx(layer, name), e, kind, tensor)
+            local = self._local_expert(e)
+            if local is None:  # another rank's expert (--enable-expert-parallel)
+                return []
+            self.expert_store.write(self._moe_idx(layer, name), local, kind, self._expert_share(tensor, kind))
             return [f"experts.{layer}.{e}.{kind}"]
         # Fused HF v5 layout: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I].
         for fused, kind in ((".experts.gate_up_proj", "w13"), (".experts.down_proj", "w2")):
             if name.endswith(fused):
                 layer = int(name.split(".")[2])
                 moe_idx = self._moe_idx(layer, name)
-                if tensor.shape[0] != self.dims.num_experts:
-                    raise ValueError(f"{tensor.shape[0]} experts, expected {self.dims.num_experts}")
-                for e in range(self.dims.num_experts):
-                    self.expert_store.write(moe_idx, e, kind, tensor[e])
+                total = self.dims.num_experts * self.parallel.ep_size
+                if tensor.shape[0] != total:
+                    raise ValueError(f"{tensor.shape[0]} experts, expected {total}")
+                owned = [e for e in range(total) if self._local_expert(e) is not None]
+                for e in owned:
+                    if kind == "w13":  # gate rows then up rows: each split on its own
+                        gate, up = tensor[e].chunk(2, dim=0)
+                        for part, t in (("gate", gate), ("up", up)):
+                            self.expert_store.write(moe_idx, self._local_expert(e), part,
+                                                    self._expert_share(t, part))
+                    else:
+                        self.expert_store.write(moe_idx, self._local_expert(e), "down",
+                                                self._expert_share(tensor[e], "down"))
                 kinds = ("gate", "up") if kind == "w13" else ("down",)
-                return [f"experts.{layer}.{e}.{k}" for e in range(self.dims.num_experts) for k in kinds]
+                return [f"experts.{layer}.{e}.{k}" for e in owned for k in kinds]
         if name not in params:
             if name == "lm_head.weight" and self.dims.tie_word_embeddings:
                 return []
@@ -263,10 +282,23 @@ class MoEForCausalLM(nn.Module):
                 return []
             raise KeyError(name)
         target = params[name]
+        tensor = shard_tensor(tensor, target.shape, self.parallel.rank, self.parallel.world_size)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
         target.copy_(tensor)
         return [name]
+
+    def _local_expert(self, e: int) -> Optional[int]:
+        """This rank's index of global expert e, None when another rank owns it (expert parallel)."""
+        n = self.dims.num_experts
+        local = e - self.parallel.ep_rank * n
+        return local if 0 <= local < n else None
+
+    def _expert_share(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """This rank's slice of one expert tensor (tensor parallel: along the intermediate dim)."""
+        H, I = self.dims.hidden_size, self.dims.moe_intermediate_size
+        shape = (H, I) if kind == "down" else (I, H)
+        return shard_tensor(tensor, shape, self.parallel.rank, self.parallel.world_size)
 
     def _is_mtp_tensor(self, name: str) -> bool:
         parts = name.split(".")
@@ -280,6 +312,7 @@ class MoEForCausalLM(nn.Module):
         names = {pname for pname, _ in self.named_parameters(remove_duplicate=True)}
         for i, layer in enumerate(self.model.layers):
             if layer.is_moe:
-                names.update(f"experts.{i}.{e}.{k}" for e in range(self.dims.num_experts)
+                first = self.parallel.ep_rank * self.dims.num_experts  # this rank's experts (global ids)
+                names.update(f"experts.{i}.{e}.{k}" for e in range(first, first + self.dims.num_experts)
                               for k in ("gate", "up", "down"))
         return names

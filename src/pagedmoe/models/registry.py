@@ -27,3 +27,14 @@ def spec_builder(hf_config) -> Callable:
             return MODEL_REGISTRY[arch]
     raise ValueError(f"unsupported model architecture {archs or '(none in config.json)'}; "
                      f"supported: {', '.join(supported_architectures())}")
+
+
+def rank_arch(hf_config):
+    """(ModelDims, ArchSpec) of this process's rank: the whole model on one process, its share under
+    --tensor-parallel-size (parallel/sharding.py). The engine builds, plans and sizes with these."""
+    from pagedmoe.parallel.sharding import shard_arch
+    from pagedmoe.parallel.state import get_state
+
+    state = get_state()
+    dims, spec = spec_builder(hf_config)(hf_config)
+    return shard_arch(dims, spec, state.world_size, state.expert_parallel)

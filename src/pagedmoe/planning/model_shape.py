@@ -12,6 +12,7 @@ from typing import Optional
 # shape reads their dims (torch is imported with them, torch.cuda never used).
 from pagedmoe.models.hf_config import load_hf_config
 from pagedmoe.models.registry import spec_builder
+from pagedmoe.parallel.sharding import shard_arch
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,20 @@ class ModelShape:
         )
 
     @classmethod
-    def from_hf_config(cls, path_or_config, dtype_bytes: int = 2) -> "ModelShape":
+    def from_hf_config(cls, path_or_config, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
+                       expert_parallel: bool = False) -> "ModelShape":
         """From a checkpoint folder's config.json (or a transformers config object), as
-        `models/loader.py::build_model` reads it (the family's builder in models/registry.py); no weights are loaded."""
+        `models/loader.py::build_model` reads it (the family's builder in models/registry.py); no weights are loaded.
+        `tensor_parallel_size` > 1: one rank's share, split by the function the engine splits with
+        (parallel/sharding.py::shard_arch; ValueError where the engine refuses the split)."""
         name = ""
         config = path_or_config
         if isinstance(path_or_config, (str, bytes)) or hasattr(path_or_config, "__fspath__"):
             name = str(path_or_config).rstrip("/").split("/")[-1]
             config = load_hf_config(str(path_or_config))
-        dims, spec = spec_builder(config)(config)
+        dims, spec = shard_arch(*spec_builder(config)(config), tensor_parallel_size, expert_parallel)
+        if tensor_parallel_size > 1:
+            name = f"{name} (one rank of {tensor_parallel_size}{', expert parallel' if expert_parallel else ''})"
         return cls.from_model_dims(dims, spec, dtype_bytes, name=name)
 
     def to_dict(self) -> dict:

@@ -43,6 +43,7 @@ class ModelRunner:
         allocated; `memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and
         the CUDA graphs' stages; None off CUDA."""
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        self.control = None  # rank 0 under tensor parallelism: parallel/launch.py's StepBroadcast
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
         # kv_backing (dynamic precision on CUDA): KV tensors whose withheld tail gives its memory back; it is
@@ -84,6 +85,11 @@ class ModelRunner:
                     model.pager.reset_stats()  # capture warm-ups are not traffic of the workload
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        return self.to_device(self.host_inputs(out, kv))
+
+    def host_inputs(self, out: SchedulerOutput, kv: KVCacheManager) -> dict:
+        """The step's inputs as host tensors and numbers: what rank 0 broadcasts under tensor parallelism
+        (the workers have no scheduler and no block tables of their own)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -112,33 +118,49 @@ class ModelRunner:
                 sampling_rows.append(row)
         block_tables = self.block_tables.gather([s.request.request_id for s in out.scheduled], tables,
                                                 max(map(len, tables)), kv.has)
+        return dict(input_ids=torch.tensor(input_ids, dtype=torch.int64),
+                    positions=torch.tensor(positions, dtype=torch.int64),
+                    slots=torch.tensor(slots, dtype=torch.int64), qsl=torch.tensor(qsl, dtype=torch.int32),
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+                    logits_indices=torch.tensor(logits_indices, dtype=torch.int64), sampling_rows=sampling_rows,
+                    max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
+                    is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled))
+
+    def to_device(self, host: dict) -> StepInputs:
         dev = self.device
-        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        qsl_cpu, seq_lens_cpu = host["qsl"], host["seq_lens"]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=host["slots"].to(dev, non_blocking=True),
             query_start_loc=qsl_cpu.to(dev, non_blocking=True),
             seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
-            is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled),
+            block_tables=host["block_tables"].to(dev, non_blocking=True),
+            max_query_len=host["max_query_len"],
+            max_seq_len=host["max_seq_len"],
+            is_decode_only=host["is_decode_only"],
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=host["input_ids"].to(dev, non_blocking=True),
+            positions=host["positions"].to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
-            sampling_rows=sampling_rows,
+            logits_indices=host["logits_indices"].to(dev, non_blocking=True),
+            sampling_rows=host["sampling_rows"],
         )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample)."""
-        inputs = self.prepare(out, kv)
-        if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(out.scheduled)):
+        host = self.host_inputs(out, kv)
+        if self.control is not None:  # rank 0 of a tensor-parallel group: the workers run the same step
+            self.control.send(host)
+        return self.execute_host(host)
+
+    @torch.inference_mode()
+    def execute_host(self, host: dict) -> tuple[torch.Tensor, list[int]]:
+        """One step from its host inputs (a worker rank runs the steps rank 0 broadcasts through this)."""
+        inputs = self.to_device(host)
+        if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(host["seq_lens"])):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if self.model.pager is not None:
                 self.model.pager.account_replay()

@@ -13,6 +13,7 @@ from torch import nn
 from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding
+from pagedmoe.parallel.state import get_state
 
 
 @dataclass
@@ -85,9 +86,10 @@ class Attention(nn.Module):
         if qk_norm == "head":    # Qwen3: over each head's D
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps)
-        elif qk_norm == "full":  # OLMoE: over the whole projection
-            self.q_norm = RMSNorm(num_heads * head_dim, rms_norm_eps)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, rms_norm_eps)
+        elif qk_norm == "full":  # OLMoE: over the whole projection (split over the tensor-parallel ranks)
+            shards = get_state().world_size
+            self.q_norm = RMSNorm(num_heads * head_dim, rms_norm_eps, shards)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, rms_norm_eps, shards)
         elif qk_norm is not None:
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
         self.clip_qkv = clip_qkv

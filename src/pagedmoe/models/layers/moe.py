@@ -195,8 +195,14 @@ class FusedMoE(nn.Module):
                  renormalize: bool, moe_idx: int, shared_intermediate_size: int = 0,
                  shared_expert_gate: bool = False, router: str = "softmax", n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 shared_expert_name: str = "shared_expert", experts: Optional[ExpertsProvider] = None) -> None:
+                 shared_expert_name: str = "shared_expert", experts: Optional[ExpertsProvider] = None,
+                 ep_size: int = 1, ep_rank: int = 0) -> None:
+        """`num_experts`: the experts this rank holds; with expert parallelism (ep_size > 1) the router
+        chooses among num_experts * ep_size and this rank computes those of ids [ep_rank * num_experts,
+        (ep_rank + 1) * num_experts) (the decoder layer's all-reduce combines the ranks)."""
         super().__init__()
+        self.num_local_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
+        num_experts *= ep_size
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         if router not in ROUTERS:
@@ -260,15 +266,27 @@ class FusedMoE(nn.Module):
         from pagedmoe.kernels.fused_moe import fused_moe_mixed, fused_moe_quantized
 
         if operand.kind == "mixed":  # dynamic precision: (w13, w2, slots) per precision group
-            return fused_moe_mixed(x, operand.parts, self.num_experts, topk_weights, topk_ids)
+            return fused_moe_mixed(x, operand.parts, self.num_local_experts, topk_weights, topk_ids)
         # static precision: every expert of the layer quantized, in id order
-        return fused_moe_quantized(x, operand.w13, operand.w2, self.num_experts, topk_weights, topk_ids)
+        return fused_moe_quantized(x, operand.w13, operand.w2, self.num_local_experts, topk_weights, topk_ids)
+
+    def local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """Expert parallel: the routes to this rank's experts, in its local ids; a route to another rank's
+        expert keeps weight 0 on local expert 0 (shapes stay fixed: no host sync, graph-capturable). Every
+        rank already holds every token (attention is tensor-parallel), so the dispatch is this mask and
+        the combine is the decoder layer's all-reduce: at decode batch sizes it moves the same bytes as an
+        all-to-all pair and needs no token counts exchanged."""
+        local = topk_ids - self.ep_rank * self.num_local_experts
+        own = (local >= 0) & (local < self.num_local_experts)
+        return topk_weights * own, torch.where(own, local, torch.zeros_like(local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         if experts is None:
             raise RuntimeError("this model was built without experts (engine/startup.py builds them)")
         topk_weights, topk_ids = self.route(x)
+        if self.ep_size > 1:
+            topk_weights, topk_ids = self.local_routes(topk_weights, topk_ids)
         # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
         out = self.run_experts(x, experts.weights(self.moe_idx, topk_ids), topk_weights, topk_ids)
         experts.done(self.moe_idx)

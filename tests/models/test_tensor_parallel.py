@@ -1,0 +1,153 @@
+"""Tensor and expert parallelism (issue 24) on CPU over gloo: two ranks compute what one process does.
+
+Each run starts a second process (parallel/launch.py) and compares greedy tokens (identical) and every
+sampling step's logits with the single-process engine's. Tolerance: float32 sums over two ranks add in
+another order than one matmul, so logits of magnitude ~3 differ by ~1e-6 (measured up to 1.7e-6);
+atol 1e-5 leaves 6x room and still fails a wrong shard (errors of 1e-2 and more).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tiny_models import greedy_logits, make_tiny_checkpoint
+
+# DeepSeek-V2/V3 (MLA) are refused under tensor parallelism (test_split_that_cannot_take_effect)
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
+LENGTHS, MAX_TOKENS = (7, 19, 3, 30), 5
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    paths = {}
+    for i, fam in enumerate(FAMILIES):
+        paths[fam] = tmp_path_factory.mktemp(fam)
+        make_tiny_checkpoint(fam, paths[fam], seed=60 + i)
+    return paths
+
+
+_REFS: dict = {}
+
+
+def _trace(path, device="cpu", **flags):
+    from pagedmoe import LLM
+
+    llm = LLM(str(path), device=device, max_model_len=96, **flags)
+    try:
+        logits, outs = greedy_logits(llm, LENGTHS, max_tokens=MAX_TOKENS, seed=5)
+        return logits, [o.outputs[0].token_ids for o in outs], llm.engine
+    finally:
+        llm.engine.shutdown()
+
+
+def _reference(path):
+    if path not in _REFS:
+        _REFS[path] = _trace(path)[:2]
+    return _REFS[path]
+
+
+def _assert_same(ref, got, atol=1e-5):
+    (ref_logits, ref_tokens), (got_logits, got_tokens) = ref, got
+    assert got_tokens == ref_tokens
+    assert len(got_logits) == len(ref_logits)
+    for a, b in zip(ref_logits, got_logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=atol)
+
+
+CASES = ([(fam, {}) for fam in FAMILIES]
+         + [(fam, dict(enable_expert_parallel=True)) for fam in FAMILIES]
+         # paged placement on every rank: under EP each rank pages its own 4 experts
+         + [("mixtral", dict(enable_expert_parallel=True, cpu_moe=True)),
+            ("qwen3_moe", dict(enable_expert_parallel=True, num_gpu_experts=2)),
+            ("olmoe", dict(num_gpu_experts=3))])
+
+
+@pytest.mark.parametrize("family,flags", CASES, ids=[f"{f}-{'-'.join(k for k in fl) or 'tp'}" for f, fl in CASES])
+def test_two_ranks_match_one_process(ckpts, family, flags):
+    ref = _reference(ckpts[family])
+    logits, tokens, engine = _trace(ckpts[family], tensor_parallel_size=2, **flags)
+    _assert_same(ref, (logits, tokens))
+    dims = engine.model.dims
+    if flags.get("enable_expert_parallel"):
+        assert dims.num_experts == 4 and engine.expert_store.table.num_experts == 4  # this rank's share
+    else:
+        assert dims.num_experts == 8 and dims.moe_intermediate_size == 16  # each expert split in two
+    assert dims.num_heads == 2 and dims.num_kv_heads == 1
+    # `pagedmoe plan --tensor-parallel-size 2` plans the shape this rank was built and planned with
+    from pagedmoe.planning.model_shape import ModelShape
+    ep = bool(flags.get("enable_expert_parallel"))
+    shape = ModelShape.from_hf_config(ckpts[family], 4, tensor_parallel_size=2, expert_parallel=ep)
+    assert shape == ModelShape.from_model_dims(dims, engine.model.spec, 4, name=shape.name)
+    if "cpu_moe" in flags or "num_gpu_experts" in flags:
+        n = 0 if "cpu_moe" in flags else flags["num_gpu_experts"]
+        stats = engine.get_stats()["experts"]
+        assert stats.get("resident/float32", stats.get("resident/bf16", 0)) in (0, n * len(engine.model.moe_layers()))
+        assert engine.pager is not None and engine.get_stats()["expert_bytes_h2d"] > 0
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks(ckpts, tmp_path):
+    """One KV head, two ranks: each rank holds the head its query heads read (vLLM's replication)."""
+    path = tmp_path / "mqa"
+    make_tiny_checkpoint("qwen3_moe", path, seed=7, num_key_value_heads=1)
+    ref = _trace(path)[:2]
+    logits, tokens, engine = _trace(path, tensor_parallel_size=2)
+    _assert_same(ref, (logits, tokens))
+    assert engine.model.dims.num_kv_heads == 1
+
+
+def test_split_that_cannot_take_effect(ckpts, tmp_path):
+    from pagedmoe import LLM
+
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        LLM(str(ckpts["mixtral"]), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
+        LLM(str(ckpts["mixtral"]), device="cpu", enable_expert_parallel=True)
+    path = tmp_path / "dsv3"
+    make_tiny_checkpoint("deepseek_v3", path, seed=1)
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        LLM(str(path), device="cpu", tensor_parallel_size=2)
+    path = tmp_path / "few"
+    make_tiny_checkpoint("mixtral", path, seed=1, num_local_experts=3, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="multiple of 4 experts"):
+        LLM(str(path), device="cpu", tensor_parallel_size=4, enable_expert_parallel=True)
+
+
+def test_torchrun_launch(ckpts, tmp_path):
+    """`torchrun --nproc-per-node 2 script.py`: every rank runs the script; LLM(...) returns on rank 0 only."""
+    script = tmp_path / "script.py"
+    out = tmp_path / "tokens.pt"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})
+        from tiny_models import greedy_logits
+        from pagedmoe import LLM
+        llm = LLM({str(ckpts['qwen2_moe'])!r}, device="cpu", max_model_len=96, tensor_parallel_size=2)
+        logits, outs = greedy_logits(llm, {LENGTHS!r}, max_tokens={MAX_TOKENS}, seed=5)
+        torch.save((logits, [o.outputs[0].token_ids for o in outs]), {str(out)!r})
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
+    with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", str(port), str(script)], check=True, env=env, timeout=120,
+                   capture_output=True)
+    _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("flags", [{}, dict(enable_expert_parallel=True),
+                                   dict(enable_expert_parallel=True, cpu_moe=True)])
+def test_nccl_two_gpus_match_one(ckpts, flags):
+    """The same over NCCL on two GPUs (float32, so one GPU's logits are the reference within 1e-4)."""
+    for fam in ("mixtral", "qwen3_moe"):
+        ref = _trace(ckpts[fam], device="cuda", dtype="float32")[:2]
+        got = _trace(ckpts[fam], device="cuda", dtype="float32", tensor_parallel_size=2, **flags)[:2]
+        _assert_same(ref, got, atol=1e-4)
