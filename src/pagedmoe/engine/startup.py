@@ -36,6 +36,8 @@ from pagedmoe.models.registry import spec_builder
 from pagedmoe.oom import naming_oom
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
+from pagedmoe.planning.fetch_cost import resolve_fetch
+from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
@@ -212,10 +214,29 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
                                host_budget=lambda: host_budget(config), eager=eager)
     x = config.experts
     dynamic = x.precision == "dynamic"
-    return plan.replace(buffers=settle_buffers("plain" if dynamic else x.buffers, plan.paged, device),
+    plan = plan.replace(fetch=settle_fetch(config, plan, dims, spec, device, dtype, max_model_len))
+    buffers = "plain" if dynamic or plan.fetch == "routed" else x.buffers
+    return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),
                         quantized_gemm=config.resolved_quantized_gemm(device.type),
                         dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
+
+
+def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> str:
+    """--expert-fetch settled (planning/fetch_cost.py): routed where asked for and possible, auto by the cost
+    model at the batch the engine is sized for."""
+    x = config.experts
+    blocker = next((flag for flag, on in (
+        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
+        ("--host-compression lossless", plan.host_compression != "none"),
+        ("--expert-precision " + x.precision, x.precision != "exact"),
+        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
+    n = plan.num_gpu_experts
+    n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
+    shape = ModelShape.from_model_dims(dims, spec, dtype.itemsize)
+    return resolve_fetch(x.fetch, plan.paged, blocker, shape, n, config.max_num_seqs, device.type,
+                         max_model_len / 2)
 
 
 def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:

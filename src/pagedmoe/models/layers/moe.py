@@ -247,6 +247,8 @@ class FusedMoE(nn.Module):
                     topk_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' GEMMs over the operand the experts object handed out (by its kind)."""
         if operand.kind == "dense":
+            if operand.slots is not None:  # routed fetching: the cache's pool, by page (one gather, no sync)
+                topk_ids = operand.slots[topk_ids]
             return self.experts_fn(x, operand.w13, operand.w2, topk_weights, topk_ids)
         # --quantized-gemm direct: the Triton kernels read the quantized weights (triton: optional package)
         from pagedmoe.kernels.fused_moe import fused_moe_mixed, fused_moe_quantized

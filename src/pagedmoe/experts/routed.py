@@ -1,0 +1,91 @@
+"""Routed fetching (`--expert-fetch routed`): paged placement's experts object that brings in only the experts
+the router picks, into the GPU expert cache (experts/cache.py), instead of streaming every host expert of
+every layer (experts/pager.py, `--expert-fetch stream`).
+
+Per MoE layer, in `weights(layer, topk_ids)`: the distinct routed ids reach the host (one sync per layer:
+fetch path (a)), the cache names the hits and gives each miss a slot, the misses are copied from pinned
+host memory into their slots on the compute stream (so the copy follows every earlier GEMM that read the
+slot it overwrites, and precedes this layer's), the layer's slot map is written, and the layer gets
+`DenseOperand(pool views, slots=slot_map)`: the MoE layer maps its router ids through the slot map and
+runs the same GEMMs over the pool. Each token meets the same weights in the same layout as in resident
+placement, so the logits are bit-identical.
+
+The per-layer sync rules out CUDA graphs (the model runner runs eager: `syncs_host`). The sync-free
+variant (a device-side gather from mapped host memory, kernels/uva_gather.py) and prefetch by prediction
+are not wired in here yet.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from pagedmoe.experts.cache import ExpertCache
+from pagedmoe.experts.interface import DenseOperand, ExpertOperand
+from pagedmoe.experts.layout import expert_views
+from pagedmoe.experts.pager import ExpertPager
+
+
+class RoutedPager(ExpertPager):
+    syncs_host = True   # fetch path (a): one host sync per MoE layer (no CUDA graphs)
+
+    def __init__(self, store, activity=None) -> None:
+        super().__init__(store, timing=False, activity=activity)
+        self.cache: ExpertCache = store.buffers
+        self._w13, self._w2 = expert_views(self.cache.pool, store.hidden, store.inter)
+        self.expert_bytes = store.expert_numel * store.dtype.itemsize
+
+    # -- the expert interface -------------------------------------------------------------------
+    def begin_forward(self, num_tokens: Optional[int] = None) -> None:
+        pass
+
+    def before_layer(self, layer: int) -> None:
+        pass
+
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> ExpertOperand:
+        if topk_ids is None:
+            raise ValueError("routed fetching needs the router's ids")
+        if self.activity is not None:
+            self.activity.record(layer, topk_ids)
+        ids = torch.unique(topk_ids).tolist()   # NOTE: the per-layer host sync of fetch path (a)
+        hits, misses = self.cache.lookup(layer, ids)
+        host = self.store.host[layer]
+        for e, slot in misses:
+            if not self._skip_host:
+                self.cache.pool[slot].copy_(host[self.store.table.lookup(layer, e).slot], non_blocking=True)
+        if misses:
+            self.cache.publish(layer)
+        if not self._skip_host:
+            st = self.cache.stats
+            st.hits += len(hits)
+            st.misses += len(misses)
+            st.bytes_moved += len(misses) * self.expert_bytes
+            st.bytes_routed += len(ids) * self.expert_bytes
+            self.stats.bytes_h2d += len(misses) * self.expert_bytes
+            self.stats.layers_loaded += 1
+        return DenseOperand(self._w13, self._w2, self.cache.slot_maps[layer])
+
+    def done(self, layer: int) -> None:
+        pass
+
+    # -- what the engine reads --------------------------------------------------------------------
+    def account_replay(self) -> None:
+        raise RuntimeError("routed fetching syncs with the host per layer: it runs without CUDA graphs")
+
+    @property
+    def bytes_per_forward(self) -> int:
+        """Not fixed: what a forward moves depends on what is routed and cached (see `cache.stats`)."""
+        return 0
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.cache.stats = type(self.cache.stats)()
+
+    def cache_stats(self) -> dict:
+        return dict(self.cache.stats.__dict__)
+
+    @contextlib.contextmanager
+    def no_host_copies(self):
+        with super().no_host_copies():
+            yield

@@ -1,0 +1,89 @@
+"""How paged experts reach the GPU, modelled per decode batch: the one cost model behind `--expert-fetch auto`
+and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md ("Fetching what is routed").
+
+  stream    (experts/pager.py): every host expert of every layer is copied every step, one layer ahead,
+            behind compute: cost_model.decode_step_cost with that traffic (its pipeline fill included).
+  routed    (experts/routed.py, experts/cache.py): per MoE layer the distinct routed experts
+            d = E*(1-(1-A/E)^B) (uniform routing: real routing is skewed, so fewer) are looked up in a cache of
+            C = L*N + 2E pages; with uniform routing a page hits with probability min(1, C / (L*E)); the misses
+            are copied after the layer's host sync, not hidden behind compute, and each layer pays the sync
+            and copy launches (ROUTED_LAYER_SYNC_S) and runs without CUDA graphs.
+  resident  only when every expert fits (N = E): nothing moves.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_step_cost,
+                                          expected_distinct_experts)
+from pagedmoe.planning.model_shape import ModelShape
+
+FETCHES = ("stream", "routed", "resident")
+# Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
+# and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
+# copy launch ~5 us); to be measured on the H200 (benchmarks/bench_routed_fetch.py).
+ROUTED_LAYER_SYNC_S = 60e-6
+PLAN_BATCHES = (1, 8, 32)
+
+
+def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
+    """Pages of the expert cache: the device rows stream-all holds (experts/build.py::cache_slots)."""
+    return shape.num_moe_layers * num_gpu_experts + 2 * shape.num_experts
+
+
+def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
+                 context_len: float) -> dict[str, Optional[float]]:
+    """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible)."""
+    L, E = shape.num_moe_layers, shape.num_experts
+    n = max(0, min(num_gpu_experts, E))
+    stream = StepTraffic(h2d_bytes=L * (E - n) * shape.expert_bytes)
+    out: dict[str, Optional[float]] = {
+        "stream": decode_step_cost(shape, hw, stream, num_seqs, context_len).total_s,
+        "resident": decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len).total_s if n >= E else None}
+    base = decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len)
+    distinct = expected_distinct_experts(E, shape.top_k, num_seqs)
+    hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
+    misses = L * distinct * (1.0 - hit)
+    # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
+    eager = shape.num_layers * hw.layer_overhead_s
+    out["routed"] = (base.total_s + misses * shape.expert_bytes / hw.pcie_h2d_bytes_per_s
+                     + L * ROUTED_LAYER_SYNC_S + eager)
+    return out
+
+
+def choose_fetch(costs: dict[str, Optional[float]]) -> str:
+    """The fetch of least modelled time; stream on ties (the pipeline that needs no host sync)."""
+    best = min((v, FETCHES.index(k), k) for k, v in costs.items() if v is not None)
+    return best[2]
+
+
+def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape: ModelShape, num_gpu_experts: int,
+                  num_seqs: int, device_type: str, context_len: float,
+                  hw: Optional[HardwareProfile] = None) -> str:
+    """--expert-fetch `requested` settled: "stream" or "routed". `compatible` None when routed fetching can
+    take effect with the other flags, else the flag that rules it out (named when routed is asked for).
+    auto: the cost model's choice at the batch the engine is sized for (max_num_seqs) on CUDA; off CUDA
+    there is no copy engine to model, so stream."""
+    if requested == "routed":
+        if not paged:
+            raise ValueError("--expert-fetch routed pages experts from the host tier; it needs paged placement "
+                             "(--expert-placement paged, --num-gpu-experts N or --cpu-moe)")
+        if compatible is not None:
+            raise ValueError(f"--expert-fetch routed fetches exact rows from the host tier; it cannot take effect "
+                             f"with {compatible} (use --expert-fetch stream)")
+        return "routed"
+    if requested == "stream" or not paged or compatible is not None or device_type != "cuda":
+        return "stream"
+    hw = hw or HardwareProfile()
+    choice = choose_fetch(fetch_step_s(shape, hw, num_gpu_experts, num_seqs, context_len))
+    return "routed" if choice == "routed" else "stream"
+
+
+def fetch_table(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, context_len: float,
+                batches=PLAN_BATCHES) -> list[dict]:
+    """`pagedmoe plan`'s rows: per batch the modelled step time of each fetch and the choice."""
+    rows = []
+    for b in batches:
+        costs = fetch_step_s(shape, hw, num_gpu_experts, b, context_len)
+        rows.append({"batch": b, **{f"{k}_s": v for k, v in costs.items()}, "choice": choose_fetch(costs)})
+    return rows
