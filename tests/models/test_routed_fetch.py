@@ -65,12 +65,14 @@ def _decode_bytes(path, fetch):
 
 
 def test_tiny_mixtral_cpu_moe_moves_little_more_than_routed(tmp_path):
-    make_tiny_checkpoint("mixtral", tmp_path, seed=3)
+    # 6 MoE layers x 8 experts against a cache of 2 x 8 pages: most routed experts are misses
+    make_tiny_checkpoint("mixtral", tmp_path, seed=3, num_hidden_layers=6)
     moved, routed, eng = _decode_bytes(tmp_path, "routed")
     expert = eng.expert_store.expert_numel * 4
     num_moe = len(eng.model.moe_layers())
     assert routed == 2 * num_moe * expert   # batch 1, top-2: two distinct experts per layer
     assert 0 < moved <= 1.5 * routed
+    print(f"tiny Mixtral, --cpu-moe, batch 1: {moved:.0f} B moved per decode step for {routed:.0f} B routed")
     stream_moved, _, _ = _decode_bytes(tmp_path, "stream")
     assert stream_moved == 8 * num_moe * expert   # stream-all: every expert of every layer
     assert moved < stream_moved / 2
@@ -90,3 +92,27 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
     # auto on CPU keeps the stream-all pipeline
     llm = LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="auto")
     assert llm.engine.expert_plan.fetch == "stream"
+
+
+@pytest.mark.parametrize("fetch", ["stream", "routed"])
+def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
+    import json
+
+    from pagedmoe.cli import main
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=4)
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", str(tmp_path), "--batch-size", "1", "--input-len", "10", "--output-len", "5",
+                 "--max-model-len", "64", "--device", "cpu", "--cpu-moe", "--expert-fetch", fetch,
+                 "--hbm-bandwidth", "1e12", "--output-json", str(out)]) == 0
+    assert "experts moved" in capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    expert = 3 * 32 * 64 * 4   # tiny Mixtral: I=32, H=64, float32
+    num_moe = 2
+    assert r["expert_fetch"] == fetch
+    assert r["routed_expert_bytes_per_step"] == 2 * num_moe * expert   # batch 1, top-2
+    if fetch == "stream":
+        assert r["expert_bytes_moved_per_step"] == 8 * num_moe * expert
+    else:
+        # the cache (2 x 8 pages) holds this 2-layer model whole once the prefill routed to every expert
+        assert 0 <= r["expert_bytes_moved_per_step"] <= 1.5 * r["routed_expert_bytes_per_step"]

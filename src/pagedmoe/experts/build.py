@@ -128,10 +128,12 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
 
 
 def cache_slots(num_gpu_experts, num_layers: int, num_experts: int) -> int:
-    """Pages of the expert cache under --expert-fetch routed: the device rows stream-all would hold (the
-    planner's resident experts of every layer plus the double buffer's 2 x E), so the KV cache is sized
-    the same for both (planning/ reads the plan's resident counts)."""
-    return sum(_per_layer(num_gpu_experts, num_layers, "resident-expert")) + 2 * num_experts
+    """Pages of the expert cache under --expert-fetch routed: the device rows stream-all holds with VMM
+    buffers (the planner's resident experts of every layer plus two slots of the most streamed layer's
+    rows), so the planner's split against the KV cache holds for both fetches (planning/fetch_cost.py::
+    cache_pages); never fewer than E, so one layer can route to all its experts."""
+    counts = _per_layer(num_gpu_experts, num_layers, "resident-expert")
+    return max(num_experts, sum(counts) + 2 * max(num_experts - n for n in counts))
 
 
 def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torch.dtype, activity):

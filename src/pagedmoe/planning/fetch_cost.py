@@ -5,7 +5,7 @@ and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md ("Fe
             behind compute: cost_model.decode_step_cost with that traffic (its pipeline fill included).
   routed    (experts/routed.py, experts/cache.py): per MoE layer the distinct routed experts
             d = E*(1-(1-A/E)^B) (uniform routing: real routing is skewed, so fewer) are looked up in a cache of
-            C = L*N + 2E pages; with uniform routing a page hits with probability min(1, C / (L*E)); the misses
+            C = max(E, L*N + 2(E-N)) pages; with uniform routing a page hits with probability min(1, C / (L*E)); the misses
             are copied after the layer's host sync, not hidden behind compute, and each layer pays the sync
             and copy launches (ROUTED_LAYER_SYNC_S) and runs without CUDA graphs.
   resident  only when every expert fits (N = E): nothing moves.
@@ -18,17 +18,20 @@ from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_s
                                           expected_distinct_experts)
 from pagedmoe.planning.model_shape import ModelShape
 
-FETCHES = ("stream", "routed", "resident")
 # Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
 # and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
 # copy launch ~5 us); to be measured on the H200 (benchmarks/bench_routed_fetch.py).
 ROUTED_LAYER_SYNC_S = 60e-6
 PLAN_BATCHES = (1, 8, 32)
+# Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
+# costs are estimates until measured, and stream-all is the measured pipeline (and keeps CUDA graphs).
+ROUTED_MARGIN = 0.10
 
 
 def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
     """Pages of the expert cache: the device rows stream-all holds (experts/build.py::cache_slots)."""
-    return shape.num_moe_layers * num_gpu_experts + 2 * shape.num_experts
+    E = shape.num_experts
+    return max(E, shape.num_moe_layers * num_gpu_experts + 2 * (E - num_gpu_experts))
 
 
 def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
@@ -52,9 +55,10 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
 
 
 def choose_fetch(costs: dict[str, Optional[float]]) -> str:
-    """The fetch of least modelled time; stream on ties (the pipeline that needs no host sync)."""
-    best = min((v, FETCHES.index(k), k) for k, v in costs.items() if v is not None)
-    return best[2]
+    """resident where every expert fits; else routed when modelled ROUTED_MARGIN faster than stream."""
+    if costs.get("resident") is not None:
+        return "resident"
+    return "routed" if costs["routed"] < (1.0 - ROUTED_MARGIN) * costs["stream"] else "stream"
 
 
 def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape: ModelShape, num_gpu_experts: int,
