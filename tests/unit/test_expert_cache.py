@@ -76,3 +76,20 @@ def test_cache_counters_are_exported():
     text = metrics.render().decode()
     assert 'pagedmoe:expert_cache_hits_total{model_name="m"} 7.0' in text
     assert 'pagedmoe:expert_cache_misses_total{model_name="m"} 3.0' in text
+
+
+def test_plan_prints_the_fetch_table(capsys, tmp_path):
+    import json
+    from pathlib import Path
+
+    from pagedmoe.cli import main
+
+    cfg = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-30b-a3b"
+    out = tmp_path / "p.json"
+    assert main(["plan", str(cfg), "--gpu-memory-gb", "24", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "expert fetch for" in text and "routed" in text
+    fetch = json.loads(out.read_text())["budgets"][0]["fetch"]
+    assert [r["batch"] for r in fetch["batches"]] == [1, 8, 32]
+    b1 = fetch["batches"][0]
+    assert b1["choice"] == "routed" and b1["routed_s"] < b1["stream_s"]
