@@ -116,3 +116,25 @@ def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
     else:
         # the cache (2 x 8 pages) holds this 2-layer model whole once the prefill routed to every expert
         assert 0 <= r["expert_bytes_moved_per_step"] <= 1.5 * r["routed_expert_bytes_per_step"]
+
+
+def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
+    """The default model's real (skewed) routing: the cache hits and routed fetching moves a fraction of what
+    stream-all moves (benchmarks/routed_cpu.py prints the full table; docs/benchmarks.md has it)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from routed_cpu import measure
+
+    stream = measure("stream", 0, 1, 12)
+    routed = measure("routed", 0, 1, 12, predict=True)
+    assert stream["moved_bytes_per_step"] == 6 * 32 * stream["expert_bytes"]   # every expert, every step
+    assert routed["hits"] > 0 and routed["moved_bytes_per_step"] <= routed["routed_bytes_per_step"]
+    assert routed["moved_bytes_per_token"] < stream["moved_bytes_per_token"] / 4
+    assert 0 < routed["prediction_recall"] <= 1
+    with capsys.disabled():
+        print(f"\ndefault model, --cpu-moe, batch 1: hit rate {routed['hit_rate']:.3f}, "
+              f"{routed['moved_bytes_per_token'] / 1e6:.3f} MB/token routed vs "
+              f"{stream['moved_bytes_per_token'] / 1e6:.3f} MB/token stream-all; prediction recall "
+              f"{routed['prediction_recall']:.3f}")

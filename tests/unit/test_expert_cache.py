@@ -30,15 +30,17 @@ def test_misses_get_free_slots_then_hit():
 
 def test_lru_evicts_the_least_recent_page_of_any_layer():
     cache, table = _cache(slots=4)
-    cache.lookup(0, [0, 1])       # ticks 1
-    cache.lookup(1, [0, 1])       # tick 2: the cache is full
-    cache.lookup(0, [1])          # (0, 1) used again: (0, 0) is now the least recent page
+    for layer, ids in ((0, [0, 1]), (1, [0, 1]), (0, [1])):   # one step each: the cache fills at the second
+        cache.begin_step()
+        cache.lookup(layer, ids)  # (0, 1) used again last: (0, 0) is now the least recent page
+    cache.begin_step()
     _, misses = cache.lookup(2, [2])
     assert len(misses) == 1
     assert cache.host_maps[0][0] == -1 and table.lookup(0, 0).cache_slot == -1   # evicted
     assert cache.host_maps[0][1] >= 0 and cache.host_maps[1][0] >= 0
     assert table.lookup(2, 2).last_access == cache.tick
     # a layer routing to all its experts evicts older pages, never its own routed ones
+    cache.begin_step()
     _, misses = cache.lookup(1, [0, 1, 2, 3])
     assert sorted(cache.cached(1)) == [0, 1, 2, 3]
     assert len({s for s in cache.host_maps[1]}) == 4
@@ -93,3 +95,16 @@ def test_plan_prints_the_fetch_table(capsys, tmp_path):
     assert [r["batch"] for r in fetch["batches"]] == [1, 8, 32]
     b1 = fetch["batches"][0]
     assert b1["choice"] == "routed" and b1["routed_s"] < b1["stream_s"]
+
+
+def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():
+    """Layers cycle; LRU would evict what the next step needs first (0 hits when a step routes to more pages
+    than the cache holds); the newest page of another layer is evicted instead, so some pages survive."""
+    cache, _ = _cache(num_layers=3, num_experts=4, slots=6)
+    hits = 0
+    for _ in range(5):
+        cache.begin_step()
+        for layer in range(3):
+            h, _ = cache.lookup(layer, [0, 1, 2])   # 9 pages per step, 6 slots
+            hits += len(h)
+    assert hits >= 4 * 3   # at least three pages hit in each step after the first (LRU: none)

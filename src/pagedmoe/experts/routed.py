@@ -38,7 +38,7 @@ class RoutedPager(ExpertPager):
 
     # -- the expert interface -------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
-        pass
+        self.cache.begin_step()
 
     def before_layer(self, layer: int) -> None:
         pass
