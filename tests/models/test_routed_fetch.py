@@ -89,6 +89,8 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
             host_compression="lossless")
     with pytest.raises(ValueError, match="expert_fetch must be one of"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
+    with pytest.raises(ValueError, match="holds every expert in host memory"):
+        LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
     # auto on CPU keeps the stream-all pipeline
     llm = LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="auto")
     assert llm.engine.expert_plan.fetch == "stream"

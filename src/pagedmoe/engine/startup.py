@@ -235,8 +235,17 @@ def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: tor
     n = plan.num_gpu_experts
     n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
     shape = ModelShape.from_model_dims(dims, spec, dtype.itemsize)
-    return resolve_fetch(x.fetch, plan.paged, blocker, shape, n, config.max_num_seqs, device.type,
-                         max_model_len / 2)
+    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, config.max_num_seqs, device.type,
+                          max_model_len / 2)
+    # NOTE: routed fetching keeps every expert's master copy in the host tier (the cache may evict any page)
+    limit = host_budget(config) if fetch == "routed" else None
+    if limit is not None and shape.all_expert_bytes > limit:
+        if x.fetch == "routed":
+            raise ValueError(f"--expert-fetch routed holds every expert in host memory ({shape.all_expert_bytes / GiB:.2f} "
+                             f"GiB), above the host memory limit of {limit / GiB:.2f} GiB: raise --host-memory-gb or "
+                             "use --expert-fetch stream")
+        fetch = "stream"
+    return fetch
 
 
 def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:
