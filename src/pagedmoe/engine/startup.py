@@ -36,7 +36,7 @@ from pagedmoe.models.registry import spec_builder
 from pagedmoe.oom import naming_oom
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
-from pagedmoe.planning.fetch_cost import resolve_fetch
+from pagedmoe.planning.fetch_cost import settle_expert_fetch
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
@@ -224,28 +224,10 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
 
 def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: torch.device, dtype: torch.dtype,
                  max_model_len: int) -> str:
-    """--expert-fetch settled (planning/fetch_cost.py): routed where asked for and possible, auto by the cost
-    model at the batch the engine is sized for."""
-    x = config.experts
-    blocker = next((flag for flag, on in (
-        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
-        ("--host-compression lossless", plan.host_compression != "none"),
-        ("--expert-precision " + x.precision, x.precision != "exact"),
-        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
-    n = plan.num_gpu_experts
-    n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
+    """--expert-fetch settled by planning/fetch_cost.py (the host limit read only for routed fetching)."""
     shape = ModelShape.from_model_dims(dims, spec, dtype.itemsize)
-    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, config.max_num_seqs, device.type,
-                          max_model_len / 2)
-    # NOTE: routed fetching keeps every expert's master copy in the host tier (the cache may evict any page)
-    limit = host_budget(config) if fetch == "routed" else None
-    if limit is not None and shape.all_expert_bytes > limit:
-        if x.fetch == "routed":
-            raise ValueError(f"--expert-fetch routed holds every expert in host memory ({shape.all_expert_bytes / GiB:.2f} "
-                             f"GiB), above the host memory limit of {limit / GiB:.2f} GiB: raise --host-memory-gb or "
-                             "use --expert-fetch stream")
-        fetch = "stream"
-    return fetch
+    return settle_expert_fetch(config.experts, plan, shape, config.max_num_seqs, device.type, max_model_len / 2,
+                               lambda: host_budget(config))
 
 
 def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:

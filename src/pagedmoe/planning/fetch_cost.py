@@ -12,7 +12,7 @@ and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md ("Fe
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_step_cost,
                                           expected_distinct_experts)
@@ -91,3 +91,27 @@ def fetch_table(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, co
         costs = fetch_step_s(shape, hw, num_gpu_experts, b, context_len)
         rows.append({"batch": b, **{f"{k}_s": v for k, v in costs.items()}, "choice": choose_fetch(costs)})
     return rows
+
+
+def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_type: str, context_len: float,
+                        host_limit: Callable[[], Optional[int]]) -> str:
+    """The engine's --expert-fetch: `x` the expert flags (config_sections.ExpertConfig), `plan` the resolved
+    ExpertPlan. Routed fetching takes exact host rows only (the first flag that rules it out is named), and
+    keeps every expert's master copy in the host tier (the cache may evict any page): over `host_limit()`
+    auto falls back on stream and an explicit routed is refused."""
+    blocker = next((flag for flag, on in (
+        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
+        ("--host-compression lossless", plan.host_compression != "none"),
+        ("--expert-precision " + x.precision, x.precision != "exact"),
+        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
+    n = plan.num_gpu_experts
+    n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
+    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, max_num_seqs, device_type, context_len)
+    limit = host_limit() if fetch == "routed" else None
+    if limit is not None and shape.all_expert_bytes > limit:
+        if x.fetch == "routed":
+            raise ValueError(f"--expert-fetch routed holds every expert in host memory "
+                             f"({shape.all_expert_bytes / 2**30:.2f} GiB), above the host memory limit of "
+                             f"{limit / 2**30:.2f} GiB: raise --host-memory-gb or use --expert-fetch stream")
+        fetch = "stream"
+    return fetch
