@@ -77,3 +77,34 @@ def test_gather_rows_reads_mapped_host_memory_in_a_cuda_graph():
     torch.cuda.synchronize()
     for rank, e in enumerate([3, 9, 15]):
         assert torch.equal(dst[rank].cpu(), src[e])
+
+
+@pytest.mark.skipif(not CAN_RUN, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_slot_map_kernel_over_the_cache_pool_equals_fused_moe_on_the_layer():
+    """Routed fetching's Triton path (models/layers/moe.py): fused_moe_mixed over the expert cache's pool with
+    the layer's slot map gives fused_moe's result on the layer's own experts, bit for bit."""
+    from pagedmoe.experts.layout import expert_stride, expert_views
+    from pagedmoe.kernels import fused_moe as fm
+
+    if not torch.cuda.is_available():
+        from triton_interp import fix_interpreter_index
+
+        fix_interpreter_index()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    T, A, E, H, I, S = 5, 2, 8, 32, 16, 13
+    stride = expert_stride(H, I, torch.tensor([], dtype=dtype).element_size())
+    layer = (torch.randn(E, stride, generator=g) * H ** -0.5).to(dtype).to(device)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), A, dim=-1)
+    weights, ids = weights.to(device), ids.to(device)
+    slots = torch.full((E,), -1, dtype=torch.int32)
+    pool = torch.full((S, stride), float("nan"), dtype=dtype)   # unrouted pages are never read
+    for page, e in zip((11, 2, 7, 0, 5, 9, 3, 12), range(E)):
+        slots[e] = page
+        pool[page] = layer[e].cpu()
+    pool, slots = pool.to(device), slots.to(device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ref = fm.fused_moe(x, *expert_views(layer, H, I), weights, ids)
+    got = fm.fused_moe_mixed(x, [(*expert_views(pool, H, I), slots)], E, weights, ids)
+    assert torch.equal(got, ref)

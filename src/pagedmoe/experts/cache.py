@@ -44,7 +44,7 @@ class ExpertCache:
             raise ValueError(f"an expert cache of {num_slots} slots cannot hold one layer's {E} experts")
         self.table, self.num_slots, self.num_layers, self.num_experts = table, num_slots, L, E
         self.pool = torch.zeros(num_slots, stride, dtype=dtype, device=device)
-        self.slot_maps = torch.full((L, E), -1, dtype=torch.int64, device=device)
+        self.slot_maps = torch.full((L, E), -1, dtype=torch.int32, device=device)   # as fused_moe_mixed takes
         self.host_maps = [[-1] * E for _ in range(L)]       # host mirror of slot_maps
         self.owner: list = [None] * num_slots               # slot -> (layer, expert)
         self.lru: OrderedDict = OrderedDict()               # (layer, expert) -> slot, least recent first
@@ -62,7 +62,7 @@ class ExpertCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size() + self.slot_maps.numel() * 8
+        return self.pool.numel() * self.pool.element_size() + self.slot_maps.numel() * 4
 
     def lookup(self, layer: int, ids) -> tuple[list[int], list[tuple[int, int]]]:
         """The distinct routed `ids` of `layer`: (hits, [(expert, slot to fill)]) — the misses get slots
@@ -101,7 +101,7 @@ class ExpertCache:
 
     def publish(self, layer: int) -> None:
         """Write the layer's host slot map to the device (a small synchronous copy after its fetch)."""
-        self.slot_maps[layer].copy_(torch.tensor(self.host_maps[layer], dtype=torch.int64))
+        self.slot_maps[layer].copy_(torch.tensor(self.host_maps[layer], dtype=torch.int32))
 
     def cached(self, layer: int) -> list[int]:
         return [e for e, s in enumerate(self.host_maps[layer]) if s >= 0]

@@ -40,7 +40,7 @@ TRITON_MAX_TOKENS = 512
 class DenseOperand:
     w13: torch.Tensor   # [E, 2I, H]
     w2: torch.Tensor    # [E, H, I]
-    # --expert-fetch routed (experts/cache.py): w13/w2 are the expert cache's pool [S, ...] and `slots` [E]
+    # --expert-fetch routed (experts/cache.py): w13/w2 are the expert cache's pool [S, ...] and `slots` [E] int32
     # maps an expert id to its page (the MoE layer maps its router ids through it); None: indexed by id
     slots: Optional[torch.Tensor] = None
     kind: str = "dense"
