@@ -52,8 +52,8 @@ class RoutedPager(ExpertPager):
         hits, misses = self.cache.lookup(layer, ids)
         host = self.store.host[layer]
         for e, slot in misses:
-            if not self._skip_host:
-                self.cache.pool[slot].copy_(host[self.store.table.lookup(layer, e).slot], non_blocking=True)
+            # NOTE: copied even under no_host_copies(): a page the cache names must hold its expert
+            self.cache.pool[slot].copy_(host[self.store.table.lookup(layer, e).slot], non_blocking=True)
         if misses:
             self.cache.publish(layer)
         if not self._skip_host:
