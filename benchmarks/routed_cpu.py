@@ -42,13 +42,14 @@ def _prediction_hooks(model, acc: dict):
     return [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(moes)]
 
 
-def measure(fetch: str, num_gpu_experts: int, batch: int, tokens: int, predict: bool = False) -> dict:
+def measure(fetch: str, num_gpu_experts: int, batch: int, tokens: int, predict: bool = False,
+            prefetch: bool = False) -> dict:
     """Decode `tokens` tokens for `batch` prompts of the default model, paged with N resident (stream) or a
     cache of the same rows (routed); bytes per decode step and per generated token, cache hits."""
     from pagedmoe import LLM, SamplingParams
 
     flags = dict(cpu_moe=True) if num_gpu_experts == 0 else dict(num_gpu_experts=num_gpu_experts)
-    llm = LLM(device="cpu", max_model_len=256, expert_fetch=fetch, **flags)
+    llm = LLM(device="cpu", max_model_len=256, expert_fetch=fetch, expert_prefetch=prefetch, **flags)
     eng = llm.engine
     acc = {"routed": 0, "predicted_hits": 0, "predicted": 0}
     hooks = _prediction_hooks(eng.model, acc) if predict else []
@@ -74,7 +75,10 @@ def measure(fetch: str, num_gpu_experts: int, batch: int, tokens: int, predict: 
            "moved_bytes_per_token": moved / (steps * batch)}
     if fetch == "routed":
         h, m = s1["expert_cache_hits"] - s0["expert_cache_hits"], s1["expert_cache_misses"] - s0["expert_cache_misses"]
-        out.update(cache_pages=eng.pager.cache.num_slots, hits=h, misses=m, hit_rate=h / max(1, h + m))
+        pf = s1["expert_cache_prefetched"] - s0["expert_cache_prefetched"]
+        pfh = s1["expert_cache_prefetch_hits"] - s0["expert_cache_prefetch_hits"]
+        out.update(cache_pages=eng.pager.cache.num_slots, hits=h, misses=m, hit_rate=h / max(1, h + m),
+                   prefetched=pf, prefetch_hits=pfh)
     if predict:
         out.update(prediction_recall=acc["predicted_hits"] / max(1, acc["routed"]),
                    predicted_per_routed=acc["predicted"] / max(1, acc["routed"]))
@@ -94,13 +98,17 @@ def main() -> None:
         for b in args.batch:
             s = measure("stream", n, b, args.tokens)
             r = measure("routed", n, b, args.tokens, predict=True)
-            rows += [s, r]
+            p = measure("routed", n, b, args.tokens, prefetch=True)
+            rows += [s, r, p]
             print(f"N={n:<3} batch {b:<3}: stream {s['moved_bytes_per_token'] / 1e6:7.3f} MB/token moved; routed "
                   f"{r['moved_bytes_per_token'] / 1e6:7.3f} MB/token ({r['moved_bytes_per_token'] / s['moved_bytes_per_token']:.3f}x), "
                   f"cache {r['cache_pages']} pages, hit rate {r['hit_rate']:.3f}, routed "
                   f"{r['routed_bytes_per_step'] / 1e6:.3f} MB/step, moved/routed "
                   f"{r['moved_bytes_per_step'] / r['routed_bytes_per_step']:.3f}; prediction recall "
                   f"{r['prediction_recall']:.3f} ({r['predicted_per_routed']:.2f} predicted per routed)")
+            print(f"            with --expert-prefetch: {p['moved_bytes_per_token'] / 1e6:7.3f} MB/token, on-demand "
+                  f"hit rate {p['hit_rate']:.3f}, {p['prefetched']} pages prefetched, {p['prefetch_hits']} of them "
+                  f"routed ({p['prefetch_hits'] / max(1, p['prefetched']):.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -95,6 +95,9 @@ class EngineConfig:
                                       "one layer ahead), routed (only the experts the router picks, into a GPU "
                                       "expert cache with LRU eviction), auto (the cost model picks per batch)",
                               _EXPERT_FETCH)
+    expert_prefetch: bool = _flag(False, "--expert-fetch routed: also prefetch, on the copy stream, the experts layer "
+                                         "l+1's router picks for layer l's input (hides copies behind compute, "
+                                         "moves the mispredicted ones too)", type_=bool)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "
                                            "dequantised each step (paged); dynamic: each expert at its own "

@@ -26,7 +26,8 @@ def _trace(path, lengths, **flags):
 
 
 @pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
-@pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=3)], ids=["cpu_moe", "n3"])
+@pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=3, expert_prefetch=True)],
+                         ids=["cpu_moe", "n3-prefetch"])
 def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
     ref, _ = _trace(ckpt, lengths)
     got, engine = _trace(ckpt, lengths, expert_fetch="routed", **flags)
@@ -36,7 +37,10 @@ def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
     pager = engine.pager
     st = pager.cache.stats
     assert st.hits + st.misses > 0 and st.misses > 0
-    assert st.bytes_moved == st.misses * engine.expert_store.expert_numel * 4
+    # on demand (misses) and by prediction (prefetched: layer l+1's router on layer l's input)
+    assert st.bytes_moved == (st.misses + st.prefetched) * engine.expert_store.expert_numel * 4
+    assert 0 <= st.prefetch_hits <= st.prefetched
+    assert (st.prefetched > 0) == flags.get("expert_prefetch", False)
     # every expert's master copy is in the host tier; the cache holds pages of at most E per layer
     stats = engine.get_stats()
     num_moe = len(engine.model.moe_layers())
@@ -91,6 +95,8 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
     with pytest.raises(ValueError, match="holds every expert in host memory"):
         LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
+    with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
     llm = LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="auto")
     assert llm.engine.expert_plan.fetch == "stream"

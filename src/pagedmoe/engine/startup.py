@@ -96,6 +96,11 @@ def start_engine(config: EngineConfig) -> EngineParts:
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
                        expert_plan, activity)
+    if config.expert_prefetch:
+        if expert_plan.fetch != "routed":
+            raise ValueError("--expert-prefetch prefetches into routed fetching's expert cache: it needs "
+                             f"--expert-fetch routed (this engine fetches by {expert_plan.fetch})")
+        model.pager.set_routers([moe.route for moe in model.moe_layers()])   # prefetch by prediction
     store = model.expert_store
     _mark(memory, "model")
     if dynamic and device.type == "cuda":

@@ -31,6 +31,8 @@ class CacheStats:
     misses: int = 0            # routed experts fetched
     bytes_moved: int = 0       # host -> device bytes of the fetched experts
     bytes_routed: int = 0      # bytes of the distinct experts routed (per layer and step)
+    prefetched: int = 0        # pages fetched by prediction (layer l+1's router on layer l's input)
+    prefetch_hits: int = 0     # of those, routed by their layer in the same forward
 
 
 class ExpertCache:
@@ -64,9 +66,10 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size() + self.slot_maps.numel() * 4
 
-    def lookup(self, layer: int, ids) -> tuple[list[int], list[tuple[int, int]]]:
+    def lookup(self, layer: int, ids, protect: int = -1) -> tuple[list[int], list[tuple[int, int]]]:
         """The distinct routed `ids` of `layer`: (hits, [(expert, slot to fill)]) — the misses get slots
-        (evicting LRU pages of other layers, or older ones of this layer that were not routed now)."""
+        (evicting LRU pages of other layers, or older ones of this layer that were not routed now; never
+        pages of layer `protect`, whose GEMMs may still be pending: a prefetch for the next layer)."""
         self.tick += 1
         hits, misses = [], []
         for e in ids:
@@ -79,7 +82,7 @@ class ExpertCache:
         for e in ids:
             if (layer, e) in self.lru:
                 continue
-            slot = self.free.pop() if self.free else self._evict(layer)
+            slot = self.free.pop() if self.free else self._evict(layer, protect)
             self.owner[slot] = (layer, e)
             self.lru[(layer, e)] = slot
             self.used_in[(layer, e)] = self.step
@@ -88,10 +91,10 @@ class ExpertCache:
             misses.append((e, slot))
         return hits, misses
 
-    def _evict(self, fetching: int) -> int:
-        key = next(iter(self.lru))
-        if self.used_in[key] == self.step:   # every page used this step: the newest of another layer
-            key = next(k for k in reversed(self.lru) if k[0] != fetching)
+    def _evict(self, fetching: int, protect: int = -1) -> int:
+        key = next((k for k in self.lru if k[0] != protect), None)
+        if key is None or self.used_in[key] == self.step:  # every page used this step: the newest of another layer
+            key = next(k for k in reversed(self.lru) if k[0] not in (fetching, protect))
         slot = self.lru.pop(key)
         del self.used_in[key]
         layer, e = key

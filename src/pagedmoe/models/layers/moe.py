@@ -278,7 +278,11 @@ class FusedMoE(nn.Module):
             raise RuntimeError("this model was built without experts (engine/startup.py builds them)")
         topk_weights, topk_ids = self.route(x)
         # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
-        out = self.run_experts(x, experts.weights(self.moe_idx, topk_ids), topk_weights, topk_ids)
+        operand = experts.weights(self.moe_idx, topk_ids)
+        predict = getattr(experts, "predict", None)   # routed fetching: prefetch the next layer's experts
+        if predict is not None:
+            predict(self.moe_idx, x)
+        out = self.run_experts(x, operand, topk_weights, topk_ids)
         experts.done(self.moe_idx)
         if self.shared_expert_name is not None:
             shared = self.shared_mlp()(x)
