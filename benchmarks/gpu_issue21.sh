@@ -24,7 +24,7 @@ latency() {  # name model limit_s fetch batches...
   echo "=== $name: $model --expert-fetch $fetch batches $*" | tee -a "$LOG"
   timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench latency "$model" --load-format dummy \
     --gpu-memory-gb 24 --expert-fetch "$fetch" --batch-size "$@" --input-len 128 --output-len 32 \
-    --max-model-len 512 --max-num-seqs 64 --output-json "$OUT/$name-$fetch.json" 2>&1 | tail -20 | tee -a "$LOG"
+    --max-model-len 512 --max-num-seqs 64 ${EXTRA_FLAGS:-} --output-json "$OUT/$name-$fetch.json" 2>&1 | tail -20 | tee -a "$LOG"
   python - "$OUT/$name-$fetch.json" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
@@ -38,8 +38,9 @@ PY
 
 case "$PART" in
   qwen)
-    latency qwen "$Q" 280 routed 1 8 32 64
-    latency qwen "$Q" 280 stream 1 8 32 64 ;;
+    latency qwen "$Q" 190 routed 1 8 32 64
+    latency qwen "$Q" 190 stream 1 8 32 64
+    EXTRA_FLAGS="--expert-prefetch" latency qwen-prefetch "$Q" 190 routed 1 8 ;;
   mixtral)
     latency mixtral "$M" 280 routed 1
     latency mixtral "$M" 280 stream 1 ;;
