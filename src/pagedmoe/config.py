@@ -28,6 +28,7 @@ _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _FUSED_OPS = ("auto", "on", "off")  # layers/fused_ops.py
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
+_EXPERT_FETCH = ("auto", "stream", "routed")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
@@ -94,6 +95,13 @@ class EngineConfig:
                                         "same memory as one ring of rows: copies start as soon as a row is free, "
                                         "many layers ahead), plain (double buffer), auto (vmm on CUDA)",
                                 _EXPERT_BUFFERS)
+    expert_fetch: str = _flag("auto", "how paged experts reach the GPU: stream (every host expert of every layer, "
+                                      "one layer ahead), routed (only the experts the router picks, into a GPU "
+                                      "expert cache with LRU eviction), auto (the cost model picks per batch)",
+                              _EXPERT_FETCH)
+    expert_prefetch: bool = _flag(False, "--expert-fetch routed: also prefetch, on the copy stream, the experts layer "
+                                         "l+1's router picks for layer l's input (hides copies behind compute, "
+                                         "moves the mispredicted ones too)", type_=bool)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "
                                            "dequantised each step (paged); dynamic: each expert at its own "
@@ -162,6 +170,7 @@ class EngineConfig:
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("fused_ops", _FUSED_OPS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
+                              ("expert_fetch", _EXPERT_FETCH),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),
                               ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):

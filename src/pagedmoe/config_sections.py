@@ -62,6 +62,8 @@ class ExpertConfig:
     compression: str
     host_compression: str
     buffers: str
+    fetch: str
+    prefetch: bool
     precision: str
     quantized_gemm: str
     min_precision: Optional[str]
@@ -182,7 +184,7 @@ SECTIONS = {
     "experts": (ExpertConfig, {"expert_placement": "placement", "num_gpu_experts": "num_gpu_experts",
                                "cpu_moe": "cpu_moe", "num_compressed_experts": "num_compressed_experts",
                                "expert_compression": "compression", "host_compression": "host_compression",
-                               "expert_buffers": "buffers", "expert_precision": "precision",
+                               "expert_buffers": "buffers", "expert_fetch": "fetch", "expert_prefetch": "prefetch", "expert_precision": "precision",
                                "quantized_gemm": "quantized_gemm", "min_expert_precision": "min_precision",
                                "kv_low_watermark": "kv_low_watermark", "kv_high_watermark": "kv_high_watermark",
                                "expert_stats": "stats"}),

@@ -38,13 +38,17 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
+    moved = routed = 0   # expert pairs: host -> device bytes, distinct (layer, expert) routed, over decode steps
     while engine.has_unfinished_requests():
         decode_steps_before = engine.step_time["decode_steps"]
+        traffic_before = _expert_traffic(engine)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         if engine.step_time["decode_steps"] > decode_steps_before:
             decode.append(dt)
+            after = _expert_traffic(engine)
+            moved, routed = moved + after[0] - traffic_before[0], routed + after[1] - traffic_before[1]
         else:
             prefill_s += dt
     dims = engine.model.dims
@@ -62,7 +66,18 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "decode_floor_ms": 1e3 * floor, "floor_over_measured": floor / median if decode else float("nan"),
         "step_bytes": {"experts": bytes_.expert_bytes, "backbone": bytes_.backbone_bytes, "kv": bytes_.kv_bytes},
         "hbm_bytes_per_s": hbm_bw, "decode_step_ms": [1e3 * d for d in decode],
+        # issue 21: what paging moved against what the router needed (averages over the decode steps)
+        "expert_fetch": engine.expert_plan.fetch,
+        "expert_bytes_moved_per_step": moved / max(1, len(decode)),
+        "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
+        / max(1, len(decode)),
     }
+
+
+def _expert_traffic(engine) -> tuple[int, int]:
+    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far), read after a step."""
+    moved = engine.pager.stats.bytes_h2d if engine.pager is not None else 0
+    return moved, int(engine.activity.distinct_routed)
 
 
 def run(args) -> int:
@@ -80,6 +95,8 @@ def run(args) -> int:
               f"HBM floor {r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
               f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
               f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
+        print(f"Batch {batch}: experts moved {r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step host->device "
+              f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step")
     memory = device_memory(engine)
     if memory:
         print(device_memory_line(memory))

@@ -14,6 +14,8 @@ def expert_stats(store, pager, precision) -> dict:
            "expert_buffer_bytes": store.buffer_bytes}
     if pager is not None:
         out.update({f"expert_{k}": v for k, v in pager.stats.as_dict().items()})
+        if hasattr(pager, "cache_stats"):   # --expert-fetch routed: the expert cache's hits, misses, bytes
+            out.update({f"expert_cache_{k}": v for k, v in pager.cache_stats().items()})
     if precision is not None:
         out.update(precision.as_dict())
     return out

@@ -40,6 +40,8 @@ from pagedmoe.parallel.sharding import shard_arch
 from pagedmoe.parallel.state import all_reduce_min
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
+from pagedmoe.planning.fetch_cost import settle_expert_fetch
+from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
@@ -117,6 +119,11 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
                        expert_plan, activity)
+    if config.expert_prefetch:
+        if expert_plan.fetch != "routed":
+            raise ValueError("--expert-prefetch prefetches into routed fetching's expert cache: it needs "
+                             f"--expert-fetch routed (this engine fetches by {expert_plan.fetch})")
+        model.pager.set_routers([moe.route for moe in model.moe_layers()])   # prefetch by prediction
     store = model.expert_store
     _mark(memory, "model")
     if dynamic and device.type == "cuda":
@@ -239,10 +246,20 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
                                host_budget=lambda: host_budget(config), eager=eager)
     x = config.experts
     dynamic = x.precision == "dynamic"
-    return plan.replace(buffers=settle_buffers("plain" if dynamic else x.buffers, plan.paged, device),
+    plan = plan.replace(fetch=settle_fetch(config, plan, dims, spec, device, dtype, max_model_len))
+    buffers = "plain" if dynamic or plan.fetch == "routed" else x.buffers
+    return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),
                         quantized_gemm=config.resolved_quantized_gemm(device.type),
                         dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
+
+
+def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> str:
+    """--expert-fetch settled by planning/fetch_cost.py (the host limit read only for routed fetching)."""
+    shape = ModelShape.from_model_dims(dims, spec, dtype.itemsize)
+    return settle_expert_fetch(config.experts, plan, shape, config.max_num_seqs, device.type, max_model_len / 2,
+                               lambda: host_budget(config))
 
 
 def planning_budget(config: EngineConfig, device: torch.device, memory=None) -> Optional[int]:

@@ -162,6 +162,31 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _fetch_rows(shape, hw, rows, context_len: float):
+    """--expert-fetch's modelled decode step at batch 1, 8, 32 for the selected placement (else the auto pick),
+    when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table); None otherwise."""
+    from pagedmoe.planning.fetch_cost import fetch_table
+
+    pick = next((r for r in rows if r[3] and not isinstance(r[1], Exception)), None) or \
+        next((r for r in rows if r[2] and not isinstance(r[1], Exception)), None)
+    if pick is None:
+        return None
+    n = min(pick[1].placement.num_gpu_experts, default=shape.experts_per_gpu)
+    if n >= shape.experts_per_gpu:
+        return None
+    return pick[0], n, fetch_table(shape, hw, n, context_len)
+
+
+def format_fetch(label: str, n: int, table: list[dict]) -> str:
+    lines = [f"expert fetch for {label.strip()} (N={n}; planning/fetch_cost.py, --expert-fetch auto picks per "
+             "max_num_seqs): modelled decode step ms"]
+    lines.append(f"  {'batch':>6}{'stream':>10}{'routed':>10}{'resident':>10}  choice")
+    for r in table:
+        res = "-" if r["resident_s"] is None else f"{r['resident_s'] * 1e3:.1f}"
+        lines.append(f"  {r['batch']:>6}{r['stream_s'] * 1e3:>10.1f}{r['routed_s'] * 1e3:>10.1f}{res:>10}  {r['choice']}")
+    return "\n".join(lines)
+
+
 def run_plan(args) -> int:
     from pagedmoe.config import resolve_model
     from pagedmoe.planning.cost_model import H200, HardwareProfile
@@ -248,12 +273,16 @@ def run_plan(args) -> int:
         else:
             print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
         print(format_table(rows))
+        fetch = _fetch_rows(gpu_shape, hw, rows, (args.input_len + args.output_len) / 2)
+        if fetch is not None:
+            print(format_fetch(*fetch))
         selected = [r for r in rows if r[3]]
         if selected and isinstance(selected[0][1], Exception) and first_error is None:
             first_error = selected[0][1]
         report["budgets"].append({
             "num_gpus": num_gpus, "experts_per_gpu": gpu_shape.experts_per_gpu,
             "budget_bytes": budget, "budget_gib": budget / GiB, "budget_arg": text,
+            "fetch": None if fetch is None else {"label": fetch[0], "num_gpu_experts": fetch[1], "batches": fetch[2]},
             "rows": [{"label": label, "auto": is_auto, "selected": sel, "fits": not isinstance(plan, Exception),
                       **({"min_budget_bytes": plan.min_budget_bytes, "error": str(plan)}
                          if isinstance(plan, Exception) else plan.to_dict())}

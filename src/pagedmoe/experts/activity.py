@@ -20,6 +20,9 @@ class ActivityTable:
         self.ema = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         self.last_step = torch.full((num_layers, num_experts), -1, dtype=torch.int64, device=device)
         self.num_steps = 0
+        # (layer, expert) pairs routed to at least once in a step, summed over the steps: the distinct experts
+        # a step needs (bytes routed per step = this x expert bytes / steps; bench latency reports it)
+        self.distinct_routed = torch.zeros((), dtype=torch.int64, device=device)
         self._ones = torch.ones(4096, dtype=torch.float32, device=device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -30,13 +33,14 @@ class ActivityTable:
         self.step_counts[layer].index_add_(0, flat, ones)
 
     def reset(self) -> None:
-        for t in (self.step_counts, self.total, self.ema):
+        for t in (self.step_counts, self.total, self.ema, self.distinct_routed):
             t.zero_()
         self.last_step.fill_(-1)
         self.num_steps = 0
 
     def end_step(self) -> None:
         self.last_step.masked_fill_(self.step_counts > 0, self.num_steps)  # LRU: the last step routed to
+        self.distinct_routed += (self.step_counts > 0).sum()
         self.num_steps += 1
         self.total += self.step_counts
         self.ema.mul_(self.decay).add_(self.step_counts, alpha=1.0 - self.decay)

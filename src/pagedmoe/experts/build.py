@@ -11,7 +11,9 @@ import torch
 
 from pagedmoe import cuda_vmm as vmm
 from pagedmoe.experts.buffers import VmmExpertBuffers
+from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
+from pagedmoe.experts.routed import RoutedPager
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
@@ -66,6 +68,8 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     experts, every expert of every layer quantized): forwards of up to TRITON_MAX_TOKENS tokens skip the
     dequantisation and the MoE GEMMs read the quantized weights (kernels/fused_moe.py::fused_moe_quantized).
     """
+    if plan.paged and plan.fetch == "routed":
+        return _build_routed(plan, num_moe_layers, dims, device, dtype, activity)
     placement, num_gpu_experts, num_compressed_experts = plan.mode, plan.num_gpu_experts, plan.num_compressed
     buffers, quantized_precision = plan.buffers, plan.quantized_precision
     host_compression, quantized_gemm = plan.host_compression, plan.quantized_gemm
@@ -121,3 +125,37 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     return ResidentExperts(store, activity)
 
 
+
+
+def cache_slots(num_gpu_experts, num_layers: int, num_experts: int) -> int:
+    """Pages of the expert cache under --expert-fetch routed: the device rows stream-all holds with VMM
+    buffers (the planner's resident experts of every layer plus two slots of the most streamed layer's
+    rows), so the planner's split against the KV cache holds for both fetches (planning/fetch_cost.py::
+    cache_pages); never fewer than E, so one layer can route to all its experts."""
+    counts = _per_layer(num_gpu_experts, num_layers, "resident-expert")
+    return max(num_experts, sum(counts) + 2 * max(num_experts - n for n in counts))
+
+
+def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torch.dtype, activity):
+    """--expert-fetch routed: every expert's master copy in the host tier, a GPU expert cache (experts/cache.py)
+    of `cache_slots` pages as the compute buffers, and the RoutedPager (experts/routed.py)."""
+    unsupported = [name for name, on in (("--num-compressed-experts", any(_per_layer(plan.num_compressed, num_layers,
+                                                                                      "compressed-expert"))),
+                                         ("--host-compression lossless", plan.host_compression != "none"),
+                                         ("--expert-precision static-*", plan.quantized_precision is not None),
+                                         ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
+                                         ("--quantized-gemm direct", plan.quantized_gemm == "direct"))
+                   if on]
+    if unsupported:
+        raise ValueError(f"--expert-fetch routed fetches exact bf16 rows from the host tier; it cannot take effect "
+                         f"with {unsupported[0]} (use --expert-fetch stream)")
+    if plan.buffers not in ("plain", "auto"):
+        raise ValueError(f"--expert-fetch routed pages experts into its own expert cache; --expert-buffers "
+                         f"{plan.buffers} cannot take effect with it")
+    table = ExpertTable(num_layers, dims.num_experts)
+    table.place([()] * num_layers)
+    slots = cache_slots(plan.num_gpu_experts, num_layers, dims.num_experts)
+    store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, True,
+                        stride_align_bytes=STRIDE_ALIGN_BYTES,
+                        buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device))
+    return RoutedPager(store, activity=activity)

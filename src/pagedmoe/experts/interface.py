@@ -15,7 +15,8 @@ the experts object can act on them (the activity table counts them; a routing-aw
 what is routed). `layer` is the MoE layer index (the expert table's), not the decoder layer index.
 
 An ExpertOperand is a tagged type; the MoE layer dispatches on `kind`:
-- "dense":     w13 [E, 2I, H], w2 [E, H, I] tensors of the model dtype (grouped_mm / Triton / loop);
+- "dense":     w13 [E, 2I, H], w2 [E, H, I] tensors of the model dtype (grouped_mm / Triton / loop); or,
+               with `slots` [E] (routed fetching), the expert cache's pool indexed through the slot map;
 - "quantized": every expert of the layer quantized in id order (QuantizedTensors w13, w2:
                kernels/fused_moe.py::fused_moe_quantized, `--quantized-gemm direct`, static precision);
 - "mixed":     one (w13, w2, slots) part per precision group (kernels/fused_moe.py::fused_moe_mixed,
@@ -24,7 +25,7 @@ An ExpertOperand is a tagged type; the MoE layer dispatches on `kind`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -39,6 +40,9 @@ TRITON_MAX_TOKENS = 512
 class DenseOperand:
     w13: torch.Tensor   # [E, 2I, H]
     w2: torch.Tensor    # [E, H, I]
+    # --expert-fetch routed (experts/cache.py): w13/w2 are the expert cache's pool [S, ...] and `slots` [E] int32
+    # maps an expert id to its page (the MoE layer maps its router ids through it); None: indexed by id
+    slots: Optional[torch.Tensor] = None
     kind: str = "dense"
 
 

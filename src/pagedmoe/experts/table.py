@@ -34,7 +34,9 @@ class ExpertEntry:
     slot: int                 # row in that tier's store for this layer
     precision: str = "bf16"
     activity: float = 0.0     # moving average of routed tokens (filled by the activity table)
-    last_access: int = -1     # engine step the expert was last routed to (-1: never; activity table)
+    last_access: int = -1     # engine step the expert was last routed to (-1: never; activity table;
+                              # under --expert-fetch routed the expert cache's fetch tick of its last use)
+    cache_slot: int = -1      # --expert-fetch routed: its page in the GPU expert cache (experts/cache.py), -1: none
 
 
 class ExpertTable:
@@ -90,7 +92,19 @@ class ExpertTable:
             raise ValueError(f"unknown tier {tier!r}")
         old = self._entries[layer][expert]
         keep = (old.activity, old.last_access) if old is not None else (0.0, -1)
-        self._entries[layer][expert] = ExpertEntry(tier, slot, precision, *keep)
+        self._entries[layer][expert] = ExpertEntry(tier, slot, precision, *keep, cache_slot=old.cache_slot
+                                                   if old is not None else -1)
+
+    def set_cache_slot(self, layer: int, expert: int, slot: int, tick: int = -1) -> None:
+        """The expert cache (experts/cache.py) paged the expert in (`slot`) or out (-1) at fetch `tick`."""
+        entry = self._entries[layer][expert]
+        entry.cache_slot = slot
+        if tick >= 0:
+            entry.last_access = tick
+
+    def touch(self, layer: int, expert: int, tick: int) -> None:
+        """A cache hit: the page was used at fetch `tick` (its recency)."""
+        self._entries[layer][expert].last_access = tick
 
     def record_activity(self, ema: Sequence[Sequence[float]], last_access: Sequence[Sequence[int]]) -> None:
         """Copy the activity table's host view into the entries (the controller reads it between steps),

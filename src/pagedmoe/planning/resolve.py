@@ -32,6 +32,7 @@ class ExpertPlan:
     quantized_precision: Optional[str] = None   # static --expert-precision: the lossy format
     quantized_gemm: str = "dequant"             # "direct": the MoE GEMMs read quantized weights
     dynamic_min_precision: Optional[str] = None  # --expert-precision dynamic: the floor
+    fetch: str = "stream"                       # "stream" | "routed" (experts/cache.py) once settled
 
     @property
     def paged(self) -> bool:

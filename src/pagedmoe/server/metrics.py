@@ -17,6 +17,8 @@ resident, nothing moved"):
   expert_precision_changes_total  {direction: count}               -> counter{direction}
   expert_<tier>_bytes             bytes held by a tier             -> gauge expert_tier_bytes{tier}
   kv_blocks_withheld              KV blocks lent to experts        -> gauge expert_kv_blocks_lent
+  expert_cache_hits / _misses     routed fetching's cache          -> counters expert_cache_hits_total,
+                                                                      expert_cache_misses_total
 """
 from __future__ import annotations
 
@@ -149,6 +151,10 @@ class EngineStatsCollector:
             experts.add_metric(m + [tier, precision], n)
         yield experts
 
+        yield counter("expert_cache_hits_total", "Routed experts found in the GPU expert cache (--expert-fetch "
+                      "routed; per layer and step).", s.get("expert_cache_hits", 0))
+        yield counter("expert_cache_misses_total", "Routed experts fetched into the GPU expert cache.",
+                      s.get("expert_cache_misses", 0))
         yield counter("expert_wait_seconds_total", "Seconds the compute stream waited for experts.",
                       s.get("expert_wait_seconds_total", s.get("expert_wait_s", 0.0)))
 

@@ -71,7 +71,9 @@ class ModelRunner:
             moes = model.moe_layers()
             probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
             w13, w2 = model.expert_store.views(0) if moes else (None, None)
-            if moes and not sync_free(moes[0].experts_fn, probe, w13, w2):
+            if getattr(model.pager, "syncs_host", False):  # --expert-fetch routed: a host sync per MoE layer
+                logger.warning("CUDA graphs off: routed expert fetching syncs with the host in every MoE layer")
+            elif moes and not sync_free(moes[0].experts_fn, probe, w13, w2):
                 logger.warning("CUDA graphs off: the %s expert path syncs with the host (use bfloat16)",
                                moe_backend)
             else:

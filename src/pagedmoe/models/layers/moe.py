@@ -174,6 +174,14 @@ def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return fn(x, w13, w2, topk_weights, topk_ids)
 
 
+def _triton_path(experts_fn: Callable, x: torch.Tensor) -> bool:
+    """Whether `experts_fn` runs the Triton kernels for `x` (experts_auto's rule, or triton asked for)."""
+    if experts_fn is experts_triton:
+        return True
+    return (experts_fn is experts_auto and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[0] <= TRITON_MAX_TOKENS)
+
+
 MOE_BACKENDS: dict[str, Callable] = {
     "auto": experts_auto,
     "grouped_mm": experts_grouped_mm,
@@ -261,6 +269,14 @@ class FusedMoE(nn.Module):
                     topk_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' GEMMs over the operand the experts object handed out (by its kind)."""
         if operand.kind == "dense":
+            if operand.slots is not None:  # routed fetching: the expert cache's pool, indexed by page
+                if _triton_path(self.experts_fn, x):
+                    # the slot-map kernel: tiles chosen for the layer's E experts, as resident placement's
+                    from pagedmoe.kernels.fused_moe import fused_moe_mixed
+
+                    return fused_moe_mixed(x, [(operand.w13, operand.w2, operand.slots)], self.num_experts,
+                                           topk_weights, topk_ids)
+                topk_ids = operand.slots[topk_ids].long()   # one gather on the device, no sync
             return self.experts_fn(x, operand.w13, operand.w2, topk_weights, topk_ids)
         # --quantized-gemm direct: the Triton kernels read the quantized weights (triton: optional package)
         from pagedmoe.kernels.fused_moe import fused_moe_mixed, fused_moe_quantized
@@ -288,7 +304,11 @@ class FusedMoE(nn.Module):
         if self.ep_size > 1:
             topk_weights, topk_ids = self.local_routes(topk_weights, topk_ids)
         # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
-        out = self.run_experts(x, experts.weights(self.moe_idx, topk_ids), topk_weights, topk_ids)
+        operand = experts.weights(self.moe_idx, topk_ids)
+        predict = getattr(experts, "predict", None)   # routed fetching: prefetch the next layer's experts
+        if predict is not None:
+            predict(self.moe_idx, x)
+        out = self.run_experts(x, operand, topk_weights, topk_ids)
         experts.done(self.moe_idx)
         if self.shared_expert_name is not None:
             shared = self.shared_mlp()(x)

@@ -1,0 +1,53 @@
+"""Fetch paths of routed fetching on the GPU (issue 21): what one MoE layer's fetch costs at Qwen3-30B-A3B's
+expert size (9 MiB bf16), for 1 / 8 / 32 missed experts:
+  (a) the host sync of the routed ids (torch.unique + .tolist(), experts/routed.py) + copy-engine copies from
+      pinned memory (planning/fetch_cost.py::ROUTED_LAYER_SYNC_S models the sync and launches);
+  (b) the UVA gather kernel (kernels/uva_gather.py) reading mapped pinned memory, no sync.
+    python benchmarks/bench_routed_fetch.py
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    from pagedmoe.experts.tiers.host import pinned_empty
+    from pagedmoe.kernels.uva_gather import gather_rows, plan_misses
+
+    E, stride = 128, 3 * 768 * 2048
+    src = pinned_empty((E, stride), torch.bfloat16)
+    pool = torch.empty(64, stride, dtype=torch.bfloat16, device="cuda")
+    topk = torch.randint(0, E, (1, 8), device="cuda")
+    sync = _ms(lambda: torch.unique(topk).tolist(), reps=200)
+    print(f"host sync of the routed ids: {sync * 1e3:.1f} us per layer")
+    for n in (1, 8, 32):
+        ids = list(range(n))
+
+        def copy_engine():
+            torch.unique(topk).tolist()
+            for i, e in enumerate(ids):
+                pool[i].copy_(src[e], non_blocking=True)
+
+        slot_map = torch.full((E,), -1, dtype=torch.int64, device="cuda")
+        t = torch.arange(n, device="cuda").reshape(1, n)
+        uva = (lambda: gather_rows(src, pool, plan_misses(t, slot_map, 0)[0]))
+        nbytes = n * stride * 2
+        a, b = _ms(copy_engine), _ms(uva)
+        print(f"{n:>3} experts ({nbytes / 1e9:.3f} GB): copy engine + sync {a:.2f} ms ({nbytes / a / 1e6:.1f} GB/s), "
+              f"UVA gather {b:.2f} ms ({nbytes / b / 1e6:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()

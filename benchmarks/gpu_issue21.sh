@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 21's GPU figures on one H200 (dummy bf16 weights: uniform routing, so cache hits are a lower bound of
+# what a real checkpoint's skewed routing gives). One part per device call (each < 10 min):
+#   run(command="bash benchmarks/gpu_issue21.sh qwen")      Qwen3-30B-A3B at 24 GiB: decode at batch 1/8/32/64,
+#                                                           --expert-fetch routed and stream, next to the floor
+#   run(command="bash benchmarks/gpu_issue21.sh mixtral")   Mixtral-8x7B at 24 GiB, batch 1, routed and stream
+#   run(command="bash benchmarks/gpu_issue21.sh serve")     serving, Qwen3 at 60 GiB paged N=64: routed vs stream,
+#                                                           256 and 4 clients (TPOT against today's 571 ms)
+#   run(command="bash benchmarks/gpu_issue21.sh micro")     per-layer sync cost, copy-engine vs UVA gather
+# Results under $OUT: <part>-<fetch>.json (bench latency --output-json: per batch expert_bytes_moved_per_step,
+# routed_expert_bytes_per_step), issue21-<part>.log with the floors (moved bytes / 54.5 GB/s PCIe).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PART=${1:?usage: gpu_issue21.sh qwen|mixtral|serve|micro}
+LOG="$OUT/issue21-$PART.log"
+Q=benchmarks/configs/qwen3-30b-a3b
+M=benchmarks/configs/mixtral-8x7b
+
+latency() {  # name model limit_s fetch batches...
+  local name=$1 model=$2 limit=$3 fetch=$4; shift 4
+  echo "=== $name: $model --expert-fetch $fetch batches $*" | tee -a "$LOG"
+  timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench latency "$model" --load-format dummy \
+    --gpu-memory-gb 24 --expert-fetch "$fetch" --batch-size "$@" --input-len 128 --output-len 32 \
+    --max-model-len 512 --max-num-seqs 64 ${EXTRA_FLAGS:-} --output-json "$OUT/$name-$fetch.json" 2>&1 | tail -20 | tee -a "$LOG"
+  python - "$OUT/$name-$fetch.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    step = r["median_decode_step_ms"]
+    print(f"batch {r['batch_size']}: {step:.1f} ms/step, {1e3 * r['batch_size'] / step:.1f} tok/s; moved "
+          f"{r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step (PCIe floor {r['expert_bytes_moved_per_step'] / 54.5e6:.1f} ms), "
+          f"routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step (floor with no hits "
+          f"{r['routed_expert_bytes_per_step'] / 54.5e6:.1f} ms)")
+PY
+}
+
+case "$PART" in
+  qwen)
+    latency qwen "$Q" 190 routed 1 8 32 64
+    latency qwen "$Q" 190 stream 1 8 32 64
+    EXTRA_FLAGS="--expert-prefetch" latency qwen-prefetch "$Q" 190 routed 1 8 ;;
+  mixtral)
+    latency mixtral "$M" 280 routed 1
+    latency mixtral "$M" 280 stream 1 ;;
+  serve)
+    for fetch in routed stream; do
+      BUDGET_GB=60 NUM_PROMPTS=64 bash benchmarks/bench_serve.sh "qwen60-n64-$fetch" --expert-placement paged \
+        --num-gpu-experts 64 --expert-fetch "$fetch" 2>&1 | tail -25 | tee -a "$LOG"
+    done
+    BUDGET_GB=60 NUM_PROMPTS=16 MAX_CONCURRENCY=4 bash benchmarks/bench_serve.sh "qwen60-n64-routed-c4" \
+      --expert-placement paged --num-gpu-experts 64 --expert-fetch routed 2>&1 | tail -25 | tee -a "$LOG" ;;
+  micro)
+    python benchmarks/bench_routed_fetch.py 2>&1 | tee -a "$LOG" ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac

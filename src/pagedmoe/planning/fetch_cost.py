@@ -1,0 +1,117 @@
+"""How paged experts reach the GPU, modelled per decode batch: the one cost model behind `--expert-fetch auto`
+and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md ("Fetching what is routed").
+
+  stream    (experts/pager.py): every host expert of every layer is copied every step, one layer ahead,
+            behind compute: cost_model.decode_step_cost with that traffic (its pipeline fill included).
+  routed    (experts/routed.py, experts/cache.py): per MoE layer the distinct routed experts
+            d = E*(1-(1-A/E)^B) (uniform routing: real routing is skewed, so fewer) are looked up in a cache of
+            C = max(E, L*N + 2(E-N)) pages; with uniform routing a page hits with probability min(1, C / (L*E)); the misses
+            are copied after the layer's host sync, not hidden behind compute, and each layer pays the sync
+            and copy launches (ROUTED_LAYER_SYNC_S) and runs without CUDA graphs.
+  resident  only when every expert fits (N = E): nothing moves.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_step_cost,
+                                          expected_distinct_experts)
+from pagedmoe.planning.model_shape import ModelShape
+
+# Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
+# and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
+# copy launch ~5 us); to be measured on the H200 (benchmarks/bench_routed_fetch.py).
+ROUTED_LAYER_SYNC_S = 60e-6
+PLAN_BATCHES = (1, 8, 32)
+# Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
+# costs are estimates until measured, and stream-all is the measured pipeline (and keeps CUDA graphs).
+ROUTED_MARGIN = 0.10
+
+
+def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
+    """Pages of the expert cache: the device rows stream-all holds (experts/build.py::cache_slots)."""
+    E = shape.num_experts
+    return max(E, shape.num_moe_layers * num_gpu_experts + 2 * (E - num_gpu_experts))
+
+
+def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
+                 context_len: float) -> dict[str, Optional[float]]:
+    """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible)."""
+    L, E = shape.num_moe_layers, shape.num_experts
+    n = max(0, min(num_gpu_experts, E))
+    stream = StepTraffic(h2d_bytes=L * (E - n) * shape.expert_bytes)
+    out: dict[str, Optional[float]] = {
+        "stream": decode_step_cost(shape, hw, stream, num_seqs, context_len).total_s,
+        "resident": decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len).total_s if n >= E else None}
+    base = decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len)
+    distinct = expected_distinct_experts(E, shape.top_k, num_seqs)
+    hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
+    misses = L * distinct * (1.0 - hit)
+    # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
+    eager = shape.num_layers * hw.layer_overhead_s
+    out["routed"] = (base.total_s + misses * shape.expert_bytes / hw.pcie_h2d_bytes_per_s
+                     + L * ROUTED_LAYER_SYNC_S + eager)
+    return out
+
+
+def choose_fetch(costs: dict[str, Optional[float]]) -> str:
+    """resident where every expert fits; else routed when modelled ROUTED_MARGIN faster than stream."""
+    if costs.get("resident") is not None:
+        return "resident"
+    return "routed" if costs["routed"] < (1.0 - ROUTED_MARGIN) * costs["stream"] else "stream"
+
+
+def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape: ModelShape, num_gpu_experts: int,
+                  num_seqs: int, device_type: str, context_len: float,
+                  hw: Optional[HardwareProfile] = None) -> str:
+    """--expert-fetch `requested` settled: "stream" or "routed". `compatible` None when routed fetching can
+    take effect with the other flags, else the flag that rules it out (named when routed is asked for).
+    auto: the cost model's choice at the batch the engine is sized for (max_num_seqs) on CUDA; off CUDA
+    there is no copy engine to model, so stream."""
+    if requested == "routed":
+        if not paged:
+            raise ValueError("--expert-fetch routed pages experts from the host tier; it needs paged placement "
+                             "(--expert-placement paged, --num-gpu-experts N or --cpu-moe)")
+        if compatible is not None:
+            raise ValueError(f"--expert-fetch routed fetches exact rows from the host tier; it cannot take effect "
+                             f"with {compatible} (use --expert-fetch stream)")
+        return "routed"
+    if requested == "stream" or not paged or compatible is not None or device_type != "cuda":
+        return "stream"
+    hw = hw or HardwareProfile()
+    choice = choose_fetch(fetch_step_s(shape, hw, num_gpu_experts, num_seqs, context_len))
+    return "routed" if choice == "routed" else "stream"
+
+
+def fetch_table(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, context_len: float,
+                batches=PLAN_BATCHES) -> list[dict]:
+    """`pagedmoe plan`'s rows: per batch the modelled step time of each fetch and the choice."""
+    rows = []
+    for b in batches:
+        costs = fetch_step_s(shape, hw, num_gpu_experts, b, context_len)
+        rows.append({"batch": b, **{f"{k}_s": v for k, v in costs.items()}, "choice": choose_fetch(costs)})
+    return rows
+
+
+def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_type: str, context_len: float,
+                        host_limit: Callable[[], Optional[int]]) -> str:
+    """The engine's --expert-fetch: `x` the expert flags (config_sections.ExpertConfig), `plan` the resolved
+    ExpertPlan. Routed fetching takes exact host rows only (the first flag that rules it out is named), and
+    keeps every expert's master copy in the host tier (the cache may evict any page): over `host_limit()`
+    auto falls back on stream and an explicit routed is refused."""
+    blocker = next((flag for flag, on in (
+        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
+        ("--host-compression lossless", plan.host_compression != "none"),
+        ("--expert-precision " + x.precision, x.precision != "exact"),
+        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
+    n = plan.num_gpu_experts
+    n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
+    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, max_num_seqs, device_type, context_len)
+    limit = host_limit() if fetch == "routed" else None
+    if limit is not None and shape.all_expert_bytes > limit:
+        if x.fetch == "routed":
+            raise ValueError(f"--expert-fetch routed holds every expert in host memory "
+                             f"({shape.all_expert_bytes / 2**30:.2f} GiB), above the host memory limit of "
+                             f"{limit / 2**30:.2f} GiB: raise --host-memory-gb or use --expert-fetch stream")
+        fetch = "stream"
+    return fetch

@@ -1,0 +1,110 @@
+"""Fetch path (b) of routed fetching: the device-side miss plan and the row gather (kernels/uva_gather.py),
+against the torch reference; on CPU the Triton interpreter runs the kernel, on the GPU (@pytest.mark.gpu) it
+reads mapped pinned host memory inside a CUDA graph."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from pagedmoe.kernels.uva_gather import gather_rows, gather_rows_ref, plan_misses  # noqa: E402
+
+CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_plan_misses_pages_only_the_routed_misses():
+    slot_map = torch.tensor([-1, 4, -1, -1, 7, -1])
+    topk_ids = torch.tensor([[2, 1], [5, 2], [1, 4]])
+    fetch_dst, layer_slots = plan_misses(topk_ids, slot_map, miss_base=10)
+    assert fetch_dst.tolist() == [-1, -1, 10, -1, -1, 11]         # experts 2 and 5 missed, in id order
+    assert layer_slots.tolist() == [-1, 4, 10, -1, 7, 11]
+    # every routed id maps to a page
+    assert (layer_slots[topk_ids] >= 0).all()
+
+
+def _check(device, src):
+    gen = torch.Generator().manual_seed(0)
+    E, S, stride = src.shape[0], 12, src.shape[1]
+    slot_map = torch.full((E,), -1, dtype=torch.int64)
+    slot_map[[0, 3]] = torch.tensor([1, 2])
+    topk = torch.randint(0, E, (5, 2), generator=gen).to(device)
+    fetch_dst, layer_slots = plan_misses(topk, slot_map.to(device), miss_base=4)
+    poison = torch.full((S, stride), float("nan"), dtype=src.dtype, device=device)
+    got, ref = poison.clone(), poison.clone()
+    gather_rows(src, got, fetch_dst, block=64)
+    gather_rows_ref(src, ref, fetch_dst)
+    assert torch.equal(got.nan_to_num(-7.0), ref.nan_to_num(-7.0))
+    for e in topk.reshape(-1).tolist():
+        if slot_map[e] < 0:
+            assert torch.equal(got[layer_slots[e]].cpu(), src[e].cpu())
+
+
+@pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")
+def test_gather_rows_matches_reference_on_the_interpreter():
+    from triton_interp import fix_interpreter_index
+
+    fix_interpreter_index()
+    src = torch.randn(8, 200, dtype=torch.float32)   # 200: a partial last block of 64
+    _check("cpu", src)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gather_rows_reads_mapped_host_memory_in_a_cuda_graph():
+    from pagedmoe.experts.tiers.host import pinned_empty
+
+    src = pinned_empty((16, 4096 + 100), torch.bfloat16)
+    src.copy_(torch.randn(src.shape).to(torch.bfloat16))
+    _check("cuda", src)
+    # graph-capturable: plan + gather with no host sync
+    slot_map = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+    topk = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(20, src.shape[1], dtype=src.dtype, device="cuda")
+    gather_rows(src, dst, plan_misses(topk, slot_map, 0)[0])   # warm-up (compile)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fetch_dst, _ = plan_misses(topk, slot_map, 0)
+        gather_rows(src, dst, fetch_dst)
+    topk.copy_(torch.tensor([[3, 9], [9, 15], [3, 3], [15, 9]]))
+    dst.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    for rank, e in enumerate([3, 9, 15]):
+        assert torch.equal(dst[rank].cpu(), src[e])
+
+
+@pytest.mark.skipif(not CAN_RUN, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_slot_map_kernel_over_the_cache_pool_equals_fused_moe_on_the_layer():
+    """Routed fetching's Triton path (models/layers/moe.py): fused_moe_mixed over the expert cache's pool with
+    the layer's slot map gives fused_moe's result on the layer's own experts, bit for bit."""
+    from pagedmoe.experts.layout import expert_stride, expert_views
+    from pagedmoe.kernels import fused_moe as fm
+
+    if not torch.cuda.is_available():
+        from triton_interp import fix_interpreter_index
+
+        fix_interpreter_index()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    T, A, E, H, I, S = 5, 2, 8, 32, 16, 13
+    stride = expert_stride(H, I, torch.tensor([], dtype=dtype).element_size())
+    layer = (torch.randn(E, stride, generator=g) * H ** -0.5).to(dtype).to(device)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), A, dim=-1)
+    weights, ids = weights.to(device), ids.to(device)
+    slots = torch.full((E,), -1, dtype=torch.int32)
+    pool = torch.full((S, stride), float("nan"), dtype=dtype)   # unrouted pages are never read
+    for page, e in zip((11, 2, 7, 0, 5, 9, 3, 12), range(E)):
+        slots[e] = page
+        pool[page] = layer[e].cpu()
+    pool, slots = pool.to(device), slots.to(device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ref = fm.fused_moe(x, *expert_views(layer, H, I), weights, ids)
+    got = fm.fused_moe_mixed(x, [(*expert_views(pool, H, I), slots)], E, weights, ids)
+    assert torch.equal(got, ref)

@@ -1,0 +1,170 @@
+"""Routed fetching (--expert-fetch routed): the router's experts are paged into the GPU expert cache; what the
+model computes never changes, and far fewer bytes move than with stream-all."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import greedy_logits, make_tiny_checkpoint
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_checkpoint(request.param, path, seed=50 + FAMILIES.index(request.param))
+    return path
+
+
+def _trace(path, lengths, **flags):
+    from pagedmoe import LLM
+
+    llm = LLM(str(path), device="cpu", max_model_len=96, **flags)
+    captured, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
+    return captured, llm.engine
+
+
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+@pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=3, expert_prefetch=True)],
+                         ids=["cpu_moe", "n3-prefetch"])
+def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
+    ref, _ = _trace(ckpt, lengths)
+    got, engine = _trace(ckpt, lengths, expert_fetch="routed", **flags)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    pager = engine.pager
+    st = pager.cache.stats
+    assert st.hits + st.misses > 0 and st.misses > 0
+    # on demand (misses) and by prediction (prefetched: layer l+1's router on layer l's input)
+    assert st.bytes_moved == (st.misses + st.prefetched) * engine.expert_store.expert_numel * 4
+    assert 0 <= st.prefetch_hits <= st.prefetched
+    assert (st.prefetched > 0) == flags.get("expert_prefetch", False)
+    # every expert's master copy is in the host tier; the cache holds pages of at most E per layer
+    stats = engine.get_stats()
+    num_moe = len(engine.model.moe_layers())
+    assert stats["experts"].get("host/bf16", 0) == 8 * num_moe
+    assert stats["expert_bytes_h2d"] == st.bytes_moved
+    assert stats["expert_cache_hits"] == st.hits and stats["expert_cache_misses"] == st.misses
+
+
+def _decode_bytes(path, fetch):
+    """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
+    from pagedmoe import LLM, SamplingParams
+
+    llm = LLM(str(path), device="cpu", max_model_len=96, cpu_moe=True, expert_fetch=fetch)
+    eng = llm.engine
+    eng.add_request("r", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    eng.step()                    # prefill
+    before = eng.get_stats()
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    after = eng.get_stats()
+    moved = (after["expert_bytes_h2d"] - before["expert_bytes_h2d"]) / steps
+    routed = (after.get("expert_cache_bytes_routed", 0) - before.get("expert_cache_bytes_routed", 0)) / steps
+    return moved, routed, eng
+
+
+def test_tiny_mixtral_cpu_moe_moves_little_more_than_routed(tmp_path):
+    # 6 MoE layers x 8 experts against a cache of 2 x 8 pages: most routed experts are misses
+    make_tiny_checkpoint("mixtral", tmp_path, seed=3, num_hidden_layers=6)
+    moved, routed, eng = _decode_bytes(tmp_path, "routed")
+    expert = eng.expert_store.expert_numel * 4
+    num_moe = len(eng.model.moe_layers())
+    assert routed == 2 * num_moe * expert   # batch 1, top-2: two distinct experts per layer
+    assert 0 < moved <= 1.5 * routed
+    print(f"tiny Mixtral, --cpu-moe, batch 1: {moved:.0f} B moved per decode step for {routed:.0f} B routed")
+    stream_moved, _, _ = _decode_bytes(tmp_path, "stream")
+    assert stream_moved == 8 * num_moe * expert   # stream-all: every expert of every layer
+    assert moved < stream_moved / 2
+
+
+def test_routed_flags_that_cannot_take_effect(tmp_path):
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=4)
+    with pytest.raises(ValueError, match="needs paged placement"):
+        LLM(str(tmp_path), device="cpu", expert_placement="resident", expert_fetch="routed")
+    with pytest.raises(ValueError, match="cannot take effect with --host-compression"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", dtype="bfloat16",
+            host_compression="lossless")
+    with pytest.raises(ValueError, match="expert_fetch must be one of"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
+    with pytest.raises(ValueError, match="holds every expert in host memory"):
+        LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
+    with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
+    # auto on CPU keeps the stream-all pipeline
+    llm = LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="auto")
+    assert llm.engine.expert_plan.fetch == "stream"
+
+
+@pytest.mark.parametrize("fetch", ["stream", "routed"])
+def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
+    import json
+
+    from pagedmoe.cli import main
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=4)
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", str(tmp_path), "--batch-size", "1", "--input-len", "10", "--output-len", "5",
+                 "--max-model-len", "64", "--device", "cpu", "--cpu-moe", "--expert-fetch", fetch,
+                 "--hbm-bandwidth", "1e12", "--output-json", str(out)]) == 0
+    assert "experts moved" in capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    expert = 3 * 32 * 64 * 4   # tiny Mixtral: I=32, H=64, float32
+    num_moe = 2
+    assert r["expert_fetch"] == fetch
+    assert r["routed_expert_bytes_per_step"] == 2 * num_moe * expert   # batch 1, top-2
+    if fetch == "stream":
+        assert r["expert_bytes_moved_per_step"] == 8 * num_moe * expert
+    else:
+        # the cache (2 x 8 pages) holds this 2-layer model whole once the prefill routed to every expert
+        assert 0 <= r["expert_bytes_moved_per_step"] <= 1.5 * r["routed_expert_bytes_per_step"]
+
+
+def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
+    """The default model's real (skewed) routing: the cache hits and routed fetching moves a fraction of what
+    stream-all moves (benchmarks/routed_cpu.py prints the full table; docs/benchmarks.md has it)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from routed_cpu import measure
+
+    stream = measure("stream", 0, 1, 12)
+    routed = measure("routed", 0, 1, 12, predict=True)
+    assert stream["moved_bytes_per_step"] == 6 * 32 * stream["expert_bytes"]   # every expert, every step
+    assert routed["hits"] > 0 and routed["moved_bytes_per_step"] <= routed["routed_bytes_per_step"]
+    assert routed["moved_bytes_per_token"] < stream["moved_bytes_per_token"] / 4
+    assert 0 < routed["prediction_recall"] <= 1
+    with capsys.disabled():
+        print(f"\ndefault model, --cpu-moe, batch 1: hit rate {routed['hit_rate']:.3f}, "
+              f"{routed['moved_bytes_per_token'] / 1e6:.3f} MB/token routed vs "
+              f"{stream['moved_bytes_per_token'] / 1e6:.3f} MB/token stream-all; prediction recall "
+              f"{routed['prediction_recall']:.3f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_routed_on_cuda_matches_resident(tmp_path, family):
+    """On the GPU: pinned host rows copied on the compute stream, the slot map written, eager steps (the
+    runner turns CUDA graphs off for the per-layer sync); logits equal resident placement's, bf16."""
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
+    runs = {}
+    for name, flags in (("resident", {}), ("routed", dict(cpu_moe=True, expert_fetch="routed"))):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
+        runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
+        if name == "routed":
+            assert llm.engine.runner.graphs is None
+            assert llm.engine.pager.cache.stats.misses > 0
+        del llm
+        torch.cuda.empty_cache()
+    for a, b in zip(runs["resident"], runs["routed"]):
+        assert torch.equal(a, b)

@@ -1,0 +1,110 @@
+"""The GPU expert cache (experts/cache.py): pages, LRU eviction over layers, slot maps, the page table; the
+fetch cost model (planning/fetch_cost.py); the cache's metrics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedmoe.experts.cache import ExpertCache
+from pagedmoe.experts.table import ExpertTable
+
+
+def _cache(num_layers=3, num_experts=4, slots=6):
+    table = ExpertTable(num_layers, num_experts)
+    table.place([()] * num_layers)
+    return ExpertCache(table, slots, 8, torch.float32, torch.device("cpu")), table
+
+
+def test_misses_get_free_slots_then_hit():
+    cache, table = _cache()
+    hits, misses = cache.lookup(0, [1, 3])
+    assert hits == [] and [e for e, _ in misses] == [1, 3]
+    slots = {e: s for e, s in misses}
+    assert len(set(slots.values())) == 2
+    cache.publish(0)
+    assert cache.slot_maps[0].tolist() == [-1, slots[1], -1, slots[3]]
+    assert table.lookup(0, 1).cache_slot == slots[1] and table.lookup(0, 0).cache_slot == -1
+    hits, misses = cache.lookup(0, [3, 1])
+    assert sorted(hits) == [1, 3] and misses == []
+
+
+def test_lru_evicts_the_least_recent_page_of_any_layer():
+    cache, table = _cache(slots=4)
+    for layer, ids in ((0, [0, 1]), (1, [0, 1]), (0, [1])):   # one step each: the cache fills at the second
+        cache.begin_step()
+        cache.lookup(layer, ids)  # (0, 1) used again last: (0, 0) is now the least recent page
+    cache.begin_step()
+    _, misses = cache.lookup(2, [2])
+    assert len(misses) == 1
+    assert cache.host_maps[0][0] == -1 and table.lookup(0, 0).cache_slot == -1   # evicted
+    assert cache.host_maps[0][1] >= 0 and cache.host_maps[1][0] >= 0
+    assert table.lookup(2, 2).last_access == cache.tick
+    # a layer routing to all its experts evicts older pages, never its own routed ones
+    cache.begin_step()
+    _, misses = cache.lookup(1, [0, 1, 2, 3])
+    assert sorted(cache.cached(1)) == [0, 1, 2, 3]
+    assert len({s for s in cache.host_maps[1]}) == 4
+
+
+def test_cache_must_hold_one_layer():
+    with pytest.raises(ValueError, match="cannot hold one layer"):
+        _cache(num_experts=4, slots=3)
+
+
+def test_fetch_cost_prefers_routed_at_small_batch_on_qwen3_shape():
+    from pagedmoe.planning.cost_model import HardwareProfile
+    from pagedmoe.planning.fetch_cost import choose_fetch, fetch_step_s, fetch_table
+    from pagedmoe.planning.model_shape import ModelShape
+
+    shape = ModelShape(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                       head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768,
+                       dense_intermediate_size=0, num_moe_layers=48)
+    hw = HardwareProfile()
+    b1 = fetch_step_s(shape, hw, 26, 1, 512)
+    assert b1["resident"] is None and b1["routed"] < b1["stream"]
+    # at batch 256 nearly every expert is routed: streaming behind compute wins
+    b256 = fetch_step_s(shape, hw, 26, 256, 512)
+    assert choose_fetch(b256) == "stream"
+    rows = fetch_table(shape, hw, 26, 512)
+    assert [r["batch"] for r in rows] == [1, 8, 32] and rows[0]["choice"] == "routed"
+    assert choose_fetch(fetch_step_s(shape, hw, 128, 1, 512)) == "resident"
+
+
+def test_cache_counters_are_exported():
+    from pagedmoe.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.attach_engine(lambda: {"expert_cache_hits": 7, "expert_cache_misses": 3}, {("resident", "bf16"): 8})
+    text = metrics.render().decode()
+    assert 'pagedmoe:expert_cache_hits_total{model_name="m"} 7.0' in text
+    assert 'pagedmoe:expert_cache_misses_total{model_name="m"} 3.0' in text
+
+
+def test_plan_prints_the_fetch_table(capsys, tmp_path):
+    import json
+    from pathlib import Path
+
+    from pagedmoe.cli import main
+
+    cfg = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-30b-a3b"
+    out = tmp_path / "p.json"
+    assert main(["plan", str(cfg), "--gpu-memory-gb", "24", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "expert fetch for" in text and "routed" in text
+    fetch = json.loads(out.read_text())["budgets"][0]["fetch"]
+    assert [r["batch"] for r in fetch["batches"]] == [1, 8, 32]
+    b1 = fetch["batches"][0]
+    assert b1["choice"] == "routed" and b1["routed_s"] < b1["stream_s"]
+
+
+def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():
+    """Layers cycle; LRU would evict what the next step needs first (0 hits when a step routes to more pages
+    than the cache holds); the newest page of another layer is evicted instead, so some pages survive."""
+    cache, _ = _cache(num_layers=3, num_experts=4, slots=6)
+    hits = 0
+    for _ in range(5):
+        cache.begin_step()
+        for layer in range(3):
+            h, _ = cache.lookup(layer, [0, 1, 2])   # 9 pages per step, 6 slots
+            hits += len(h)
+    assert hits >= 4 * 3   # at least three pages hit in each step after the first (LRU: none)
