@@ -117,6 +117,9 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     eager = config.enforce_eager or dynamic or dims.mla is not None or parallel.enabled
     expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
+    encodes = any(expert_plan.num_compressed or ()) or expert_plan.host_compression == "lossless"
+    if device.type == "cuda" and (dynamic or encodes):
+        _expandable_segments()  # before loading: encoding the experts frees temporaries of every size
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
                        expert_plan, activity)
     if config.expert_prefetch:
@@ -126,8 +129,6 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
         model.pager.set_routers([moe.route for moe in model.moe_layers()])   # prefetch by prediction
     store = model.expert_store
     _mark(memory, "model")
-    if dynamic and device.type == "cuda":
-        _expandable_segments()
     if expert_plan.dynamic_min_precision is not None:  # before sizing the KV cache: sized around the floor
         # the lossless rung is decoded by the buffer fill, which --quantized-gemm direct skips
         store.enable_dynamic(expert_plan.dynamic_min_precision, lossless=expert_plan.quantized_gemm != "direct")
@@ -183,10 +184,12 @@ def _mark(memory, stage: str) -> None:
 
 
 def _expandable_segments() -> None:
-    """Dynamic precision frees expert versions of every size between steps; in fixed segments torch cannot
-    hand the freed parts back while a live version shares the segment (measured on the H200: 4.8 GiB stuck
-    in Mixtral's pool, so lent KV blocks could not come back within the budget). Expandable segments unmap
-    freed pages. A PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+    """Dynamic precision frees expert versions of every size between steps, and encoding a lossless tier at
+    load frees temporaries of every size; in fixed segments torch cannot hand the freed parts back while a live
+    tensor shares the segment (measured on the H200: 4.8 GiB stuck in Mixtral's pool under dynamic precision;
+    15.2 GiB counted as reserve after loading Mixtral's compressed tier at weights + 4 GiB, which cut its KV
+    cache from the planned 21.8 to 7.9 GiB). Expandable segments unmap freed pages. A PYTORCH_CUDA_ALLOC_CONF
+    the user set wins."""
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
