@@ -53,4 +53,4 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, fetch_dst: torch.Tensor, b
 def gather_rows_ref(src: torch.Tensor, dst: torch.Tensor, fetch_dst: torch.Tensor) -> None:
     """The torch reference of gather_rows (one host sync: for tests)."""
     ids = (fetch_dst >= 0).nonzero().reshape(-1)
-    dst[fetch_dst[ids]] = src[ids].to(dst.device)
+    dst[fetch_dst[ids]] = src[ids.to(src.device)].to(dst.device)
