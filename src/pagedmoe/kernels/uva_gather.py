@@ -21,7 +21,7 @@ def plan_misses(topk_ids: torch.Tensor, slot_map: torch.Tensor, miss_base: int) 
     map the layer's GEMMs read). No host sync: fixed shapes, device ops only."""
     E = slot_map.shape[0]
     routed = torch.zeros(E, dtype=torch.bool, device=slot_map.device)
-    routed[topk_ids.reshape(-1)] = True
+    routed.index_fill_(0, topk_ids.reshape(-1), True)  # a scalar fill: no host tensor, graph-capturable
     miss = routed & (slot_map < 0)
     rank = torch.cumsum(miss.to(torch.int64), 0) - 1
     fetch_dst = torch.where(miss, miss_base + rank, torch.full_like(rank, -1))
