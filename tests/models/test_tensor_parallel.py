@@ -7,6 +7,7 @@ atol 1e-5 leaves 6x room and still fails a wrong shard (errors of 1e-2 and more)
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -83,7 +84,9 @@ def test_two_ranks_match_one_process(ckpts, family, flags):
     from pagedmoe.planning.model_shape import ModelShape
     ep = bool(flags.get("enable_expert_parallel"))
     shape = ModelShape.from_hf_config(ckpts[family], 4, tensor_parallel_size=2, expert_parallel=ep)
-    assert shape == ModelShape.from_model_dims(dims, engine.model.spec, 4, name=shape.name)
+    from pagedmoe.planning.resolve import rank_shape
+    assert shape == dataclasses.replace(rank_shape(engine.config, dims, engine.model.spec, 4), name=shape.name)
+    assert shape.num_experts == 8 and shape.experts_per_gpu == (4 if ep else 8)
     if "cpu_moe" in flags or "num_gpu_experts" in flags:
         n = 0 if "cpu_moe" in flags else flags["num_gpu_experts"]
         stats = engine.get_stats()["experts"]

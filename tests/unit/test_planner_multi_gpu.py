@@ -1,4 +1,5 @@
-"""`pagedmoe plan --num-gpus N`: experts split evenly over N GPUs (expert parallel), backbone replicated;
+"""`pagedmoe plan --num-gpus N`: the engine's layout over N GPUs (`--tensor-parallel-size N
+--enable-expert-parallel`: backbone sharded, experts split evenly, every rank running the same tokens);
 the full-size DeepSeek-V3 / GLM-4.5 configs; numbers checked by hand."""
 import math
 from dataclasses import replace
@@ -46,31 +47,44 @@ def test_one_gpu_plans_unchanged(v3):
     assert plans[0] == plans[1]
 
 
-def test_split_and_step_by_hand(v3):
+@pytest.fixture(scope="module")
+def glm():
+    return ModelShape.from_hf_config(CONFIGS / "glm-4.5")
+
+
+def test_split_and_step_by_hand(glm):
     N = 8
-    s8 = replace(v3, num_gpus=N)
-    assert s8.experts_per_gpu == 32 and replace(v3, num_gpus=3).experts_per_gpu == 86
-    inputs = PlanInputs(s8, 130 * GiB, ACT, buffers="vmm", **KW)
-    # Resident on 8 GPUs: each holds the whole backbone and 58 x 32 experts, plus one sequence of KV.
-    need = v3.backbone_bytes + ACT + 58 * 32 * v3.expert_bytes + 128 * 16 * v3.kv_bytes_per_token
-    assert minimum_budget_bytes(inputs, Placement.resident(58, 32)) == need
-    plan = plan_placement(inputs, Placement.uniform(58, 32, 12))
-    assert plan.host_tier_bytes == 58 * 20 * plan.expert_slot_bytes
-    assert plan.traffic.h2d_bytes == 58 * 20 * v3.expert_bytes     # each GPU's own PCIe link
-    # One decode step of B sequences per GPU: 8B tokens route over all 256 experts; this GPU reads
-    # the distinct ones of its 32; the all-to-all sends (N-1)/N of the B x top_k pairs there and back.
+    g8 = ModelShape.from_hf_config(CONFIGS / "glm-4.5", tensor_parallel_size=N, expert_parallel=True)
+    # one rank: 12 of 96 query heads, 1 of 8 KV heads, 20 of the 160 experts the router picks from
+    assert (g8.num_heads, g8.num_kv_heads, g8.num_experts, g8.experts_per_gpu) == (12, 1, 160, 20)
+    assert (g8.num_gpus, g8.tensor_parallel_size) == (N, N)
+    assert g8.kv_bytes_per_token * N == glm.kv_bytes_per_token
+    assert g8.all_expert_bytes * N == glm.all_expert_bytes and g8.expert_bytes == glm.expert_bytes
+    assert g8.backbone_bytes < glm.backbone_bytes / 2                      # sharded, not replicated
+    inputs = PlanInputs(g8, 130 * GiB, ACT, buffers="vmm", **KW)
+    L = g8.num_moe_layers
+    # Resident on each rank: its backbone share, L x 20 experts, plus one sequence of its KV heads.
+    need = g8.backbone_bytes + ACT + L * 20 * g8.expert_bytes + 128 * 16 * g8.kv_bytes_per_token
+    assert minimum_budget_bytes(inputs, Placement.resident(L, 20)) == need
+    plan = plan_placement(inputs, Placement.uniform(L, 20, 12))
+    assert plan.host_tier_bytes == L * 8 * plan.expert_slot_bytes      # each rank streams its own share
+    assert plan.traffic.h2d_bytes == L * 8 * g8.expert_bytes
+    # One decode step of B sequences: the same B tokens on every rank route over all 160 experts; this rank
+    # reads the distinct ones of its 20 and runs 1/8 of the token-expert pairs; every decoder layer
+    # all-reduces its attention and FFN outputs (a ring sends 2 (N - 1) / N of B x H from each GPU).
     B, ctx = 100, 1536.0
-    cost = decode_step_cost(s8, H200, StepTraffic(), B, ctx)
-    one = decode_step_cost(v3, H200, StepTraffic(), B, ctx)
-    routed = 58 * expected_distinct_experts(256, 8, N * B) * 32 / 256
-    routed_one = 58 * expected_distinct_experts(256, 8, B)
-    assert (cost.hbm_s - one.hbm_s) * H200.hbm_bytes_per_s == pytest.approx(
-        (routed - routed_one) * v3.expert_bytes)
-    assert cost.comm_s == pytest.approx(2 * 58 * B * 8 * (7 / 8) * 7168 * 2 / H200.nvlink_bytes_per_s)
-    assert cost.compute_s == one.compute_s and one.comm_s == 0
+    cost = decode_step_cost(g8, H200, StepTraffic(), B, ctx)
+    routed = L * expected_distinct_experts(160, 8, B) * 20 / 160
+    hbm = (g8.backbone_read_bytes + routed * g8.expert_bytes + B * ctx * g8.kv_bytes_per_token
+           + B * g8.kv_bytes_per_token)
+    assert cost.hbm_s * H200.hbm_bytes_per_s == pytest.approx(hbm)
+    experts_flops = 2 * L * 8 * glm.expert_params / N
+    assert g8.flops_per_token(0) == pytest.approx(2 * g8._backbone_matmul_params() + experts_flops)
+    assert cost.comm_s == pytest.approx(2 * 92 * B * 5120 * 2 * (7 / 8) * 2 / H200.nvlink_bytes_per_s)
+    assert decode_step_cost(glm, H200, StepTraffic(), B, ctx).comm_s == 0
     assert cost.total_s == pytest.approx(cost.floor_s + cost.fill_s + cost.overhead_s + cost.comm_s)
     e = plan.estimate
-    assert e.output_throughput == pytest.approx(N * e.num_seqs * 1024 / e.cycle_s)
+    assert e.output_throughput == pytest.approx(e.num_seqs * 1024 / e.cycle_s)   # the engine's, not N times
 
 
 def test_bad_num_gpus(v3):
@@ -78,24 +92,32 @@ def test_bad_num_gpus(v3):
         replace(v3, num_gpus=0)
     with pytest.raises(ValueError, match="num_gpus"):
         replace(v3, num_gpus=257)
+    with pytest.raises(ValueError, match="tensor_parallel_size 8"):
+        replace(v3, num_gpus=8)          # experts split only within the engine's tensor-parallel ranks
 
 
-def test_plan_cli_num_gpus(plan_report, capsys):
+def test_plan_cli_num_gpus_is_the_engines_layout(plan_report, capsys):
     from pagedmoe.cli import main
 
-    text, report = plan_report(CONFIGS / "deepseek-v3", "--gpu-memory-gb", "130", "--num-gpus", "1", "8")
-    assert "8 x H200, expert parallel: 32 of 256 experts per layer" in text and "a2a" in text
+    glm = CONFIGS / "glm-4.5"
+    text, report = plan_report(glm, "--gpu-memory-gb", "130", "--num-gpus", "1", "8")
+    assert "8 x H200, as the engine runs --tensor-parallel-size 8 --enable-expert-parallel" in text
+    assert "allred" in text
     one, eight = report["budgets"]
-    assert (one["num_gpus"], eight["num_gpus"], eight["experts_per_gpu"]) == (1, 8, 32)
+    assert (one["num_gpus"], eight["num_gpus"], eight["experts_per_gpu"]) == (1, 8, 20)
     auto1 = next(r for r in one["rows"] if r["auto"])
     auto8 = next(r for r in eight["rows"] if r["auto"])
-    assert auto1["backbone_bytes"] == auto8["backbone_bytes"]            # replicated
+    assert auto8["backbone_bytes"] < auto1["backbone_bytes"] / 2          # sharded
     assert auto8["host_tier_bytes"] < auto1["host_tier_bytes"] / 7        # each GPU streams its share
-    assert auto8["workload"]["output_throughput"] > 8 * auto1["workload"]["output_throughput"]
-    assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "0"]) == 2
-    assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "8",
-                 "--num-gpu-experts", "33"]) == 2
-    capsys.readouterr()
+    # --num-gpus 8 plans exactly what --tensor-parallel-size 8 --enable-expert-parallel plans
+    _, tp = plan_report(glm, "--gpu-memory-gb", "130", "--tensor-parallel-size", "8", "--enable-expert-parallel")
+    assert tp["budgets"][0]["rows"] == eight["rows"]
+    assert main(["plan", str(glm), "--gpu-memory-gb", "130", "--num-gpus", "0"]) == 2
+    assert main(["plan", str(glm), "--gpu-memory-gb", "130", "--num-gpus", "8", "--num-gpu-experts", "21"]) == 2
+    assert main(["plan", str(glm), "--gpu-memory-gb", "130", "--num-gpus", "7"]) == 2       # 96 heads
+    assert main(["plan", str(CONFIGS / "deepseek-v3"), "--gpu-memory-gb", "130", "--num-gpus", "8"]) == 2  # MLA
+    err = capsys.readouterr().err
+    assert "does not divide the model's 96 attention heads" in err and "multi-head latent attention" in err
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5", "deepseek-v2-lite"])

@@ -41,8 +41,7 @@ from pagedmoe.parallel.state import all_reduce_min
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
 from pagedmoe.planning.fetch_cost import settle_expert_fetch
-from pagedmoe.planning.model_shape import ModelShape
-from pagedmoe.planning.resolve import ExpertPlan, resolve_expert_plan
+from pagedmoe.planning.resolve import ExpertPlan, rank_shape, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.engine.profile_run import profile_step_bytes
@@ -260,7 +259,7 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
 def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: torch.device, dtype: torch.dtype,
                  max_model_len: int) -> str:
     """--expert-fetch settled by planning/fetch_cost.py (the host limit read only for routed fetching)."""
-    shape = ModelShape.from_model_dims(dims, spec, dtype.itemsize)
+    shape = rank_shape(config, dims, spec, dtype.itemsize)
     return settle_expert_fetch(config.experts, plan, shape, config.max_num_seqs, device.type, max_model_len / 2,
                                lambda: host_budget(config))
 

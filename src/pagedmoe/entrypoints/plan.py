@@ -2,14 +2,15 @@
 placement, from the model's config.json alone (no weights are read, no GPU is needed).
 
 Budgets are GiB, or `weights+X` / `weights-X` (the model's bf16 weights plus or minus X GiB).
-`--num-gpus N [N ...]` plans N GPUs of the same kind in expert parallelism: each holds the backbone
-and ceil(E / N) experts of every layer, within its own `--gpu-memory-gb`, and runs its own sequences;
-the memory columns are one GPU's, the throughput all N GPUs' (docs/planner.md).
+`--num-gpus N [N ...]` plans N GPUs of the same kind as the engine runs them with `--tensor-parallel-size N
+--enable-expert-parallel`: each holds its share of the backbone and E / N experts of every layer within its
+own `--gpu-memory-gb`, and all run the same sequences; the memory columns are one GPU's, the throughput the
+engine's (docs/planner.md). `--tensor-parallel-size N` (with or without `--enable-expert-parallel`) plans one
+layout the same way.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,8 +35,8 @@ def register(sub) -> None:
                    default=_env("gpu_memory_gb", None, lambda v: v.split()),
                    help="device budget(s) in GiB, or weights+X / weights-X")
     p.add_argument("--num-gpus", type=int, nargs="+", default=[1],
-                   help="GPUs of the same kind, experts split evenly across them (expert parallel, backbone "
-                        "replicated); several values print one plan each (e.g. 1 8)")
+                   help="GPUs of the same kind, as the engine's --tensor-parallel-size N --enable-expert-parallel "
+                        "(backbone sharded, experts split evenly); several values print one plan each (e.g. 1 8)")
     p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int),
                    help="plan one rank of the engine's --tensor-parallel-size N: the rank's share of the backbone "
                         "(heads, MLPs), of the experts and of the KV heads, as the engine splits them "
@@ -133,12 +134,12 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: O
 def format_table(rows) -> str:
     from pagedmoe.planning.kv_sizing import GiB
 
-    # An all-to-all column only for expert-parallel plans (the one-GPU table is unchanged).
+    # An all-reduce column only for tensor-parallel plans (the one-GPU table is unchanged).
     comm = any(not isinstance(p, Exception) and p.estimate.decode.comm_s > 0 for _, p, _, _ in rows)
 
     head = (f"  {'placement':<26}{'backbone':>9}{'resident':>9}{'compr':>7}{'host':>7}{'buffers':>8}{'act':>6}"
             f"{'KV':>7}{'KV tokens':>11}{'seqs':>6}{'step ms':>9}{'pcie':>8}{'decode':>7}{'hbm':>7}{'compute':>8}"
-            + (f"{'a2a':>7}" if comm else "") + f"{'prefill/seq':>12}{'out tok/s':>11}")
+            + (f"{'allred':>7}" if comm else "") + f"{'prefill/seq':>12}{'out tok/s':>11}")
     lines = [head, "  " + "-" * (len(head) - 2)]
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
     for label, plan, is_auto, selected in rows:
@@ -200,15 +201,18 @@ def run_plan(args) -> int:
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
     path = resolve_model(args.model)
     if args.tensor_parallel_size > 1 and args.num_gpus != [1]:
-        raise ValueError("--num-gpus (modelled: backbone replicated) and --tensor-parallel-size (the engine's "
-                         "split) plan different layouts: give one")
-    shape = ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype],
-                                      tensor_parallel_size=args.tensor_parallel_size,
-                                      expert_parallel=args.enable_expert_parallel)
+        raise ValueError("--num-gpus N plans the engine's --tensor-parallel-size N --enable-expert-parallel: give "
+                         "one of --num-gpus and --tensor-parallel-size")
     for n in args.num_gpus:
-        if not 1 <= n <= shape.num_experts:
-            raise ValueError(f"--num-gpus {n} is outside [1, {shape.num_experts}] (the experts per layer)")
-    per_gpu = min(dataclasses.replace(shape, num_gpus=n).experts_per_gpu for n in args.num_gpus)
+        if n < 1:
+            raise ValueError(f"--num-gpus must be >= 1, got {n}")
+    # (ranks, expert parallel) of each plan: --num-gpus N is the engine's TP = N with experts split over the ranks
+    layouts = ([(args.tensor_parallel_size, args.enable_expert_parallel)] if args.num_gpus == [1]
+               else [(n, n > 1) for n in args.num_gpus])
+    shapes = [ModelShape.from_hf_config(path, dtype_bytes=_DTYPE_BYTES[args.dtype], tensor_parallel_size=n,
+                                        expert_parallel=ep) for n, ep in layouts]
+    shape = shapes[0]
+    per_gpu = min(s.experts_per_gpu for s in shapes)
     if num_gpu is not None and not 0 <= num_gpu <= per_gpu:
         raise ValueError(f"--num-gpu-experts {num_gpu} is outside [0, {per_gpu}] for this model"
                          + (" (experts per layer per GPU)" if per_gpu != shape.num_experts else ""))
@@ -257,17 +261,19 @@ def run_plan(args) -> int:
               "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
     first_error = None
-    for num_gpus, text in [(n, t) for n in args.num_gpus for t in args.gpu_memory_gb]:
-        gpu_shape = dataclasses.replace(shape, num_gpus=num_gpus)
-        budget = parse_budget(text, shape.weight_bytes)
+    for gpu_shape, text in [(s, t) for s in shapes for t in args.gpu_memory_gb]:
+        num_gpus = gpu_shape.tensor_parallel_size
+        budget = parse_budget(text, gpu_shape.weight_bytes)
         inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
                             None, None, buffers, host_ratio, host_budget, fused_compressed=args.fused_compression)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
-        if num_gpus > 1:
-            print(f"\n{num_gpus} x {hw.name}, expert parallel: {gpu_shape.experts_per_gpu} of {shape.num_experts} "
-                  f"experts per layer and the whole backbone on each GPU; memory columns and seqs per GPU, "
-                  f"out tok/s of all {num_gpus} GPUs; budget {budget / GiB:.2f} GiB per GPU ({text}):")
+        if num_gpus > 1 and len(shapes) > 1:
+            print(f"\n{num_gpus} x {hw.name}, as the engine runs --tensor-parallel-size {num_gpus} "
+                  f"--enable-expert-parallel: each GPU holds its share of the backbone ({gpu_shape.num_heads} "
+                  f"attention heads) and {gpu_shape.experts_per_gpu} of {shape.num_experts} experts per layer "
+                  f"(weights {gpu_shape.weight_bytes / GiB:.2f} GiB); every GPU runs the same sequences: memory "
+                  f"columns per GPU, out tok/s of the engine; budget {budget / GiB:.2f} GiB per GPU ({text}):")
         elif len(args.num_gpus) > 1:
             print(f"\n1 x {hw.name}: budget {budget / GiB:.2f} GiB ({text}):")
         else:

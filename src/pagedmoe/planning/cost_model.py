@@ -30,8 +30,10 @@ sequences is prefilled once (in steps of up to max_num_batched_tokens prompt tok
 per-step expert streaming as decode) and then decodes output_len - 1 tokens in steps shared by all B:
   cycle = (output_len - 1) * decode_step(B, L) + B * prefill_per_seq,   L = input_len + output_len / 2
   output tokens/s = B * output_len / cycle.
-Expert parallelism over N GPUs (ModelShape.num_gpus): B sequences on each GPU, steps as in step_cost,
-N * B * output_len / cycle for all GPUs together.
+Tensor parallelism over N GPUs (ModelShape.tensor_parallel_size; with expert parallelism the experts split
+over the same N ranks, ModelShape.num_gpus): the engine's layout. Every rank runs the same B sequences on its
+share of the weights, so the step is one rank's step plus the all-reduces (`comm`), and the throughput is
+B * output_len / cycle, as on one GPU.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class HardwareProfile:
     step_overhead_s: float = 1e-3                # per step beyond the floors (fitted with the two below)
     layer_overhead_s: float = 0.19e-3            # per decoder layer and step (fitted, resident decode steps)
     seq_overhead_s: float = 48e-6                # per sequence and step (fitted, resident decode steps)
-    # GPU-to-GPU bandwidth one GPU sends at in an all-to-all (expert parallelism): the H200 SXM
+    # GPU-to-GPU bandwidth one GPU sends at in a collective (tensor parallelism's all-reduces): the H200 SXM
     # datasheet's NVLink 900 GB/s bidirectional, halved; not measured here.
     nvlink_bytes_per_s: float = 450e9
 
@@ -137,7 +139,7 @@ class StepCost:
     compute_s: float
     fill_s: float
     overhead_s: float
-    comm_s: float = 0.0   # expert-parallel all-to-all (dispatch + combine), not overlapped
+    comm_s: float = 0.0   # tensor-parallel all-reduces of the attention and FFN outputs, not overlapped
 
 
     @property
@@ -162,17 +164,13 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
               kv_read_bytes: float, context_len: float, num_seqs: int = 1) -> StepCost:
     """Floors of one step of `num_tokens` tokens attending over `context_len` cached tokens on average.
 
-    With expert parallelism (shape.num_gpus = N > 1) this is one GPU's step: its num_tokens tokens run
-    the (replicated) backbone and attention over its own KV cache; the N * num_tokens tokens of all
-    GPUs route over every expert, and this GPU runs its ceil(E / N) experts for them (on average
-    num_tokens * top_k token-expert pairs, so the FLOPs per GPU are unchanged). Each MoE layer sends
-    the hidden state of each token-expert pair whose expert is on another GPU, (N - 1) / N of them,
-    there and back over NVLink (`comm_s`, added to the step: dispatch precedes the expert GEMMs).
+    Under tensor parallelism (shape.tensor_parallel_size = N > 1) this is one rank's step: the shape is the
+    rank's share (heads, intermediate sizes; with expert parallelism E / N whole experts of every layer, of
+    which the rank runs the ones its tokens route to: shape.routed_experts). Each decoder layer all-reduces
+    its attention output and its FFN output, T x H values each, over NVLink; a ring sends 2 (N - 1) / N of
+    them from every GPU (`comm_s`, added to the step: the next layer needs the sum).
     """
-    N = shape.num_gpus
-    distinct = expected_distinct_experts(shape.num_experts, shape.top_k, num_tokens * N)
-    if N > 1:
-        distinct *= shape.experts_per_gpu / shape.num_experts
+    distinct = shape.routed_experts(num_tokens)
     routed = shape.num_moe_layers * distinct
     hbm_bytes = (shape.backbone_read_bytes + routed * shape.expert_bytes * traffic.routed_read_factor + kv_read_bytes
                  + num_tokens * shape.kv_bytes_per_token + traffic.hbm_bytes)
@@ -186,9 +184,10 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, traffic: StepTraffic, num_
     fill_s = (pipeline_s([copy_side * x for x in shares], gpu_side / L, traffic.layer_copy_waits)
               - max(copy_side, gpu_side)
               if L and copy_side > 0 else 0.0)
+    N = shape.tensor_parallel_size
     comm_s = 0.0
     if N > 1:
-        comm_bytes = 2 * shape.num_moe_layers * num_tokens * shape.top_k * (N - 1) / N * shape.hidden_size
+        comm_bytes = 2 * shape.num_layers * num_tokens * shape.hidden_size * 2 * (N - 1) / N
         comm_s = comm_bytes * shape.dtype_bytes / hw.nvlink_bytes_per_s
     overhead_s = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + num_seqs * hw.seq_overhead_s
     return StepCost(num_tokens, pcie_s, decode_s, hbm_s, compute_s, max(0.0, fill_s), overhead_s, comm_s)
@@ -230,24 +229,22 @@ class WorkloadEstimate:
     prefill_tokens: int
     prefill_s_per_seq: float
     cycle_s: float               # all num_seqs sequences from prompt to last token
-    num_gpus: int = 1            # expert parallel: num_seqs run on each GPU; throughputs are of all GPUs
 
     @property
     def output_throughput(self) -> float:
-        return self.num_gpus * self.num_seqs * self.output_len / self.cycle_s if self.num_seqs else 0.0
+        return self.num_seqs * self.output_len / self.cycle_s if self.num_seqs else 0.0
 
     @property
     def total_throughput(self) -> float:
-        return (self.num_gpus * self.num_seqs * (self.input_len + self.output_len) / self.cycle_s
+        return (self.num_seqs * (self.input_len + self.output_len) / self.cycle_s
                 if self.num_seqs else 0.0)
 
     @property
     def request_throughput(self) -> float:
-        return self.num_gpus * self.num_seqs / self.cycle_s if self.num_seqs else 0.0
+        return self.num_seqs / self.cycle_s if self.num_seqs else 0.0
 
     def to_dict(self) -> dict:
         return {"input_len": self.input_len, "output_len": self.output_len, "num_seqs": self.num_seqs,
-                "num_gpus": self.num_gpus,
                 "decode_step": self.decode.to_dict(), "prefill_step": self.prefill.to_dict(),
                 "prefill_tokens_per_step": self.prefill_tokens, "prefill_s_per_seq": self.prefill_s_per_seq,
                 "cycle_s": self.cycle_s, "output_throughput": self.output_throughput,
@@ -267,7 +264,7 @@ def estimate_workload(shape: ModelShape, hw: HardwareProfile, traffic: StepTraff
     prefill_s_per_seq = prefill.total_s * input_len / prefill_tokens
     cycle_s = (output_len - 1) * decode.total_s + max(seqs, 1) * prefill_s_per_seq
     return WorkloadEstimate(input_len, output_len, seqs, decode, prefill, prefill_tokens, prefill_s_per_seq,
-                            cycle_s, shape.num_gpus)
+                            cycle_s)
 
 
 def ring_wait_layers(streamed_rows: list[list[int]], ring_size: int) -> list[int]:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_step_cost,
-                                          expected_distinct_experts)
+from pagedmoe.planning.cost_model import HardwareProfile, StepTraffic, decode_step_cost
 from pagedmoe.planning.model_shape import ModelShape
 
 # Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
@@ -30,21 +29,21 @@ ROUTED_MARGIN = 0.10
 
 def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
     """Pages of the expert cache: the device rows stream-all holds (experts/build.py::cache_slots)."""
-    E = shape.num_experts
+    E = shape.experts_per_gpu
     return max(E, shape.num_moe_layers * num_gpu_experts + 2 * (E - num_gpu_experts))
 
 
 def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
                  context_len: float) -> dict[str, Optional[float]]:
     """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible)."""
-    L, E = shape.num_moe_layers, shape.num_experts
+    L, E = shape.num_moe_layers, shape.experts_per_gpu   # this GPU's experts of a layer
     n = max(0, min(num_gpu_experts, E))
     stream = StepTraffic(h2d_bytes=L * (E - n) * shape.expert_bytes)
     out: dict[str, Optional[float]] = {
         "stream": decode_step_cost(shape, hw, stream, num_seqs, context_len).total_s,
         "resident": decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len).total_s if n >= E else None}
     base = decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len)
-    distinct = expected_distinct_experts(E, shape.top_k, num_seqs)
+    distinct = shape.routed_experts(num_seqs)
     hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
     misses = L * distinct * (1.0 - hit)
     # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more

@@ -43,9 +43,13 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # Expert parallelism the plan is for (`pagedmoe plan --num-gpus`): each MoE layer's experts split
-    # evenly over num_gpus GPUs (ceil(E / num_gpus) each), the backbone replicated on every GPU.
+    # The engine's parallel layout this shape is one rank of (parallel/sharding.py): tensor parallelism over
+    # `tensor_parallel_size` ranks (the heads and intermediate sizes above are one rank's; every rank runs the
+    # same tokens and all-reduces the attention and FFN outputs of every layer), and with expert parallelism
+    # (`--enable-expert-parallel`) each MoE layer's E experts split evenly over `num_gpus` = that many ranks
+    # (E / num_gpus each; num_experts stays the model's E, which the router picks from).
     num_gpus: int = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -54,11 +58,16 @@ class ModelShape:
             raise ValueError(f"top_k {self.top_k} not in [1, num_experts={self.num_experts}]")
         if not 1 <= self.num_gpus <= self.num_experts:
             raise ValueError(f"num_gpus {self.num_gpus} not in [1, num_experts={self.num_experts}]")
+        if self.num_gpus > 1 and self.num_gpus != self.tensor_parallel_size:
+            raise ValueError(f"experts split over {self.num_gpus} ranks need tensor_parallel_size {self.num_gpus} "
+                             f"(the engine's expert parallelism runs within its tensor-parallel ranks)")
 
     # -- builders --------------------------------------------------------------------------------
     @classmethod
-    def from_model_dims(cls, dims, spec, dtype_bytes: int = 2, name: str = "") -> "ModelShape":
-        """From the engine's `ModelDims` and `ArchSpec` (models/moe_decoder.py)."""
+    def from_model_dims(cls, dims, spec, dtype_bytes: int = 2, name: str = "", tensor_parallel_size: int = 1,
+                        expert_parallel: bool = False) -> "ModelShape":
+        """From the engine's `ModelDims` and `ArchSpec` (models/moe_decoder.py): a rank's dims under
+        `tensor_parallel_size` ranks (with `expert_parallel`, dims.num_experts is the rank's share)."""
         mla = {}
         if dims.mla is not None:
             m = dims.mla
@@ -68,14 +77,15 @@ class ModelShape:
         return cls(
             vocab_size=dims.vocab_size, hidden_size=dims.hidden_size, num_layers=dims.num_layers,
             num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
-            num_experts=dims.num_experts, top_k=dims.top_k, moe_intermediate_size=dims.moe_intermediate_size,
+            num_experts=dims.num_experts * (tensor_parallel_size if expert_parallel else 1), top_k=dims.top_k, moe_intermediate_size=dims.moe_intermediate_size,
             dense_intermediate_size=dims.dense_intermediate_size,
             num_moe_layers=dims.num_layers - len(spec.dense_layers),
             shared_intermediate_size=spec.shared_intermediate_size,
             shared_expert_gate=bool(spec.shared_intermediate_size and spec.shared_expert_gate),
             qkv_bias=dims.mla.attention_bias if dims.mla is not None else spec.qkv_bias, qk_norm=spec.qk_norm,
             tie_word_embeddings=dims.tie_word_embeddings, dtype_bytes=dtype_bytes, name=name,
-            router_bias=spec.router == "sigmoid_grouped", **mla,
+            router_bias=spec.router == "sigmoid_grouped", tensor_parallel_size=tensor_parallel_size,
+            num_gpus=tensor_parallel_size if expert_parallel else 1, **mla,
         )
 
     @classmethod
@@ -93,7 +103,7 @@ class ModelShape:
         dims, spec = shard_arch(*spec_builder(config)(config), tensor_parallel_size, expert_parallel)
         if tensor_parallel_size > 1:
             name = f"{name} (one rank of {tensor_parallel_size}{', expert parallel' if expert_parallel else ''})"
-        return cls.from_model_dims(dims, spec, dtype_bytes, name=name)
+        return cls.from_model_dims(dims, spec, dtype_bytes, name, tensor_parallel_size, expert_parallel)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,8 +111,16 @@ class ModelShape:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def experts_per_gpu(self) -> int:
-        """Experts of one MoE layer that one GPU holds (all E on one GPU)."""
+        """Experts of one MoE layer that one GPU holds (all E on one GPU; E / N under expert parallelism)."""
         return -(-self.num_experts // self.num_gpus)
+
+    def routed_experts(self, num_tokens: float) -> float:
+        """This GPU's experts one MoE layer runs for `num_tokens` tokens (each picks top_k of the model's E
+        uniformly at random; under expert parallelism every rank sees the same tokens, its share of them)."""
+        if num_tokens <= 0:
+            return 0.0
+        E = self.num_experts
+        return self.experts_per_gpu * (1.0 - (1.0 - self.top_k / E) ** num_tokens)
 
     @property
     def expert_params(self) -> int:
@@ -115,8 +133,8 @@ class ModelShape:
 
     @property
     def num_expert_slots(self) -> int:
-        """(layer, expert) pairs: the experts the placement distributes."""
-        return self.num_moe_layers * self.num_experts
+        """(layer, expert) pairs this GPU holds: the experts the placement distributes."""
+        return self.num_moe_layers * self.experts_per_gpu
 
     @property
     def all_expert_bytes(self) -> int:
@@ -199,9 +217,11 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
-    def active_params_per_token(self) -> int:
-        """Weights one token multiplies: the backbone matmuls plus top_k experts per MoE layer."""
-        return self._backbone_matmul_params() + self.num_moe_layers * self.top_k * self.expert_params
+    def active_params_per_token(self) -> float:
+        """Weights one token multiplies on this GPU: the backbone matmuls plus top_k experts per MoE layer
+        (under expert parallelism, top_k * (E / N) / E of them on average: the rank's share)."""
+        experts = self.top_k * self.experts_per_gpu / self.num_experts
+        return self._backbone_matmul_params() + self.num_moe_layers * experts * self.expert_params
 
     def flops_per_token(self, context_len: float) -> float:
         """2 FLOPs per active weight, plus attention over `context_len` cached tokens

@@ -123,12 +123,19 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     return ExpertPlan("paged", per_layer, comp if any(comp) else None, host_compression, plan)
 
 
+def rank_shape(c, dims, spec, dtype_bytes: int) -> ModelShape:
+    """The planner's shape of this rank (`dims` are the rank's): under --enable-expert-parallel its experts
+    are E / N of the model's E, which the router picks from, and every rank all-reduces (cost_model.py)."""
+    return ModelShape.from_model_dims(dims, spec, dtype_bytes, tensor_parallel_size=c.tensor_parallel_size,
+                                      expert_parallel=c.enable_expert_parallel)
+
+
 def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_type: str, is_bf16: bool,
                      dtype_bytes: int, max_model_len: int, host_compression: str, host_budget,
                      eager: bool) -> Optional[dict]:
     """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16);
     None for a resident placement at a budget, which is only checked (refused with the minimum)."""
-    shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
+    shape = rank_shape(c, dims, spec, dtype_bytes)
     x, sch = c.experts, c.scheduler
     act = estimate_activation_bytes(sch.max_num_batched_tokens, sch.max_num_seqs, dims.hidden_size,
                                     dims.moe_intermediate_size, dims.top_k, dims.vocab_size, dtype_bytes)
@@ -176,7 +183,7 @@ def _check_fixed_host_tier(c, dims, spec, num_gpu: int, num_comp: int, device_ty
     limit = host_budget() if num_host > 0 else None
     if limit is None:
         return
-    shape = ModelShape.from_model_dims(dims, spec, dtype_bytes)
+    shape = rank_shape(c, dims, spec, dtype_bytes)
     placement = Placement.uniform(num_moe, dims.num_experts, num_gpu, num_comp,
                                   LOSSLESS_PLANNING_RATIO if num_comp else 0.0)
     buffers = planning_buffer_kind(c.experts.buffers, device_type == "cuda")
