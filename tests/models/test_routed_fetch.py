@@ -17,6 +17,11 @@ def ckpt(request, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def resident_refs():
+    return {}   # (checkpoint, lengths, dtype) -> resident placement's logits: computed once per module
+
+
 def _trace(path, lengths, **flags):
     from pagedmoe import LLM
 
@@ -25,11 +30,18 @@ def _trace(path, lengths, **flags):
     return captured, llm.engine
 
 
+def _resident(refs, path, lengths, dtype="auto"):
+    key = (str(path), lengths, dtype)
+    if key not in refs:
+        refs[key] = _trace(path, lengths, dtype=dtype)[0]
+    return refs[key]
+
+
 @pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
 @pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=3, expert_prefetch=True)],
                          ids=["cpu_moe", "n3-prefetch"])
-def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
-    ref, _ = _trace(ckpt, lengths)
+def test_routed_logits_bit_identical_to_resident(ckpt, resident_refs, lengths, flags):
+    ref = _resident(resident_refs, ckpt, lengths)
     got, engine = _trace(ckpt, lengths, expert_fetch="routed", **flags)
     assert len(ref) == len(got) > 0
     for a, b in zip(ref, got):
@@ -47,6 +59,36 @@ def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
     assert stats["experts"].get("host/bf16", 0) == 8 * num_moe
     assert stats["expert_bytes_h2d"] == st.bytes_moved
     assert stats["expert_cache_hits"] == st.hits and stats["expert_cache_misses"] == st.misses
+
+
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_routed_lossless_tiers_decode_only_the_routed_misses(ckpt, resident_refs, lengths):
+    """A compressed host tier (--host-compression lossless) and the compressed GPU tier (--num-compressed-experts):
+    a miss moves only its expert's compressed bytes (none from the GPU tier) and decodes only that expert into its
+    page; the logits equal resident placement's, bit for bit (bf16)."""
+    ref = _resident(resident_refs, ckpt, lengths, "bfloat16")
+    got, engine = _trace(ckpt, lengths, dtype="bfloat16", expert_fetch="routed", expert_placement="paged",
+                         num_gpu_experts=0, num_compressed_experts=3, host_compression="lossless",
+                         expert_prefetch=True)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    num_moe = len(engine.model.moe_layers())
+    stats = engine.get_stats()
+    assert stats["experts"] == {"compressed/bf16": 3 * num_moe, "host/bf16": 5 * num_moe}
+    st, store = engine.pager.cache.stats, engine.expert_store
+    expert = store.expert_numel * 2
+    fetched = st.misses + st.prefetched
+    assert st.misses > 0 and st.bytes_decoded == fetched * expert   # every fill decodes exactly one expert
+    # what one fill of each kind moves: its compressed arrays from the host, nothing from the GPU tier
+    fill = engine.pager._fill
+    per_host = [fill.moved_bytes(l, e) for l in range(num_moe) for e in range(3, 8)]
+    assert all(0 < b < expert for b in per_host)
+    assert all(fill.moved_bytes(l, e) == 0 for l in range(num_moe) for e in range(3))
+    assert 0 < st.bytes_moved < fetched * expert
+    assert stats["expert_bytes_h2d"] == st.bytes_moved and stats["expert_bytes_decoded"] == st.bytes_decoded
+    # nothing raw is kept in host memory: the host tier is the compressed groups, one expert each
+    assert all(store.host[l] is None and len(store.host_groups[l]) == 5 for l in range(num_moe))
 
 
 def _decode_bytes(path, fetch):
@@ -88,9 +130,8 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
     make_tiny_checkpoint("mixtral", tmp_path, seed=4)
     with pytest.raises(ValueError, match="needs paged placement"):
         LLM(str(tmp_path), device="cpu", expert_placement="resident", expert_fetch="routed")
-    with pytest.raises(ValueError, match="cannot take effect with --host-compression"):
-        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", dtype="bfloat16",
-            host_compression="lossless")
+    with pytest.raises(ValueError, match="cannot take effect with --expert-precision static-int8"):
+        LLM(str(tmp_path), device="cpu", expert_fetch="routed", expert_precision="static-int8")
     with pytest.raises(ValueError, match="expert_fetch must be one of"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
     with pytest.raises(ValueError, match="holds every expert in host memory"):
@@ -151,14 +192,19 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_routed_on_cuda_matches_resident(tmp_path, family):
-    """On the GPU: pinned host rows copied on the compute stream, the slot map written, eager steps (the
-    runner turns CUDA graphs off for the per-layer sync); logits equal resident placement's, bf16."""
+@pytest.mark.parametrize("tiers", [dict(cpu_moe=True),
+                                   dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                                        host_compression="lossless", expert_prefetch=True)],
+                         ids=["host", "lossless-tiers"])
+def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
+    """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
+    on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
+    sync); logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
     runs = {}
-    for name, flags in (("resident", {}), ("routed", dict(cpu_moe=True, expert_fetch="routed"))):
+    for name, flags in (("resident", {}), ("routed", dict(expert_fetch="routed", **tiers))):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
         runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
         if name == "routed":

@@ -29,7 +29,8 @@ import torch
 class CacheStats:
     hits: int = 0              # routed experts found in the cache (per layer and step)
     misses: int = 0            # routed experts fetched
-    bytes_moved: int = 0       # host -> device bytes of the fetched experts
+    bytes_moved: int = 0       # host -> device bytes of the fetched experts (compressed bytes from a compressed tier)
+    bytes_decoded: int = 0     # bf16 bytes decoded into pages (misses from a compressed host or GPU tier)
     bytes_routed: int = 0      # bytes of the distinct experts routed (per layer and step)
     prefetched: int = 0        # pages fetched by prediction (layer l+1's router on layer l's input)
     prefetch_hits: int = 0     # of those, routed by their layer in the same forward

@@ -31,6 +31,7 @@ from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.interface import DenseOperand, ExpertOperand
 from pagedmoe.experts.layout import expert_views
 from pagedmoe.experts.pager import ExpertPager
+from pagedmoe.experts.routed_fill import RoutedFill
 
 
 class RoutedPager(ExpertPager):
@@ -43,6 +44,7 @@ class RoutedPager(ExpertPager):
         self.expert_bytes = store.expert_numel * store.dtype.itemsize
         self.routers: list = []                     # per MoE layer: x -> (topk weights, topk ids) (set_routers)
         self._prefetched: dict[int, set] = {}       # layer -> experts prefetched for it this forward
+        self._fill: Optional[RoutedFill] = None     # how a page is filled from each expert's master copy
         if self.cuda:
             self.prefetch_done = [torch.cuda.Event() for _ in range(self.num_layers)]
             self._prefetch_fork = torch.cuda.Event()
@@ -68,23 +70,33 @@ class RoutedPager(ExpertPager):
         if predicted is not None and self.cuda:
             torch.cuda.current_stream().wait_event(self.prefetch_done[layer])
         hits, misses = self.cache.lookup(layer, ids)
-        host = self.store.host[layer]
-        for e, slot in misses:
-            # NOTE: copied even under no_host_copies(): a page the cache names must hold its expert
-            self.cache.pool[slot].copy_(host[self.store.table.lookup(layer, e).slot], non_blocking=True)
+        # NOTE: filled even under no_host_copies(): a page the cache names must hold its expert
+        self._fill_pages(layer, misses)
         if misses:
             self.cache.publish(layer)
         if not self._skip_host:
             st = self.cache.stats
             st.hits += len(hits)
             st.misses += len(misses)
-            st.bytes_moved += len(misses) * self.expert_bytes
             st.bytes_routed += len(ids) * self.expert_bytes
             if predicted:
                 st.prefetch_hits += len(predicted.intersection(ids))
-            self.stats.bytes_h2d += len(misses) * self.expert_bytes
             self.stats.layers_loaded += 1
         return DenseOperand(self._w13, self._w2, self.cache.slot_maps[layer])
+
+    def _fill_pages(self, layer: int, misses) -> None:
+        """Fill each missed expert's page from its master copy (experts/routed_fill.py), on the current stream,
+        and count the bytes moved host -> device and decoded."""
+        if self._fill is None:   # built on first use: after ExpertStore.finalize built the host staging
+            self._fill = RoutedFill(self.store)
+        fill, st = self._fill, self.cache.stats
+        for e, slot in misses:
+            fill.fill(layer, e, self.cache.pool[slot], non_blocking=True)
+            moved, decoded = fill.moved_bytes(layer, e), fill.decoded_bytes(layer, e)
+            st.bytes_moved += moved
+            st.bytes_decoded += decoded
+            self.stats.bytes_h2d += moved
+            self.stats.bytes_decoded += decoded
 
     def predict(self, layer: int, x: torch.Tensor) -> None:
         """Prefetch for layer + 1 what its router picks for layer `layer`'s MoE input `x` (called after
@@ -96,23 +108,18 @@ class RoutedPager(ExpertPager):
         ids = torch.unique(ids).tolist()
         _, misses = self.cache.lookup(nxt, ids, protect=layer)
         self._prefetched[nxt] = {e for e, _ in misses}
-        host = self.store.host[nxt]
         ctx = contextlib.nullcontext()
         if self.cuda:
             self._prefetch_fork.record()
             self.copy_stream.wait_event(self._prefetch_fork)
             ctx = torch.cuda.stream(self.copy_stream)
         with ctx:
-            for e, slot in misses:
-                self.cache.pool[slot].copy_(host[self.store.table.lookup(nxt, e).slot], non_blocking=True)
+            self._fill_pages(nxt, misses)
             if misses:   # NOTE: weights(nxt) publishes only its own misses; a fully predicted layer has none
                 self.cache.publish(nxt)
             if self.cuda:
                 self.prefetch_done[nxt].record()
-        st = self.cache.stats
-        st.prefetched += len(misses)
-        st.bytes_moved += len(misses) * self.expert_bytes
-        self.stats.bytes_h2d += len(misses) * self.expert_bytes
+        self.cache.stats.prefetched += len(misses)
 
     def done(self, layer: int) -> None:
         pass
@@ -125,6 +132,10 @@ class RoutedPager(ExpertPager):
     def bytes_per_forward(self) -> int:
         """Not fixed: what a forward moves depends on what is routed and cached (see `cache.stats`)."""
         return 0
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._fill = None
 
     def reset_stats(self) -> None:
         super().reset_stats()

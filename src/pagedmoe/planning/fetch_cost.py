@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from pagedmoe.planning.cost_model import (HardwareProfile, StepTraffic, decode_step_cost,
                                           expected_distinct_experts)
 from pagedmoe.planning.model_shape import ModelShape
+from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
 
 # Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
 # and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
@@ -73,7 +74,7 @@ def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape:
             raise ValueError("--expert-fetch routed pages experts from the host tier; it needs paged placement "
                              "(--expert-placement paged, --num-gpu-experts N or --cpu-moe)")
         if compatible is not None:
-            raise ValueError(f"--expert-fetch routed fetches exact rows from the host tier; it cannot take effect "
+            raise ValueError(f"--expert-fetch routed fetches exact experts from the host and lossless tiers; it cannot take effect "
                              f"with {compatible} (use --expert-fetch stream)")
         return "routed"
     if requested == "stream" or not paged or compatible is not None or device_type != "cuda":
@@ -93,6 +94,15 @@ def fetch_table(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, co
     return rows
 
 
+def routed_host_bytes(shape: ModelShape, num_compressed, host_compression: str) -> float:
+    """The host tier under routed fetching: every expert but the compressed GPU tier's, at the planning ratio
+    when the host tier is compressed."""
+    comp = sum(num_compressed) if isinstance(num_compressed, (tuple, list)) else (num_compressed or 0) * \
+        shape.num_moe_layers
+    ratio = LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 1.0
+    return (shape.num_expert_slots - comp) * shape.expert_bytes * ratio
+
+
 def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_type: str, context_len: float,
                         host_limit: Callable[[], Optional[int]]) -> str:
     """The engine's --expert-fetch: `x` the expert flags (config_sections.ExpertConfig), `plan` the resolved
@@ -100,18 +110,17 @@ def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_ty
     keeps every expert's master copy in the host tier (the cache may evict any page): over `host_limit()`
     auto falls back on stream and an explicit routed is refused."""
     blocker = next((flag for flag, on in (
-        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
-        ("--host-compression lossless", plan.host_compression != "none"),
         ("--expert-precision " + x.precision, x.precision != "exact"),
         ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
     n = plan.num_gpu_experts
     n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
     fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, max_num_seqs, device_type, context_len)
     limit = host_limit() if fetch == "routed" else None
-    if limit is not None and shape.all_expert_bytes > limit:
+    host_bytes = routed_host_bytes(shape, plan.num_compressed, plan.host_compression)
+    if limit is not None and host_bytes > limit:
         if x.fetch == "routed":
-            raise ValueError(f"--expert-fetch routed holds every expert in host memory "
-                             f"({shape.all_expert_bytes / 2**30:.2f} GiB), above the host memory limit of "
+            raise ValueError(f"--expert-fetch routed holds every expert in host memory (but the compressed GPU "
+                             f"tier's: {host_bytes / 2**30:.2f} GiB), above the host memory limit of "
                              f"{limit / 2**30:.2f} GiB: raise --host-memory-gb or use --expert-fetch stream")
         fetch = "stream"
     return fetch

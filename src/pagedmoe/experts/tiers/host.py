@@ -4,7 +4,9 @@ Raw (`rows[l]` [n_host, stride], pinned on CUDA) or, under `--host-compression l
 layer its host experts in groups of consecutive ids (at most HOST_GROUP_BYTES of bf16 each), each group a
 CompressedTensor (one part per expert) in pinned host memory, copied into one of HOST_STAGING_SLOTS
 device staging slots and decoded into its compute rows by the pager in one launch (experts/pager.py).
-The raw rows then only stage a layer until it is encoded.
+The raw rows then only stage a layer until it is encoded. Routed fetching (experts/routed.py) fetches one
+expert at a time: its groups hold one expert each (`group_experts=1`), so a miss moves only that expert's
+compressed bytes.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def _unregister(ptr: int) -> None:
 
 class HostTier:
     def __init__(self, table, stride: int, expert_numel: int, dtype: torch.dtype, device: torch.device,
-                 paged: bool, compression: str = "none") -> None:
+                 paged: bool, compression: str = "none", group_experts: int = 0) -> None:
         L = table.num_layers
+        self.group_experts = group_experts   # experts per compressed group (0: host_group_experts' choice)
         self.table, self.expert_numel, self.device, self.compression = table, expert_numel, device, compression
         self.rows: list[Optional[torch.Tensor]] = [None] * L
         self.staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
@@ -86,7 +89,8 @@ class HostTier:
         ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
                     checksum=False)
         # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
-        groups = consecutive_runs(self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel))
+        groups = consecutive_runs(self.table.ids(layer, HOST),
+                                  self.group_experts or host_group_experts(2 * self.expert_numel))
         self.groups[layer] = [(e0, k) for _, e0, k in groups]
         self.compressed[layer] = to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
                                                self.device.type == "cuda")
