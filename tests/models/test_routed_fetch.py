@@ -2,10 +2,17 @@
 model computes never changes, and far fewer bytes move than with stream-all."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from tiny_models import greedy_logits, make_tiny_checkpoint
+if not torch.cuda.is_available():
+    # fetch path (b) runs its Triton gather on the interpreter: set before the kernels' import (jit decoration)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -91,6 +98,28 @@ def test_routed_lossless_tiers_decode_only_the_routed_misses(ckpt, resident_refs
     assert all(store.host[l] is None and len(store.host_groups[l]) == 5 for l in range(num_moe))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_sync_free_uva_path_bit_identical_to_resident(ckpt, resident_refs, lengths):
+    """Fetch path (b) (--expert-fetch-path uva, experts/routed_uva.py): forwards of up to max_num_seqs (4) tokens
+    plan their misses on the device and gather them into the miss area with the Triton kernel (here on the
+    interpreter), no host sync; the prefills (more tokens) take path (a) and fill the LRU pages path (b) then hits.
+    The logits equal resident placement's, bit for bit."""
+    ref = _resident(resident_refs, ckpt, lengths)
+    got, engine = _trace(ckpt, lengths, expert_fetch="routed", expert_fetch_path="uva", cpu_moe=True,
+                         max_num_seqs=4)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    pager = engine.pager
+    assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
+    st = pager.cache.stats
+    assert st.misses > 0 and st.hits > 0   # the decode steps hit the pages the prefill's path (a) fetched
+    assert st.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
+    assert st.bytes_routed == (st.hits + st.misses) * engine.expert_store.expert_numel * 4
+
+
 def _decode_bytes(path, fetch):
     """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
     from pagedmoe import LLM, SamplingParams
@@ -136,6 +165,11 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
     with pytest.raises(ValueError, match="holds every expert in host memory"):
         LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
+    with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="stream", expert_fetch_path="uva")
+    with pytest.raises(ValueError, match="uva gathers raw host rows"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", expert_fetch_path="uva",
+            dtype="bfloat16", host_compression="lossless")
     with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
@@ -192,14 +226,16 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("tiers", [dict(cpu_moe=True),
+@pytest.mark.parametrize("tiers", [dict(cpu_moe=True, expert_fetch_path="copy"),
                                    dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
-                                        host_compression="lossless", expert_prefetch=True)],
-                         ids=["host", "lossless-tiers"])
+                                        host_compression="lossless", expert_prefetch=True),
+                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4)],
+                         ids=["host", "lossless-tiers", "uva-graphs"])
 def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
     """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
     on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
-    sync); logits equal resident placement's, bf16."""
+    sync); or, uva, the decode steps gather their misses from mapped pinned memory inside CUDA graphs (the
+    prefills take path (a)); logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
@@ -208,8 +244,12 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
         runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
         if name == "routed":
-            assert llm.engine.runner.graphs is None
+            uva = tiers.get("expert_fetch_path") == "uva"
+            assert (llm.engine.runner.graphs is not None) == uva
             assert llm.engine.pager.cache.stats.misses > 0
+            if uva:
+                assert llm.engine.runner.graphs.buckets == [1, 2, 4]
+                assert llm.engine.pager.sync_free.num_steps > 0 and llm.engine.pager.cache.stats.hits > 0
         del llm
         torch.cuda.empty_cache()
     for a, b in zip(runs["resident"], runs["routed"]):

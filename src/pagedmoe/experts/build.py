@@ -14,6 +14,7 @@ from pagedmoe.experts.buffers import VmmExpertBuffers
 from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
 from pagedmoe.experts.routed import RoutedPager
+from pagedmoe.experts.routed_uva import miss_rows
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
@@ -157,12 +158,18 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     E = dims.num_experts
     if any(c < 0 or c > E for c in comp):
         raise ValueError(f"{max(comp)} compressed experts exceed the model's {E} experts per layer")
+    sync_free = plan.sync_free_max_seqs
+    if sync_free and (any(comp) or plan.host_compression != "none"):
+        raise ValueError("--expert-fetch-path uva gathers raw host rows; it cannot take effect with the lossless "
+                         "tiers (--num-compressed-experts, --host-compression lossless)")
     table = ExpertTable(num_layers, E)
     # no resident experts: the cache holds what is routed; compressed: the first C ids (one decode run a layer)
     table.place([()] * num_layers, [range(c) for c in comp])
-    slots = cache_slots(plan.num_gpu_experts, num_layers, E)
+    # path (b)'s miss area comes out of the cache's pages while they leave E for path (a) (always, with 2+ layers)
+    misses = miss_rows(E, dims.top_k, sync_free)
+    slots = max(cache_slots(plan.num_gpu_experts, num_layers, E), E + misses)
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, True,
                         stride_align_bytes=STRIDE_ALIGN_BYTES,
-                        buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device),
-                        host_compression=plan.host_compression, host_group_experts=1)
-    return RoutedPager(store, activity=activity)
+                        buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device, misses),
+                        host_compression=plan.host_compression, host_group_experts=1, host_mapped=bool(sync_free))
+    return RoutedPager(store, activity=activity, sync_free_max_tokens=sync_free)

@@ -21,8 +21,9 @@ from pagedmoe.experts.table import HOST
 from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Page-locked host memory of exactly this size.
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, mapped: bool = False) -> torch.Tensor:
+    """Page-locked host memory of exactly this size (`mapped`: also mapped into the device's address space, so
+    GPU kernels read it at its host address: routed fetching's path (b), experts/routed_uva.py).
 
     `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds every
     block up to a power of two (a 2.6 GiB Mixtral layer would pin 4 GiB, 128 GiB for the model), so
@@ -35,7 +36,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # Fault the pages in on every core first (zero_ runs in parallel): cudaHostRegister faults fresh
     # pages in one by one on one thread (GLM-4.5-Air's 100 GiB host tier: load 147 s that way, 52 s this way).
     t.zero_()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # 1: cudaHostRegisterPortable
+    flags = 3 if mapped else 1   # 1: cudaHostRegisterPortable, 2: cudaHostRegisterMapped
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, flags)
     if int(err) != 0 or not t.is_pinned():
         # Fall back on the caching allocator (exact size lost, but copies stay asynchronous).
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -53,7 +55,7 @@ def _unregister(ptr: int) -> None:
 
 class HostTier:
     def __init__(self, table, stride: int, expert_numel: int, dtype: torch.dtype, device: torch.device,
-                 paged: bool, compression: str = "none", group_experts: int = 0) -> None:
+                 paged: bool, compression: str = "none", group_experts: int = 0, mapped: bool = False) -> None:
         L = table.num_layers
         self.group_experts = group_experts   # experts per compressed group (0: host_group_experts' choice)
         self.table, self.expert_numel, self.device, self.compression = table, expert_numel, device, compression
@@ -70,7 +72,7 @@ class HostTier:
             n_host = table.count(layer, HOST)
             # With a compressed host tier the raw rows only stage a layer until it is encoded (pageable,
             # touched lazily): pinning them all first would peak host memory at the raw host tier.
-            self.rows[layer] = pinned_empty((n_host, stride), dtype) if pin and compression == "none" \
+            self.rows[layer] = pinned_empty((n_host, stride), dtype, mapped) if pin and compression == "none" \
                 else torch.empty(n_host, stride, dtype=dtype)
 
     def stage(self, layer: int, slot: int, parts) -> bool:
