@@ -148,6 +148,7 @@ class RoutedPager(ExpertPager):
             raise RuntimeError("routed fetching by path (a) syncs with the host per layer: it runs without CUDA "
                                "graphs")
         self.stats.layers_loaded += self.num_layers
+        self.sync_free.pending = True   # the replay counted on the device: collect after the step
 
     def end_step(self) -> None:
         """After the step's results reached the host: fold path (b)'s device counters into the stats; every
