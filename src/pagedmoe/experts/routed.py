@@ -109,6 +109,8 @@ class RoutedPager(ExpertPager):
         fill, st = self._fill, self.cache.stats
         for e, slot in misses:
             fill.fill(layer, e, self.cache.pool[slot], non_blocking=True)
+            if self._skip_host:   # CUDA-graph warm-ups: not traffic of the workload
+                continue
             moved, decoded = fill.moved_bytes(layer, e), fill.decoded_bytes(layer, e)
             st.bytes_moved += moved
             st.bytes_decoded += decoded
