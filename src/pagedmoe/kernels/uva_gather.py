@@ -21,8 +21,8 @@ def plan_misses(topk_ids: torch.Tensor, slot_map: torch.Tensor, miss_base: int, 
     map the layer's GEMMs read), and with `with_routed` the routed mask [E] too. No host sync: fixed shapes,
     device ops only."""
     E = slot_map.shape[0]
-    routed = torch.zeros(E, dtype=torch.bool, device=slot_map.device)
-    routed[topk_ids.reshape(-1)] = True
+    # index_fill_ takes the value as a kernel argument: no host tensor is copied inside a CUDA-graph capture
+    routed = torch.zeros(E, dtype=torch.bool, device=slot_map.device).index_fill_(0, topk_ids.reshape(-1).long(), True)
     miss = routed & (slot_map < 0)
     rank = torch.cumsum(miss.to(torch.int64), 0) - 1
     fetch_dst = torch.where(miss, miss_base + rank, torch.full_like(rank, -1))
