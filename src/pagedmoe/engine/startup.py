@@ -140,6 +140,11 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                 "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
                 store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
                 config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
+    if expert_plan.fetch == "routed":
+        top = expert_plan.sync_free_max_seqs
+        logger.info("routed expert fetching: %s", f"forwards of up to {top} tokens by the sync-free UVA gather (CUDA "
+                    "graphs for those decode buckets), larger ones by the copy engine after a host sync per layer"
+                    if top else "the copy engine after a host sync per MoE layer (eager steps)")
     # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
     backing = None
     if dynamic and cuda_vmm.available(device):
