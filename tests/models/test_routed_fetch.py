@@ -120,6 +120,28 @@ def test_sync_free_uva_path_bit_identical_to_resident(ckpt, resident_refs, lengt
     assert st.bytes_routed == (st.hits + st.misses) * engine.expert_store.expert_numel * 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_sync_free_refresh_pages_in_what_keeps_missing(tmp_path):
+    """4 MoE layers x 8 experts against 14 LRU pages: path (b)'s decode steps keep missing; every 8 steps the
+    experts missed twice or more are paged into the cache between steps, and the logits stay resident's."""
+    make_tiny_checkpoint("mixtral", tmp_path, seed=3, num_hidden_layers=4)
+    from pagedmoe import LLM
+
+    def run(**flags):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=96, **flags)
+        return greedy_logits(llm, (9,), max_tokens=12, seed=5)[0], llm.engine
+
+    ref, _ = run()
+    got, engine = run(expert_fetch="routed", expert_fetch_path="uva", cpu_moe=True, max_num_seqs=1)
+    assert len(ref) == len(got) == 12
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    pager = engine.pager
+    assert pager.sync_free.num_steps >= 8 and pager.refreshed_pages > 0   # the last steps read refreshed pages
+    assert pager.cache.stats.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
+
+
 def _decode_bytes(path, fetch):
     """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
     from pagedmoe import LLM, SamplingParams

@@ -54,6 +54,7 @@ class RoutedPager(ExpertPager):
         # fetch path (b), for forwards of at most sync_free_max_tokens tokens; None: path (a) only
         self.sync_free = SyncFreeFetch(self.cache, store.host, sync_free_max_tokens) if sync_free_max_tokens else None
         self._sync_free_now = False     # this forward fetches by path (b)
+        self.refreshed_pages = 0        # pages path (b)'s refresh filled between steps
 
     @property
     def graph_max_seqs(self) -> int:
@@ -169,6 +170,7 @@ class RoutedPager(ExpertPager):
             if ids:
                 _, fills = self.cache.lookup(layer, ids)
                 self._fill_pages(layer, fills)   # NOTE: on the compute stream, before the next forward
+                self.refreshed_pages += len(fills)
                 if fills:
                     self.cache.publish(layer)
 

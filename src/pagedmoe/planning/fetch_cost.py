@@ -48,19 +48,18 @@ class FetchTiers:
     compressed GPU tier, and the host tier compressed (`host_ratio` < 1: its bytes per bf16 byte)."""
     num_compressed: int = 0
     host_ratio: float = 1.0
+    any_compressed: bool = False   # some layer holds compressed GPU-tier experts (per-layer counts may differ)
 
     @property
     def lossless(self) -> bool:
-        return self.num_compressed > 0 or self.host_ratio < 1.0
+        return self.num_compressed > 0 or self.any_compressed or self.host_ratio < 1.0
 
     @classmethod
     def of_plan(cls, num_compressed, host_compression: str) -> "FetchTiers":
         """From an ExpertPlan's per-layer compressed counts (the fewest of any layer) and host compression."""
-        if isinstance(num_compressed, (tuple, list)):
-            comp = min(num_compressed) if num_compressed else 0
-        else:
-            comp = num_compressed or 0
-        return cls(comp, LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 1.0)
+        counts = list(num_compressed) if isinstance(num_compressed, (tuple, list)) else [num_compressed or 0]
+        return cls(min(counts, default=0), LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 1.0,
+                   any(counts))
 
 
 def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
