@@ -27,11 +27,16 @@ def main() -> None:
     from pagedmoe.kernels.uva_gather import gather_rows, plan_misses
 
     E, stride = 128, 3 * 768 * 2048
-    src = pinned_empty((E, stride), torch.bfloat16)
+    src = pinned_empty((E, stride), torch.bfloat16, mapped=True)   # as the routed host tier with path (b)
     pool = torch.empty(64, stride, dtype=torch.bfloat16, device="cuda")
     topk = torch.randint(0, E, (1, 8), device="cuda")
     sync = _ms(lambda: torch.unique(topk).tolist(), reps=200)
-    print(f"host sync of the routed ids: {sync * 1e3:.1f} us per layer")
+    print(f"host sync of the routed ids: {sync * 1e3:.1f} us per layer (fetch_cost.ROUTED_LAYER_SYNC_S: 60 us "
+          "with the launches)")
+    slot_map0 = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    plan = _ms(lambda: plan_misses(topk, slot_map0, 0, with_routed=True), reps=200)
+    print(f"path (b)'s device plan of the misses: {plan * 1e3:.1f} us per layer, eager (fetch_cost."
+          "ROUTED_UVA_LAYER_S: 15 us with the gather launch, in a graph)")
     for n in (1, 8, 32):
         ids = list(range(n))
 

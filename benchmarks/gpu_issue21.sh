@@ -7,6 +7,11 @@
 #   run(command="bash benchmarks/gpu_issue21.sh serve")     serving, Qwen3 at 60 GiB paged N=64: routed vs stream,
 #                                                           256 and 4 clients (TPOT against today's 571 ms)
 #   run(command="bash benchmarks/gpu_issue21.sh micro")     per-layer sync cost, copy-engine vs UVA gather
+#   run(command="bash benchmarks/gpu_issue21.sh paths")     Qwen3 at 24 GiB routed: --expert-fetch-path uva (path (b),
+#                                                           CUDA graphs) against copy (path (a), eager); the qwen
+#                                                           part runs auto (the cost model's path per bucket)
+#   run(command="bash benchmarks/gpu_issue21.sh lossless")  Qwen3 at 24 GiB routed with the host tier compressed
+#                                                           (--host-compression lossless: compressed bytes per miss)
 # Results under $OUT: <part>-<fetch>.json (bench latency --output-json: per batch expert_bytes_moved_per_step,
 # routed_expert_bytes_per_step), issue21-<part>.log with the floors (moved bytes / 54.5 GB/s PCIe).
 set -uo pipefail
@@ -14,7 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-PART=${1:?usage: gpu_issue21.sh qwen|mixtral|serve|micro}
+PART=${1:?usage: gpu_issue21.sh qwen|mixtral|serve|micro|paths|lossless}
 LOG="$OUT/issue21-$PART.log"
 Q=benchmarks/configs/qwen3-30b-a3b
 M=benchmarks/configs/mixtral-8x7b
@@ -53,5 +58,12 @@ case "$PART" in
       --expert-placement paged --num-gpu-experts 64 --expert-fetch routed 2>&1 | tail -25 | tee -a "$LOG" ;;
   micro)
     python benchmarks/bench_routed_fetch.py 2>&1 | tee -a "$LOG" ;;
+  paths)
+    EXTRA_FLAGS="--expert-fetch-path uva" latency qwen-uva "$Q" 280 routed 1 8 32
+    EXTRA_FLAGS="--expert-fetch-path copy" latency qwen-copy "$Q" 280 routed 1 8 32 ;;
+  lossless)
+    EXTRA_FLAGS="--host-compression lossless --dtype bfloat16 --expert-fetch-path copy" \
+      latency qwen-lossless "$Q" 280 routed 1 8 32 64
+    EXTRA_FLAGS="--host-compression lossless --dtype bfloat16" latency qwen-lossless "$Q" 280 stream 1 8 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

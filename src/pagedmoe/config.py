@@ -29,6 +29,7 @@ _FUSED_OPS = ("auto", "on", "off")  # layers/fused_ops.py
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_FETCH = ("auto", "stream", "routed")
+_EXPERT_FETCH_PATHS = ("auto", "copy", "uva")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
@@ -102,6 +103,11 @@ class EngineConfig:
     expert_prefetch: bool = _flag(False, "--expert-fetch routed: also prefetch, on the copy stream, the experts layer "
                                          "l+1's router picks for layer l's input (hides copies behind compute, "
                                          "moves the mispredicted ones too)", type_=bool)
+    expert_fetch_path: str = _flag("auto", "--expert-fetch routed: how a layer's routed misses arrive: copy (the "
+                                           "copy engine, after a host sync per MoE layer: steps run eager), uva "
+                                           "(a GPU kernel reads them from mapped pinned host memory, no sync: "
+                                           "decode steps run in CUDA graphs), auto (the cost model picks per "
+                                           "CUDA-graph batch bucket)", _EXPERT_FETCH_PATHS)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "
                                            "dequantised each step (paged); dynamic: each expert at its own "
@@ -170,7 +176,7 @@ class EngineConfig:
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
                               ("fused_ops", _FUSED_OPS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
-                              ("expert_fetch", _EXPERT_FETCH),
+                              ("expert_fetch", _EXPERT_FETCH), ("expert_fetch_path", _EXPERT_FETCH_PATHS),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),
                               ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):

@@ -64,6 +64,7 @@ class ExpertConfig:
     buffers: str
     fetch: str
     prefetch: bool
+    fetch_path: str
     precision: str
     quantized_gemm: str
     min_precision: Optional[str]
@@ -184,7 +185,8 @@ SECTIONS = {
     "experts": (ExpertConfig, {"expert_placement": "placement", "num_gpu_experts": "num_gpu_experts",
                                "cpu_moe": "cpu_moe", "num_compressed_experts": "num_compressed_experts",
                                "expert_compression": "compression", "host_compression": "host_compression",
-                               "expert_buffers": "buffers", "expert_fetch": "fetch", "expert_prefetch": "prefetch", "expert_precision": "precision",
+                               "expert_buffers": "buffers", "expert_fetch": "fetch", "expert_prefetch": "prefetch",
+                               "expert_fetch_path": "fetch_path", "expert_precision": "precision",
                                "quantized_gemm": "quantized_gemm", "min_expert_precision": "min_precision",
                                "kv_low_watermark": "kv_low_watermark", "kv_high_watermark": "kv_high_watermark",
                                "expert_stats": "stats"}),

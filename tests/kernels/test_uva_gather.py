@@ -108,3 +108,34 @@ def test_slot_map_kernel_over_the_cache_pool_equals_fused_moe_on_the_layer():
     ref = fm.fused_moe(x, *expert_views(layer, H, I), weights, ids)
     got = fm.fused_moe_mixed(x, [(*expert_views(pool, H, I), slots)], E, weights, ids)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")
+def test_sync_free_fetch_counts_on_the_device_and_names_the_experts_it_keeps_missing():
+    """experts/routed_uva.py: a routed miss lands in the miss area (the pool's last pages) with its host row; hits
+    and misses are counted on the device and read after the step; after REFRESH_STEPS steps the experts missed in
+    two or more of them are named for the cache (the pager pages them in between steps)."""
+    from pagedmoe.experts.cache import ExpertCache
+    from pagedmoe.experts.routed_uva import REFRESH_STEPS, SyncFreeFetch
+    from pagedmoe.experts.table import ExpertTable
+
+    table = ExpertTable(2, 4)
+    table.place([()] * 2)
+    cache = ExpertCache(table, 7, 8, torch.float32, torch.device("cpu"), miss_rows=3)
+    host = [torch.randn(4, 8), torch.randn(4, 8)]
+    cache.lookup(0, [1])                          # expert 1 of layer 0 cached (path (a))
+    cache.pool[cache.host_maps[0][1]] = host[0][1]
+    cache.publish(0)
+    sf = SyncFreeFetch(cache, host, max_tokens=2)
+    for step in range(REFRESH_STEPS):
+        assert sf.refresh_candidates() == []
+        slots = sf.layer_slots(0, torch.tensor([[1, 3], [3, 1]] if step % 2 else [[1, 0], [1, 1]]))
+        for e in ((1, 3) if step % 2 else (1, 0)):
+            assert torch.equal(cache.pool[slots[e]], host[0][e])
+        assert slots[3 if step % 2 else 0] == cache.miss_base and slots[1] == cache.host_maps[0][1]
+        sf.layer_slots(1, torch.tensor([[2, 2], [2, 2]]))
+        assert sf.collect() == (2, 3)   # layer 0: one hit, one miss; layer 1: one miss
+    assert sf.num_steps == REFRESH_STEPS
+    # layer 0 missed 0 and 3 in half the steps each (3 last: as often), layer 1 missed 2 in every step
+    assert sf.refresh_candidates() == [[0, 3], [2]]
+    assert sf.refresh_candidates() == [] and int(sf.miss_counts.sum()) == 0

@@ -2,10 +2,17 @@
 model computes never changes, and far fewer bytes move than with stream-all."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from tiny_models import greedy_logits, make_tiny_checkpoint
+if not torch.cuda.is_available():
+    # fetch path (b) runs its Triton gather on the interpreter: set before the kernels' import (jit decoration)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -17,6 +24,11 @@ def ckpt(request, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def resident_refs():
+    return {}   # (checkpoint, lengths, dtype) -> resident placement's logits: computed once per module
+
+
 def _trace(path, lengths, **flags):
     from pagedmoe import LLM
 
@@ -25,11 +37,18 @@ def _trace(path, lengths, **flags):
     return captured, llm.engine
 
 
+def _resident(refs, path, lengths, dtype="auto"):
+    key = (str(path), lengths, dtype)
+    if key not in refs:
+        refs[key] = _trace(path, lengths, dtype=dtype)[0]
+    return refs[key]
+
+
 @pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
 @pytest.mark.parametrize("flags", [dict(cpu_moe=True), dict(num_gpu_experts=3, expert_prefetch=True)],
                          ids=["cpu_moe", "n3-prefetch"])
-def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
-    ref, _ = _trace(ckpt, lengths)
+def test_routed_logits_bit_identical_to_resident(ckpt, resident_refs, lengths, flags):
+    ref = _resident(resident_refs, ckpt, lengths)
     got, engine = _trace(ckpt, lengths, expert_fetch="routed", **flags)
     assert len(ref) == len(got) > 0
     for a, b in zip(ref, got):
@@ -47,6 +66,80 @@ def test_routed_logits_bit_identical_to_resident(ckpt, lengths, flags):
     assert stats["experts"].get("host/bf16", 0) == 8 * num_moe
     assert stats["expert_bytes_h2d"] == st.bytes_moved
     assert stats["expert_cache_hits"] == st.hits and stats["expert_cache_misses"] == st.misses
+
+
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_routed_lossless_tiers_decode_only_the_routed_misses(ckpt, resident_refs, lengths):
+    """A compressed host tier (--host-compression lossless) and the compressed GPU tier (--num-compressed-experts):
+    a miss moves only its expert's compressed bytes (none from the GPU tier) and decodes only that expert into its
+    page; the logits equal resident placement's, bit for bit (bf16)."""
+    ref = _resident(resident_refs, ckpt, lengths, "bfloat16")
+    got, engine = _trace(ckpt, lengths, dtype="bfloat16", expert_fetch="routed", expert_placement="paged",
+                         num_gpu_experts=0, num_compressed_experts=3, host_compression="lossless",
+                         expert_prefetch=True)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    num_moe = len(engine.model.moe_layers())
+    stats = engine.get_stats()
+    assert stats["experts"] == {"compressed/bf16": 3 * num_moe, "host/bf16": 5 * num_moe}
+    st, store = engine.pager.cache.stats, engine.expert_store
+    expert = store.expert_numel * 2
+    fetched = st.misses + st.prefetched
+    assert st.misses > 0 and st.bytes_decoded == fetched * expert   # every fill decodes exactly one expert
+    # what one fill of each kind moves: its compressed arrays from the host, nothing from the GPU tier
+    fill = engine.pager._fill
+    per_host = [fill.moved_bytes(l, e) for l in range(num_moe) for e in range(3, 8)]
+    assert all(0 < b < expert for b in per_host)
+    assert all(fill.moved_bytes(l, e) == 0 for l in range(num_moe) for e in range(3))
+    assert 0 < st.bytes_moved < fetched * expert
+    assert stats["expert_bytes_h2d"] == st.bytes_moved and stats["expert_bytes_decoded"] == st.bytes_decoded
+    # nothing raw is kept in host memory: the host tier is the compressed groups, one expert each
+    assert all(store.host[l] is None and len(store.host_groups[l]) == 5 for l in range(num_moe))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_sync_free_uva_path_bit_identical_to_resident(ckpt, resident_refs, lengths):
+    """Fetch path (b) (--expert-fetch-path uva, experts/routed_uva.py): forwards of up to max_num_seqs (4) tokens
+    plan their misses on the device and gather them into the miss area with the Triton kernel (here on the
+    interpreter), no host sync; the prefills (more tokens) take path (a) and fill the LRU pages path (b) then hits.
+    The logits equal resident placement's, bit for bit."""
+    ref = _resident(resident_refs, ckpt, lengths)
+    got, engine = _trace(ckpt, lengths, expert_fetch="routed", expert_fetch_path="uva", cpu_moe=True,
+                         max_num_seqs=4)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    pager = engine.pager
+    assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
+    st = pager.cache.stats
+    assert st.misses > 0 and st.hits > 0   # the decode steps hit the pages the prefill's path (a) fetched
+    assert st.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
+    assert st.bytes_routed == (st.hits + st.misses) * engine.expert_store.expert_numel * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_sync_free_refresh_pages_in_what_keeps_missing(tmp_path):
+    """4 MoE layers x 8 experts against 14 LRU pages: path (b)'s decode steps keep missing; every 8 steps the
+    experts missed twice or more are paged into the cache between steps, and the logits stay resident's."""
+    make_tiny_checkpoint("mixtral", tmp_path, seed=3, num_hidden_layers=4)
+    from pagedmoe import LLM
+
+    def run(**flags):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=96, **flags)
+        return greedy_logits(llm, (9,), max_tokens=12, seed=5)[0], llm.engine
+
+    ref, _ = run()
+    got, engine = run(expert_fetch="routed", expert_fetch_path="uva", cpu_moe=True, max_num_seqs=1)
+    assert len(ref) == len(got) == 12
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    pager = engine.pager
+    assert pager.sync_free.num_steps >= 8 and pager.refreshed_pages > 0   # the last steps read refreshed pages
+    assert pager.cache.stats.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
 
 
 def _decode_bytes(path, fetch):
@@ -88,13 +181,17 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
     make_tiny_checkpoint("mixtral", tmp_path, seed=4)
     with pytest.raises(ValueError, match="needs paged placement"):
         LLM(str(tmp_path), device="cpu", expert_placement="resident", expert_fetch="routed")
-    with pytest.raises(ValueError, match="cannot take effect with --host-compression"):
-        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", dtype="bfloat16",
-            host_compression="lossless")
+    with pytest.raises(ValueError, match="cannot take effect with --expert-precision static-int8"):
+        LLM(str(tmp_path), device="cpu", expert_fetch="routed", expert_precision="static-int8")
     with pytest.raises(ValueError, match="expert_fetch must be one of"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="sometimes")
     with pytest.raises(ValueError, match="holds every expert in host memory"):
         LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
+    with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="stream", expert_fetch_path="uva")
+    with pytest.raises(ValueError, match="uva gathers raw host rows"):
+        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", expert_fetch_path="uva",
+            dtype="bfloat16", host_compression="lossless")
     with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
@@ -151,19 +248,30 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_routed_on_cuda_matches_resident(tmp_path, family):
-    """On the GPU: pinned host rows copied on the compute stream, the slot map written, eager steps (the
-    runner turns CUDA graphs off for the per-layer sync); logits equal resident placement's, bf16."""
+@pytest.mark.parametrize("tiers", [dict(cpu_moe=True, expert_fetch_path="copy"),
+                                   dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                                        host_compression="lossless", expert_prefetch=True),
+                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4)],
+                         ids=["host", "lossless-tiers", "uva-graphs"])
+def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
+    """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
+    on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
+    sync); or, uva, the decode steps gather their misses from mapped pinned memory inside CUDA graphs (the
+    prefills take path (a)); logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
     runs = {}
-    for name, flags in (("resident", {}), ("routed", dict(cpu_moe=True, expert_fetch="routed"))):
+    for name, flags in (("resident", {}), ("routed", dict(expert_fetch="routed", **tiers))):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
         runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
         if name == "routed":
-            assert llm.engine.runner.graphs is None
+            uva = tiers.get("expert_fetch_path") == "uva"
+            assert (llm.engine.runner.graphs is not None) == uva
             assert llm.engine.pager.cache.stats.misses > 0
+            if uva:
+                assert llm.engine.runner.graphs.buckets == [1, 2, 4]
+                assert llm.engine.pager.sync_free.num_steps > 0 and llm.engine.pager.cache.stats.hits > 0
         del llm
         torch.cuda.empty_cache()
     for a, b in zip(runs["resident"], runs["routed"]):

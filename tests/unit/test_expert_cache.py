@@ -46,6 +46,24 @@ def test_lru_evicts_the_least_recent_page_of_any_layer():
     assert len({s for s in cache.host_maps[1]}) == 4
 
 
+def test_publish_unmaps_a_victim_in_its_own_layer_and_the_miss_area_is_no_lru_page():
+    """Fetch path (b) trusts every device slot-map entry (a cached expert keeps its page), so publishing a fetch
+    also writes the slot map of the layer that lost a page; the miss area's pages are never handed out."""
+    table = ExpertTable(2, 2)
+    table.place([()] * 2)
+    cache = ExpertCache(table, 4, 8, torch.float32, torch.device("cpu"), miss_rows=1)
+    assert cache.miss_base == 3
+    cache.begin_step()
+    cache.lookup(0, [0, 1])
+    cache.publish(0)
+    cache.begin_step()
+    _, misses = cache.lookup(1, [0, 1])   # 3 LRU pages: layer 0's least recent page goes
+    cache.publish(1)
+    assert all(slot < 3 for _, slot in misses)
+    assert cache.slot_maps[0].tolist() == cache.host_maps[0] and cache.host_maps[0].count(-1) == 1
+    assert cache.slot_maps[1].tolist() == cache.host_maps[1]
+
+
 def test_cache_must_hold_one_layer():
     with pytest.raises(ValueError, match="cannot hold one layer"):
         _cache(num_experts=4, slots=3)
@@ -68,6 +86,48 @@ def test_fetch_cost_prefers_routed_at_small_batch_on_qwen3_shape():
     rows = fetch_table(shape, hw, 26, 512)
     assert [r["batch"] for r in rows] == [1, 8, 32] and rows[0]["choice"] == "routed"
     assert choose_fetch(fetch_step_s(shape, hw, 128, 1, 512)) == "resident"
+
+
+def _qwen3_shape():
+    from pagedmoe.planning.model_shape import ModelShape
+
+    return ModelShape(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                      head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768,
+                      dense_intermediate_size=0, num_moe_layers=48)
+
+
+def test_fetch_cost_per_bucket_path_and_lossless_tiers():
+    from pagedmoe.planning.cost_model import HardwareProfile
+    from pagedmoe.planning.fetch_cost import (FetchTiers, fetch_step_s, graph_fetch_max_seqs, routed_path,
+                                              settle_fetch_path)
+    from pagedmoe.planning.kv_sizing import decode_buckets
+
+    shape, hw = _qwen3_shape(), HardwareProfile()
+    raw = fetch_step_s(shape, hw, 25, 8, 512)
+    # a compressed host tier moves 0.683 of the bytes (and decodes them); uva cannot read it
+    comp = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(host_ratio=0.683))
+    assert comp["routed"] < raw["routed"] and comp["routed_uva"] is None and comp["stream"] < raw["stream"]
+    # the compressed GPU tier's misses cross no PCIe at all
+    gpu = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(num_compressed=64))
+    assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] is None
+    # uva: no sync and no eager overhead, but slower reads: it wins where few bytes move (batch 1), copy where many
+    assert routed_path(fetch_step_s(shape, hw, 25, 1, 512)) == "uva"
+    assert routed_path(fetch_step_s(shape, hw, 25, 32, 512)) == "copy"
+    top = graph_fetch_max_seqs(shape, hw, 25, 64, 512)
+    assert top in decode_buckets(64) and 1 <= top < 32
+    assert all(routed_path(fetch_step_s(shape, hw, 25, b, 512)) == "uva" for b in decode_buckets(top))
+    settle = lambda req, fetch="routed", dev="cuda", graphs=True, tiers=FetchTiers(), interp=False: \
+        settle_fetch_path(req, fetch, shape, 25, tiers, 64, 512, dev, graphs, interp)  # noqa: E731
+    assert settle("auto") == top and settle("copy") == 0 and settle("uva") == 64
+    assert settle("auto", graphs=False) == 0 and settle("auto", dev="cpu") == 0
+    assert settle("auto", tiers=FetchTiers(host_ratio=0.683)) == 0 and settle("auto", fetch="stream") == 0
+    assert settle("uva", dev="cpu", interp=True) == 64
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        settle("uva", dev="cpu")
+    with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
+        settle("copy", fetch="stream")
+    with pytest.raises(ValueError, match="raw host rows"):
+        settle("uva", tiers=FetchTiers(num_compressed=3))
 
 
 def test_cache_counters_are_exported():
@@ -95,6 +155,9 @@ def test_plan_prints_the_fetch_table(capsys, tmp_path):
     assert [r["batch"] for r in fetch["batches"]] == [1, 8, 32]
     b1 = fetch["batches"][0]
     assert b1["choice"] == "routed" and b1["routed_s"] < b1["stream_s"]
+    # both routed paths per bucket, and the one the bucket gets
+    assert all(r["routed_path"] in ("copy", "uva") and r["routed_uva_s"] > 0 for r in fetch["batches"])
+    assert "(uva)" in text and "(copy)" in text
 
 
 def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():

@@ -68,6 +68,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "hbm_bytes_per_s": hbm_bw, "decode_step_ms": [1e3 * d for d in decode],
         # issue 21: what paging moved against what the router needed (averages over the decode steps)
         "expert_fetch": engine.expert_plan.fetch,
+        # routed: decode batches up to this fetch by path (b) (UVA gather, CUDA graphs); 0: path (a) only
+        "expert_fetch_sync_free_max_seqs": engine.expert_plan.sync_free_max_seqs,
         "expert_bytes_moved_per_step": moved / max(1, len(decode)),
         "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
         / max(1, len(decode)),

@@ -40,7 +40,7 @@ from pagedmoe.parallel.sharding import shard_arch
 from pagedmoe.parallel.state import all_reduce_min
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
-from pagedmoe.planning.fetch_cost import settle_expert_fetch
+from pagedmoe.planning.fetch_cost import FetchTiers, settle_expert_fetch, settle_fetch_path
 from pagedmoe.planning.resolve import ExpertPlan, rank_shape, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
@@ -139,6 +139,11 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                 "(GPU, %s), %.2f GiB host tier, %.2f GiB expert buffers", expert_plan.mode,
                 store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
                 config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
+    if expert_plan.fetch == "routed":
+        top = expert_plan.sync_free_max_seqs
+        logger.info("routed expert fetching: %s", f"forwards of up to {top} tokens by the sync-free UVA gather (CUDA "
+                    "graphs for those decode buckets), larger ones by the copy engine after a host sync per layer"
+                    if top else "the copy engine after a host sync per MoE layer (eager steps)")
     # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
     backing = None
     if dynamic and cuda_vmm.available(device):
@@ -249,11 +254,24 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
     x = config.experts
     dynamic = x.precision == "dynamic"
     plan = plan.replace(fetch=settle_fetch(config, plan, dims, spec, device, dtype, max_model_len))
+    # routed: the decode buckets that fetch by the sync-free path (b) and run in CUDA graphs
+    shape = rank_shape(config, dims, spec, dtype.itemsize)
+    plan = plan.replace(sync_free_max_seqs=settle_fetch_path(
+        x.fetch_path, plan.fetch, shape, _min_count(plan.num_gpu_experts),
+        FetchTiers.of_plan(plan.num_compressed, plan.host_compression), config.max_num_seqs, max_model_len / 2,
+        device.type, graphs=not eager, interpreter=os.environ.get("TRITON_INTERPRET") == "1"))
     buffers = "plain" if dynamic or plan.fetch == "routed" else x.buffers
     return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),
                         quantized_gemm=config.resolved_quantized_gemm(device.type),
                         dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
+
+
+def _min_count(counts) -> int:
+    """The fewest resident experts of any MoE layer (a per-layer tuple, or one count)."""
+    if isinstance(counts, (tuple, list)):
+        return min(counts, default=0)
+    return counts or 0
 
 
 def settle_fetch(config: EngineConfig, plan: ExpertPlan, dims, spec, device: torch.device, dtype: torch.dtype,

@@ -163,10 +163,10 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _fetch_rows(shape, hw, rows, context_len: float):
+def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0):
     """--expert-fetch's modelled decode step at batch 1, 8, 32 for the selected placement (else the auto pick),
     when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table); None otherwise."""
-    from pagedmoe.planning.fetch_cost import fetch_table
+    from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table
 
     pick = next((r for r in rows if r[3] and not isinstance(r[1], Exception)), None) or \
         next((r for r in rows if r[2] and not isinstance(r[1], Exception)), None)
@@ -175,16 +175,20 @@ def _fetch_rows(shape, hw, rows, context_len: float):
     n = min(pick[1].placement.num_gpu_experts, default=shape.experts_per_gpu)
     if n >= shape.experts_per_gpu:
         return None
-    return pick[0], n, fetch_table(shape, hw, n, context_len)
+    tiers = FetchTiers(min(pick[1].placement.num_compressed_experts, default=0), host_ratio or 1.0)
+    return pick[0], n, fetch_table(shape, hw, n, context_len, tiers=tiers)
 
 
 def format_fetch(label: str, n: int, table: list[dict]) -> str:
-    lines = [f"expert fetch for {label.strip()} (N={n}; planning/fetch_cost.py, --expert-fetch auto picks per "
-             "max_num_seqs): modelled decode step ms"]
-    lines.append(f"  {'batch':>6}{'stream':>10}{'routed':>10}{'resident':>10}  choice")
+    lines = [f"expert fetch for {label.strip()} (N={n}; planning/fetch_cost.py: --expert-fetch auto picks at "
+             "max_num_seqs, --expert-fetch-path auto per CUDA-graph bucket): modelled decode step ms"]
+    lines.append(f"  {'batch':>6}{'stream':>10}{'routed':>10}{'routed':>10}{'resident':>10}  choice")
+    lines.append(f"  {'':>6}{'':>10}{'(copy)':>10}{'(uva)':>10}{'':>10}")
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     for r in table:
-        res = "-" if r["resident_s"] is None else f"{r['resident_s'] * 1e3:.1f}"
-        lines.append(f"  {r['batch']:>6}{r['stream_s'] * 1e3:>10.1f}{r['routed_s'] * 1e3:>10.1f}{res:>10}  {r['choice']}")
+        choice = r["choice"] + (f" ({r['routed_path']})" if r["choice"] == "routed" else "")
+        lines.append(f"  {r['batch']:>6}{ms(r['stream_s']):>10}{ms(r['routed_s']):>10}{ms(r['routed_uva_s']):>10}"
+                     f"{ms(r['resident_s']):>10}  {choice}")
     return "\n".join(lines)
 
 
@@ -279,7 +283,7 @@ def run_plan(args) -> int:
         else:
             print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
         print(format_table(rows))
-        fetch = _fetch_rows(gpu_shape, hw, rows, (args.input_len + args.output_len) / 2)
+        fetch = _fetch_rows(gpu_shape, hw, rows, (args.input_len + args.output_len) / 2, host_ratio)
         if fetch is not None:
             print(format_fetch(*fetch))
         selected = [r for r in rows if r[3]]

@@ -14,6 +14,7 @@ from pagedmoe.experts.buffers import VmmExpertBuffers
 from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
 from pagedmoe.experts.routed import RoutedPager
+from pagedmoe.experts.routed_uva import miss_rows
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
@@ -137,25 +138,38 @@ def cache_slots(num_gpu_experts, num_layers: int, num_experts: int) -> int:
 
 
 def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torch.dtype, activity):
-    """--expert-fetch routed: every expert's master copy in the host tier, a GPU expert cache (experts/cache.py)
-    of `cache_slots` pages as the compute buffers, and the RoutedPager (experts/routed.py)."""
-    unsupported = [name for name, on in (("--num-compressed-experts", any(_per_layer(plan.num_compressed, num_layers,
-                                                                                      "compressed-expert"))),
-                                         ("--host-compression lossless", plan.host_compression != "none"),
-                                         ("--expert-precision static-*", plan.quantized_precision is not None),
+    """--expert-fetch routed: every expert's master copy in the host tier (raw, or compressed one expert per group
+    under --host-compression lossless), or the first C per layer in the compressed GPU tier
+    (--num-compressed-experts C); a GPU expert cache (experts/cache.py) of `cache_slots` pages as the compute
+    buffers, and the RoutedPager (experts/routed.py), which fills a page per routed miss (experts/routed_fill.py)."""
+    comp = _per_layer(plan.num_compressed, num_layers, "compressed-expert")
+    unsupported = [name for name, on in (("--expert-precision static-*", plan.quantized_precision is not None),
                                          ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
                                          ("--quantized-gemm direct", plan.quantized_gemm == "direct"))
                    if on]
     if unsupported:
-        raise ValueError(f"--expert-fetch routed fetches exact bf16 rows from the host tier; it cannot take effect "
-                         f"with {unsupported[0]} (use --expert-fetch stream)")
+        raise ValueError(f"--expert-fetch routed fetches exact experts from the host and lossless tiers; it cannot "
+                         f"take effect with {unsupported[0]} (use --expert-fetch stream)")
     if plan.buffers not in ("plain", "auto"):
         raise ValueError(f"--expert-fetch routed pages experts into its own expert cache; --expert-buffers "
                          f"{plan.buffers} cannot take effect with it")
-    table = ExpertTable(num_layers, dims.num_experts)
-    table.place([()] * num_layers)
-    slots = cache_slots(plan.num_gpu_experts, num_layers, dims.num_experts)
+    if (any(comp) or plan.host_compression != "none") and dtype != torch.bfloat16:
+        raise ValueError(f"the lossless tiers hold bf16 weights; the model runs in {dtype} (use --dtype bfloat16)")
+    E = dims.num_experts
+    if any(c < 0 or c > E for c in comp):
+        raise ValueError(f"{max(comp)} compressed experts exceed the model's {E} experts per layer")
+    sync_free = plan.sync_free_max_seqs
+    if sync_free and (any(comp) or plan.host_compression != "none"):
+        raise ValueError("--expert-fetch-path uva gathers raw host rows; it cannot take effect with the lossless "
+                         "tiers (--num-compressed-experts, --host-compression lossless)")
+    table = ExpertTable(num_layers, E)
+    # no resident experts: the cache holds what is routed; compressed: the first C ids (one decode run a layer)
+    table.place([()] * num_layers, [range(c) for c in comp])
+    # path (b)'s miss area comes out of the cache's pages while they leave E for path (a) (always, with 2+ layers)
+    misses = miss_rows(E, dims.top_k, sync_free)
+    slots = max(cache_slots(plan.num_gpu_experts, num_layers, E), E + misses)
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, True,
                         stride_align_bytes=STRIDE_ALIGN_BYTES,
-                        buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device))
-    return RoutedPager(store, activity=activity)
+                        buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device, misses),
+                        host_compression=plan.host_compression, host_group_experts=1, host_mapped=bool(sync_free))
+    return RoutedPager(store, activity=activity, sync_free_max_tokens=sync_free)

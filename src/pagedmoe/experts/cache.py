@@ -6,7 +6,8 @@ The MoE kernels index the pool by expert id through the slot map (`DenseOperand.
 its router ids with one gather, no host round trip), so the pool is the only expert memory on the device.
 Which experts stay cached follows recency: a routed expert that is cached is a hit and moves to the back of
 the LRU order; a miss takes a free slot, else evicts the least recently used page (LRU over every layer's
-pages, so a layer that routes to few experts gives its slots to the layers that need more). When every page
+pages, so a layer that routes to few experts gives its slots to the layers that need more). Under fetch path (b)
+(experts/routed_uva.py) the last pages of the pool are a miss area outside the LRU order. When every page
 was used in the current step (the step routes to more experts than the cache holds), LRU would evict exactly
 the pages the next step needs first (layers run in a cycle: a working set of 1.5 x the cache hit 0% on the
 default model at batch 8); then the victim is the most recently used page of another layer, the page whose
@@ -29,7 +30,8 @@ import torch
 class CacheStats:
     hits: int = 0              # routed experts found in the cache (per layer and step)
     misses: int = 0            # routed experts fetched
-    bytes_moved: int = 0       # host -> device bytes of the fetched experts
+    bytes_moved: int = 0       # host -> device bytes of the fetched experts (compressed bytes from a compressed tier)
+    bytes_decoded: int = 0     # bf16 bytes decoded into pages (misses from a compressed host or GPU tier)
     bytes_routed: int = 0      # bytes of the distinct experts routed (per layer and step)
     prefetched: int = 0        # pages fetched by prediction (layer l+1's router on layer l's input)
     prefetch_hits: int = 0     # of those, routed by their layer in the same forward
@@ -40,20 +42,24 @@ class ExpertCache:
 
     maps_resident = False  # nothing is resident outside the pool
 
-    def __init__(self, table, num_slots: int, stride: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, table, num_slots: int, stride: int, dtype: torch.dtype, device: torch.device,
+                 miss_rows: int = 0) -> None:
         L, E = table.num_layers, table.num_experts
-        if num_slots < E:
-            raise ValueError(f"an expert cache of {num_slots} slots cannot hold one layer's {E} experts")
+        if num_slots - miss_rows < E:
+            raise ValueError(f"an expert cache of {num_slots - miss_rows} slots cannot hold one layer's {E} experts")
         self.table, self.num_slots, self.num_layers, self.num_experts = table, num_slots, L, E
         self.pool = torch.zeros(num_slots, stride, dtype=dtype, device=device)
+        # fetch path (b) (experts/routed_uva.py): the last `miss_rows` pages are the miss area, never LRU pages
+        self.miss_base, self.miss_rows = num_slots - miss_rows, miss_rows
         self.slot_maps = torch.full((L, E), -1, dtype=torch.int32, device=device)   # as fused_moe_mixed takes
         self.host_maps = [[-1] * E for _ in range(L)]       # host mirror of slot_maps
         self.owner: list = [None] * num_slots               # slot -> (layer, expert)
         self.lru: OrderedDict = OrderedDict()               # (layer, expert) -> slot, least recent first
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.free = list(range(self.miss_base - 1, -1, -1))
         self.tick = 0
         self.step = 0                                       # forwards so far (begin_step)
         self.used_in: dict = {}                             # (layer, expert) -> step of its last use
+        self.dirty: set = set()                             # layers whose slot map changed since publish
         self.stats = CacheStats()
 
     def begin_step(self) -> None:
@@ -100,11 +106,18 @@ class ExpertCache:
         layer, e = key
         self.host_maps[layer][e] = -1
         self.table.set_cache_slot(layer, e, -1)
+        self.dirty.add(layer)
         return slot
 
     def publish(self, layer: int) -> None:
-        """Write the layer's host slot map to the device (a small synchronous copy after its fetch)."""
-        self.slot_maps[layer].copy_(torch.tensor(self.host_maps[layer], dtype=torch.int32))
+        """Write the layer's host slot map to the device (a small synchronous copy after its fetch), and those of
+        the layers that lost pages to it."""
+        # NOTE: fetch path (b) trusts every entry of a device slot map (a cached expert keeps its page), so a
+        # victim's layer is written too; path (a) reads only the entries of the experts it just looked up.
+        self.dirty.add(layer)
+        for victim_layer in sorted(self.dirty):
+            self.slot_maps[victim_layer].copy_(torch.tensor(self.host_maps[victim_layer], dtype=torch.int32))
+        self.dirty.clear()
 
     def cached(self, layer: int) -> list[int]:
         return [e for e, s in enumerate(self.host_maps[layer]) if s >= 0]

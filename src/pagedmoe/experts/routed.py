@@ -17,8 +17,10 @@ are copied on the copy stream while layer l computes (after an event on the comp
 that read a victim page was issued before it; layer l's pages are never victims); layer l+1's `weights`
 waits for those copies and fetches what the prediction missed on demand.
 
-The per-layer sync rules out CUDA graphs (the model runner runs eager: `syncs_host`). The sync-free
-variant (a device-side gather from mapped host memory, kernels/uva_gather.py) is not wired in here yet.
+The per-layer sync rules out CUDA graphs. Forwards of at most `graph_max_seqs` tokens (the decode buckets the
+cost model gives to it, `--expert-fetch-path`) take fetch path (b) instead (experts/routed_uva.py): the misses
+are planned on the device and gathered from mapped pinned host memory by a GPU kernel, no sync, so the model
+runner captures those buckets' decode steps in CUDA graphs and runs the rest eager (`syncs_host`).
 """
 from __future__ import annotations
 
@@ -31,21 +33,33 @@ from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.interface import DenseOperand, ExpertOperand
 from pagedmoe.experts.layout import expert_views
 from pagedmoe.experts.pager import ExpertPager
+from pagedmoe.experts.routed_fill import RoutedFill
+from pagedmoe.experts.routed_uva import SyncFreeFetch
 
 
 class RoutedPager(ExpertPager):
-    syncs_host = True   # fetch path (a): one host sync per MoE layer (no CUDA graphs)
+    syncs_host = True   # fetch path (a): one host sync per MoE layer (graphs only up to graph_max_seqs)
 
-    def __init__(self, store, activity=None) -> None:
+    def __init__(self, store, activity=None, sync_free_max_tokens: int = 0) -> None:
         super().__init__(store, timing=False, activity=activity)
         self.cache: ExpertCache = store.buffers
         self._w13, self._w2 = expert_views(self.cache.pool, store.hidden, store.inter)
         self.expert_bytes = store.expert_numel * store.dtype.itemsize
         self.routers: list = []                     # per MoE layer: x -> (topk weights, topk ids) (set_routers)
         self._prefetched: dict[int, set] = {}       # layer -> experts prefetched for it this forward
+        self._fill: Optional[RoutedFill] = None     # how a page is filled from each expert's master copy
         if self.cuda:
             self.prefetch_done = [torch.cuda.Event() for _ in range(self.num_layers)]
             self._prefetch_fork = torch.cuda.Event()
+        # fetch path (b), for forwards of at most sync_free_max_tokens tokens; None: path (a) only
+        self.sync_free = SyncFreeFetch(self.cache, store.host, sync_free_max_tokens) if sync_free_max_tokens else None
+        self._sync_free_now = False     # this forward fetches by path (b)
+        self.refreshed_pages = 0        # pages path (b)'s refresh filled between steps
+
+    @property
+    def graph_max_seqs(self) -> int:
+        """The largest decode batch whose steps need no host sync (CUDA graphs up to it); 0: none."""
+        return self.sync_free.max_tokens if self.sync_free is not None else 0
 
     def set_routers(self, routers) -> None:
         """The MoE layers' routers, in MoE-layer order (engine/startup.py): enables prefetch by prediction."""
@@ -54,6 +68,8 @@ class RoutedPager(ExpertPager):
     # -- the expert interface -------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
         self.cache.begin_step()
+        self._sync_free_now = (self.sync_free is not None and num_tokens is not None
+                               and num_tokens <= self.sync_free.max_tokens)
 
     def before_layer(self, layer: int) -> None:
         pass
@@ -63,72 +79,115 @@ class RoutedPager(ExpertPager):
             raise ValueError("routed fetching needs the router's ids")
         if self.activity is not None:
             self.activity.record(layer, topk_ids)
+        if self._sync_free_now:   # fetch path (b): planned and gathered on the device (counted in end_step)
+            if not (self._skip_host or self.cuda and torch.cuda.is_current_stream_capturing()):
+                self.stats.layers_loaded += 1
+            return DenseOperand(self._w13, self._w2, self.sync_free.layer_slots(layer, topk_ids))
         ids = torch.unique(topk_ids).tolist()   # NOTE: the per-layer host sync of fetch path (a)
         predicted = self._prefetched.pop(layer, None)
         if predicted is not None and self.cuda:
             torch.cuda.current_stream().wait_event(self.prefetch_done[layer])
         hits, misses = self.cache.lookup(layer, ids)
-        host = self.store.host[layer]
-        for e, slot in misses:
-            # NOTE: copied even under no_host_copies(): a page the cache names must hold its expert
-            self.cache.pool[slot].copy_(host[self.store.table.lookup(layer, e).slot], non_blocking=True)
+        # NOTE: filled even under no_host_copies(): a page the cache names must hold its expert
+        self._fill_pages(layer, misses)
         if misses:
             self.cache.publish(layer)
         if not self._skip_host:
             st = self.cache.stats
             st.hits += len(hits)
             st.misses += len(misses)
-            st.bytes_moved += len(misses) * self.expert_bytes
             st.bytes_routed += len(ids) * self.expert_bytes
             if predicted:
                 st.prefetch_hits += len(predicted.intersection(ids))
-            self.stats.bytes_h2d += len(misses) * self.expert_bytes
             self.stats.layers_loaded += 1
         return DenseOperand(self._w13, self._w2, self.cache.slot_maps[layer])
+
+    def _fill_pages(self, layer: int, misses) -> None:
+        """Fill each missed expert's page from its master copy (experts/routed_fill.py), on the current stream,
+        and count the bytes moved host -> device and decoded."""
+        if self._fill is None:   # built on first use: after ExpertStore.finalize built the host staging
+            self._fill = RoutedFill(self.store)
+        fill, st = self._fill, self.cache.stats
+        for e, slot in misses:
+            fill.fill(layer, e, self.cache.pool[slot], non_blocking=True)
+            if self._skip_host:   # CUDA-graph warm-ups: not traffic of the workload
+                continue
+            moved, decoded = fill.moved_bytes(layer, e), fill.decoded_bytes(layer, e)
+            st.bytes_moved += moved
+            st.bytes_decoded += decoded
+            self.stats.bytes_h2d += moved
+            self.stats.bytes_decoded += decoded
 
     def predict(self, layer: int, x: torch.Tensor) -> None:
         """Prefetch for layer + 1 what its router picks for layer `layer`'s MoE input `x` (called after
         weights(layer), before layer's GEMMs)."""
         nxt = layer + 1
-        if nxt >= len(self.routers) or self._skip_host:
+        if nxt >= len(self.routers) or self._skip_host or self._sync_free_now:
             return
         _, ids = self.routers[nxt](x)
         ids = torch.unique(ids).tolist()
         _, misses = self.cache.lookup(nxt, ids, protect=layer)
         self._prefetched[nxt] = {e for e, _ in misses}
-        host = self.store.host[nxt]
         ctx = contextlib.nullcontext()
         if self.cuda:
             self._prefetch_fork.record()
             self.copy_stream.wait_event(self._prefetch_fork)
             ctx = torch.cuda.stream(self.copy_stream)
         with ctx:
-            for e, slot in misses:
-                self.cache.pool[slot].copy_(host[self.store.table.lookup(nxt, e).slot], non_blocking=True)
+            self._fill_pages(nxt, misses)
             if misses:   # NOTE: weights(nxt) publishes only its own misses; a fully predicted layer has none
                 self.cache.publish(nxt)
             if self.cuda:
                 self.prefetch_done[nxt].record()
-        st = self.cache.stats
-        st.prefetched += len(misses)
-        st.bytes_moved += len(misses) * self.expert_bytes
-        self.stats.bytes_h2d += len(misses) * self.expert_bytes
+        self.cache.stats.prefetched += len(misses)
 
     def done(self, layer: int) -> None:
         pass
 
     # -- what the engine reads --------------------------------------------------------------------
     def account_replay(self) -> None:
-        raise RuntimeError("routed fetching syncs with the host per layer: it runs without CUDA graphs")
+        """A CUDA-graph replay ran fetch path (b) in every layer; its device counters counted the misses."""
+        if self.sync_free is None:
+            raise RuntimeError("routed fetching by path (a) syncs with the host per layer: it runs without CUDA "
+                               "graphs")
+        self.stats.layers_loaded += self.num_layers
+        self.sync_free.pending = True   # the replay counted on the device: collect after the step
+
+    def end_step(self) -> None:
+        """After the step's results reached the host: fold path (b)'s device counters into the stats; every
+        REFRESH_STEPS steps page the experts it kept missing into the cache (copy engine, between steps)."""
+        super().end_step()
+        if self.sync_free is None:
+            return
+        misses, routed = self.sync_free.collect()
+        st = self.cache.stats
+        st.misses += misses
+        st.hits += routed - misses
+        st.bytes_moved += misses * self.expert_bytes
+        st.bytes_routed += routed * self.expert_bytes
+        self.stats.bytes_h2d += misses * self.expert_bytes
+        for layer, ids in enumerate(self.sync_free.refresh_candidates()):
+            if ids:
+                _, fills = self.cache.lookup(layer, ids)
+                self._fill_pages(layer, fills)   # NOTE: on the compute stream, before the next forward
+                self.refreshed_pages += len(fills)
+                if fills:
+                    self.cache.publish(layer)
 
     @property
     def bytes_per_forward(self) -> int:
         """Not fixed: what a forward moves depends on what is routed and cached (see `cache.stats`)."""
         return 0
 
+    def refresh(self) -> None:
+        super().refresh()
+        self._fill = None
+
     def reset_stats(self) -> None:
         super().reset_stats()
         self.cache.stats = type(self.cache.stats)()
+        if self.sync_free is not None:
+            self.sync_free.reset()
 
     def cache_stats(self) -> dict:
         return dict(self.cache.stats.__dict__)

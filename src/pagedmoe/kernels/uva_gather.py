@@ -7,7 +7,7 @@ Pages without a sync: a layer's cached experts keep their pages (the slot map, c
 its misses go, in expert-id order, to the layer's `miss_base + rank` pages (a fixed area of at most
 min(E, T * A) rows), so the slot map a layer's GEMMs read is `where(cached, slot_map, miss_base + rank)`.
 `plan_misses` computes that with fixed-shape torch ops; `gather_rows` copies the rows (Triton; `gather_rows_ref`
-is the torch reference). Not yet wired into the RoutedPager: it is tested here, on the interpreter on CPU.
+is the torch reference). The RoutedPager runs them through experts/routed_uva.py.
 """
 from __future__ import annotations
 
@@ -16,17 +16,18 @@ import triton
 import triton.language as tl
 
 
-def plan_misses(topk_ids: torch.Tensor, slot_map: torch.Tensor, miss_base: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_misses(topk_ids: torch.Tensor, slot_map: torch.Tensor, miss_base: int, with_routed: bool = False):
     """(fetch_dst [E]: the page each missed expert id is read into, -1 for the others; layer_slots [E]: the slot
-    map the layer's GEMMs read). No host sync: fixed shapes, device ops only."""
+    map the layer's GEMMs read), and with `with_routed` the routed mask [E] too. No host sync: fixed shapes,
+    device ops only."""
     E = slot_map.shape[0]
-    routed = torch.zeros(E, dtype=torch.bool, device=slot_map.device)
-    routed.index_fill_(0, topk_ids.reshape(-1), True)  # a scalar fill: no host tensor, graph-capturable
+    # index_fill_ takes the value as a kernel argument: no host tensor is copied inside a CUDA-graph capture
+    routed = torch.zeros(E, dtype=torch.bool, device=slot_map.device).index_fill_(0, topk_ids.reshape(-1).long(), True)
     miss = routed & (slot_map < 0)
     rank = torch.cumsum(miss.to(torch.int64), 0) - 1
     fetch_dst = torch.where(miss, miss_base + rank, torch.full_like(rank, -1))
     layer_slots = torch.where(miss, fetch_dst, slot_map)
-    return fetch_dst, layer_slots
+    return (fetch_dst, layer_slots, routed) if with_routed else (fetch_dst, layer_slots)
 
 
 @triton.jit

@@ -1,30 +1,64 @@
-"""How paged experts reach the GPU, modelled per decode batch: the one cost model behind `--expert-fetch auto`
-and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md ("Fetching what is routed").
+"""How paged experts reach the GPU, modelled per decode batch: the one cost model behind `--expert-fetch auto`,
+`--expert-fetch-path auto` and `pagedmoe plan`'s fetch table. Pure Python; formulas in docs/planner.md
+("Fetching what is routed").
 
   stream    (experts/pager.py): every host expert of every layer is copied every step, one layer ahead,
             behind compute: cost_model.decode_step_cost with that traffic (its pipeline fill included).
   routed    (experts/routed.py, experts/cache.py): per MoE layer the distinct routed experts
             d = E*(1-(1-A/E)^B) (uniform routing: real routing is skewed, so fewer) are looked up in a cache of
-            C = max(E, L*N + 2(E-N)) pages; with uniform routing a page hits with probability min(1, C / (L*E)); the misses
-            are copied after the layer's host sync, not hidden behind compute, and each layer pays the sync
-            and copy launches (ROUTED_LAYER_SYNC_S) and runs without CUDA graphs.
+            C = max(E, L*N + 2(E-N)) pages; with uniform routing a page hits with probability min(1, C / (L*E)).
+            A miss from the host tier moves its bytes (x the compression ratio for a compressed host tier), a
+            miss from the compressed GPU tier moves none; a miss from either lossless tier is decoded.
+            Two fetch paths, chosen per CUDA-graph batch bucket:
+    copy    path (a): the misses are copied after the layer's host sync, not hidden behind compute; each layer
+            pays the sync and copy launches (ROUTED_LAYER_SYNC_S) and the step runs without CUDA graphs;
+    uva     path (b) (experts/routed_uva.py): a GPU kernel reads the misses from mapped pinned memory at
+            UVA_PCIE_SHARE of the copy engine's rate, no sync (ROUTED_UVA_LAYER_S per layer for its small
+            kernels), in CUDA graphs; raw host rows only (no lossless tiers).
   resident  only when every expert fits (N = E): nothing moves.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pagedmoe.planning.cost_model import HardwareProfile, StepTraffic, decode_step_cost
+from pagedmoe.planning.kv_sizing import decode_buckets
 from pagedmoe.planning.model_shape import ModelShape
+from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
 
 # Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
 # and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
 # copy launch ~5 us); to be measured on the H200 (benchmarks/bench_routed_fetch.py).
 ROUTED_LAYER_SYNC_S = 60e-6
+# Path (b): UVA zero-copy reads ran at 47-51 GB/s on the H200 against the copy engine's 54.5 (shared/H200.md);
+# per MoE layer its plan (a few small torch ops) and gather launches, inside a graph: an estimate, to be measured.
+UVA_PCIE_SHARE = 0.86
+ROUTED_UVA_LAYER_S = 15e-6
 PLAN_BATCHES = (1, 8, 32)
 # Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
 # costs are estimates until measured, and stream-all is the measured pipeline (and keeps CUDA graphs).
 ROUTED_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class FetchTiers:
+    """Where the experts' master copies live besides the raw host tier: `num_compressed` per MoE layer in the
+    compressed GPU tier, and the host tier compressed (`host_ratio` < 1: its bytes per bf16 byte)."""
+    num_compressed: int = 0
+    host_ratio: float = 1.0
+    any_compressed: bool = False   # some layer holds compressed GPU-tier experts (per-layer counts may differ)
+
+    @property
+    def lossless(self) -> bool:
+        return self.num_compressed > 0 or self.any_compressed or self.host_ratio < 1.0
+
+    @classmethod
+    def of_plan(cls, num_compressed, host_compression: str) -> "FetchTiers":
+        """From an ExpertPlan's per-layer compressed counts (the fewest of any layer) and host compression."""
+        counts = list(num_compressed) if isinstance(num_compressed, (tuple, list)) else [num_compressed or 0]
+        return cls(min(counts, default=0), LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 1.0,
+                   any(counts))
 
 
 def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
@@ -34,11 +68,17 @@ def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
 
 
 def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
-                 context_len: float) -> dict[str, Optional[float]]:
-    """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible)."""
+                 context_len: float, tiers: FetchTiers = FetchTiers()) -> dict[str, Optional[float]]:
+    """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible): stream,
+    routed (path (a), copy engine, eager), routed_uva (path (b), CUDA graphs) and resident."""
     L, E = shape.num_moe_layers, shape.experts_per_gpu   # this GPU's experts of a layer
     n = max(0, min(num_gpu_experts, E))
-    stream = StepTraffic(h2d_bytes=L * (E - n) * shape.expert_bytes)
+    comp = max(0, min(tiers.num_compressed, E - n))
+    eb = shape.expert_bytes
+    streamed = L * (E - n - comp)
+    decoded = L * comp + (streamed if tiers.host_ratio < 1.0 else 0)
+    stream = StepTraffic(h2d_bytes=int(streamed * eb * tiers.host_ratio), decode_out_bytes=decoded * eb,
+                         decode_in_bytes=int(decoded * eb * LOSSLESS_PLANNING_RATIO))
     out: dict[str, Optional[float]] = {
         "stream": decode_step_cost(shape, hw, stream, num_seqs, context_len).total_s,
         "resident": decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len).total_s if n >= E else None}
@@ -46,23 +86,38 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
     distinct = shape.routed_experts(num_seqs)
     hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
     misses = L * distinct * (1.0 - hit)
+    host_misses = misses * (E - comp) / E
+    moved = host_misses * eb * tiers.host_ratio
+    decode = (misses - (host_misses if tiers.host_ratio >= 1.0 else 0.0)) * eb / hw.lossless_decode_bytes_per_s
     # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
     eager = shape.num_layers * hw.layer_overhead_s
-    out["routed"] = (base.total_s + misses * shape.expert_bytes / hw.pcie_h2d_bytes_per_s
-                     + L * ROUTED_LAYER_SYNC_S + eager)
+    out["routed"] = base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S + eager
+    out["routed_uva"] = None if tiers.lossless else (
+        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + L * ROUTED_UVA_LAYER_S)
     return out
 
 
+def routed_path(costs: dict[str, Optional[float]]) -> str:
+    """The routed fetch path of a bucket: uva (CUDA graphs) when possible and modelled faster, else copy."""
+    uva = costs.get("routed_uva")
+    return "uva" if uva is not None and uva < costs["routed"] else "copy"
+
+
+def routed_s(costs: dict[str, Optional[float]]) -> float:
+    return costs["routed_uva"] if routed_path(costs) == "uva" else costs["routed"]
+
+
 def choose_fetch(costs: dict[str, Optional[float]]) -> str:
-    """resident where every expert fits; else routed when modelled ROUTED_MARGIN faster than stream."""
+    """resident where every expert fits; else routed (by its faster path) when modelled ROUTED_MARGIN faster
+    than stream; else stream."""
     if costs.get("resident") is not None:
         return "resident"
-    return "routed" if costs["routed"] < (1.0 - ROUTED_MARGIN) * costs["stream"] else "stream"
+    return "routed" if routed_s(costs) < (1.0 - ROUTED_MARGIN) * costs["stream"] else "stream"
 
 
 def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape: ModelShape, num_gpu_experts: int,
                   num_seqs: int, device_type: str, context_len: float,
-                  hw: Optional[HardwareProfile] = None) -> str:
+                  hw: Optional[HardwareProfile] = None, tiers: FetchTiers = FetchTiers()) -> str:
     """--expert-fetch `requested` settled: "stream" or "routed". `compatible` None when routed fetching can
     take effect with the other flags, else the flag that rules it out (named when routed is asked for).
     auto: the cost model's choice at the batch the engine is sized for (max_num_seqs) on CUDA; off CUDA
@@ -72,24 +127,70 @@ def resolve_fetch(requested: str, paged: bool, compatible: Optional[str], shape:
             raise ValueError("--expert-fetch routed pages experts from the host tier; it needs paged placement "
                              "(--expert-placement paged, --num-gpu-experts N or --cpu-moe)")
         if compatible is not None:
-            raise ValueError(f"--expert-fetch routed fetches exact rows from the host tier; it cannot take effect "
+            raise ValueError(f"--expert-fetch routed fetches exact experts from the host and lossless tiers; it cannot take effect "
                              f"with {compatible} (use --expert-fetch stream)")
         return "routed"
     if requested == "stream" or not paged or compatible is not None or device_type != "cuda":
         return "stream"
     hw = hw or HardwareProfile()
-    choice = choose_fetch(fetch_step_s(shape, hw, num_gpu_experts, num_seqs, context_len))
+    choice = choose_fetch(fetch_step_s(shape, hw, num_gpu_experts, num_seqs, context_len, tiers))
     return "routed" if choice == "routed" else "stream"
 
 
 def fetch_table(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, context_len: float,
-                batches=PLAN_BATCHES) -> list[dict]:
-    """`pagedmoe plan`'s rows: per batch the modelled step time of each fetch and the choice."""
+                batches=PLAN_BATCHES, tiers: FetchTiers = FetchTiers()) -> list[dict]:
+    """`pagedmoe plan`'s rows: per batch the modelled step time of each fetch (routed by both paths), the choice,
+    and the routed path the bucket gets."""
     rows = []
     for b in batches:
-        costs = fetch_step_s(shape, hw, num_gpu_experts, b, context_len)
-        rows.append({"batch": b, **{f"{k}_s": v for k, v in costs.items()}, "choice": choose_fetch(costs)})
+        costs = fetch_step_s(shape, hw, num_gpu_experts, b, context_len, tiers)
+        rows.append({"batch": b, **{f"{k}_s": v for k, v in costs.items()}, "choice": choose_fetch(costs),
+                     "routed_path": routed_path(costs)})
     return rows
+
+
+def graph_fetch_max_seqs(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, max_num_seqs: int,
+                         context_len: float, tiers: FetchTiers = FetchTiers()) -> int:
+    """The largest decode bucket up to which every bucket's routed path is uva (the buckets the CUDA graphs
+    capture: a prefix of them); 0 when batch 1 already prefers copy."""
+    best = 0
+    for b in decode_buckets(max_num_seqs):
+        if routed_path(fetch_step_s(shape, hw, num_gpu_experts, b, context_len, tiers)) != "uva":
+            break
+        best = b
+    return best
+
+
+def settle_fetch_path(requested: str, fetch: str, shape: ModelShape, num_gpu_experts: int, tiers: FetchTiers,
+                      max_num_seqs: int, context_len: float, device_type: str, graphs: bool,
+                      interpreter: bool = False, hw: Optional[HardwareProfile] = None) -> int:
+    """--expert-fetch-path `requested` settled into ExpertPlan.sync_free_max_seqs: forwards of up to that many
+    tokens fetch by path (b) and its decode buckets run in CUDA graphs; 0: path (a) everywhere. uva needs routed
+    fetching, raw host rows and a GPU (or Triton's interpreter, for tests); auto: the cost model per bucket on
+    CUDA with graphs, else copy."""
+    if requested != "auto" and fetch != "routed":
+        raise ValueError(f"--expert-fetch-path {requested} picks how routed fetching fetches; it cannot take effect "
+                         f"with --expert-fetch {fetch}")
+    if requested == "uva":
+        if tiers.lossless:
+            raise ValueError("--expert-fetch-path uva gathers raw host rows; it cannot take effect with the lossless "
+                             "tiers (--num-compressed-experts, --host-compression lossless)")
+        if device_type != "cuda" and not interpreter:
+            raise ValueError("--expert-fetch-path uva runs a Triton kernel on mapped host memory: it needs a CUDA "
+                             "device")
+        return max_num_seqs
+    if requested == "copy" or fetch != "routed" or device_type != "cuda" or not graphs or tiers.lossless:
+        return 0
+    return graph_fetch_max_seqs(shape, hw or HardwareProfile(), num_gpu_experts, max_num_seqs, context_len, tiers)
+
+
+def routed_host_bytes(shape: ModelShape, num_compressed, host_compression: str) -> float:
+    """The host tier under routed fetching: every expert but the compressed GPU tier's, at the planning ratio
+    when the host tier is compressed."""
+    comp = sum(num_compressed) if isinstance(num_compressed, (tuple, list)) else (num_compressed or 0) * \
+        shape.num_moe_layers
+    ratio = LOSSLESS_PLANNING_RATIO if host_compression == "lossless" else 1.0
+    return (shape.num_expert_slots - comp) * shape.expert_bytes * ratio
 
 
 def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_type: str, context_len: float,
@@ -99,18 +200,19 @@ def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_ty
     keeps every expert's master copy in the host tier (the cache may evict any page): over `host_limit()`
     auto falls back on stream and an explicit routed is refused."""
     blocker = next((flag for flag, on in (
-        ("--num-compressed-experts", bool(plan.num_compressed and any(plan.num_compressed))),
-        ("--host-compression lossless", plan.host_compression != "none"),
         ("--expert-precision " + x.precision, x.precision != "exact"),
         ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
     n = plan.num_gpu_experts
     n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
-    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, max_num_seqs, device_type, context_len)
+    tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)
+    fetch = resolve_fetch(x.fetch, plan.paged, blocker, shape, n, max_num_seqs, device_type, context_len,
+                          tiers=tiers)
     limit = host_limit() if fetch == "routed" else None
-    if limit is not None and shape.all_expert_bytes > limit:
+    host_bytes = routed_host_bytes(shape, plan.num_compressed, plan.host_compression)
+    if limit is not None and host_bytes > limit:
         if x.fetch == "routed":
-            raise ValueError(f"--expert-fetch routed holds every expert in host memory "
-                             f"({shape.all_expert_bytes / 2**30:.2f} GiB), above the host memory limit of "
+            raise ValueError(f"--expert-fetch routed holds every expert in host memory (but the compressed GPU "
+                             f"tier's: {host_bytes / 2**30:.2f} GiB), above the host memory limit of "
                              f"{limit / 2**30:.2f} GiB: raise --host-memory-gb or use --expert-fetch stream")
         fetch = "stream"
     return fetch

@@ -33,6 +33,9 @@ class ExpertPlan:
     quantized_gemm: str = "dequant"             # "direct": the MoE GEMMs read quantized weights
     dynamic_min_precision: Optional[str] = None  # --expert-precision dynamic: the floor
     fetch: str = "stream"                       # "stream" | "routed" (experts/cache.py) once settled
+    # routed: forwards of up to this many tokens fetch by path (b), the sync-free UVA gather, and the decode
+    # buckets up to it run in CUDA graphs (planning/fetch_cost.py::settle_fetch_path); 0: path (a) everywhere
+    sync_free_max_seqs: int = 0
 
     @property
     def paged(self) -> bool:

@@ -71,13 +71,16 @@ class ModelRunner:
             moes = model.moe_layers()
             probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
             w13, w2 = model.expert_store.views(0) if moes else (None, None)
-            if getattr(model.pager, "syncs_host", False):  # --expert-fetch routed: a host sync per MoE layer
+            # --expert-fetch routed: path (a) syncs with the host in every MoE layer; the decode buckets up to
+            # graph_max_seqs fetch by path (b) (no sync) and run in CUDA graphs, larger batches eager
+            graph_seqs = min(max_num_seqs, getattr(model.pager, "graph_max_seqs", max_num_seqs))
+            if getattr(model.pager, "syncs_host", False) and graph_seqs <= 0:
                 logger.warning("CUDA graphs off: routed expert fetching syncs with the host in every MoE layer")
             elif moes and not sync_free(moes[0].experts_fn, probe, w13, w2):
                 logger.warning("CUDA graphs off: the %s expert path syncs with the host (use bfloat16)",
                                moe_backend)
             else:
-                self.graphs = DecodeCudaGraphs(model, max_num_seqs, -(-max_model_len // block_size),
+                self.graphs = DecodeCudaGraphs(model, graph_seqs, -(-max_model_len // block_size),
                                                max_model_len, device)
                 with naming_oom("capturing CUDA graphs (--enforce-eager runs without them)"):
                     self.graphs.capture()

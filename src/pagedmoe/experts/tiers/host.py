@@ -4,7 +4,9 @@ Raw (`rows[l]` [n_host, stride], pinned on CUDA) or, under `--host-compression l
 layer its host experts in groups of consecutive ids (at most HOST_GROUP_BYTES of bf16 each), each group a
 CompressedTensor (one part per expert) in pinned host memory, copied into one of HOST_STAGING_SLOTS
 device staging slots and decoded into its compute rows by the pager in one launch (experts/pager.py).
-The raw rows then only stage a layer until it is encoded.
+The raw rows then only stage a layer until it is encoded. Routed fetching (experts/routed.py) fetches one
+expert at a time: its groups hold one expert each (`group_experts=1`), so a miss moves only that expert's
+compressed bytes.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from pagedmoe.experts.table import HOST
 from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Page-locked host memory of exactly this size.
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, mapped: bool = False) -> torch.Tensor:
+    """Page-locked host memory of exactly this size (`mapped`: also mapped into the device's address space, so
+    GPU kernels read it at its host address: routed fetching's path (b), experts/routed_uva.py).
 
     `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds every
     block up to a power of two (a 2.6 GiB Mixtral layer would pin 4 GiB, 128 GiB for the model), so
@@ -33,7 +36,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # Fault the pages in on every core first (zero_ runs in parallel): cudaHostRegister faults fresh
     # pages in one by one on one thread (GLM-4.5-Air's 100 GiB host tier: load 147 s that way, 52 s this way).
     t.zero_()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # 1: cudaHostRegisterPortable
+    flags = 3 if mapped else 1   # 1: cudaHostRegisterPortable, 2: cudaHostRegisterMapped
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, flags)
     if int(err) != 0 or not t.is_pinned():
         # Fall back on the caching allocator (exact size lost, but copies stay asynchronous).
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -51,8 +55,9 @@ def _unregister(ptr: int) -> None:
 
 class HostTier:
     def __init__(self, table, stride: int, expert_numel: int, dtype: torch.dtype, device: torch.device,
-                 paged: bool, compression: str = "none") -> None:
+                 paged: bool, compression: str = "none", group_experts: int = 0, mapped: bool = False) -> None:
         L = table.num_layers
+        self.group_experts = group_experts   # experts per compressed group (0: host_group_experts' choice)
         self.table, self.expert_numel, self.device, self.compression = table, expert_numel, device, compression
         self.rows: list[Optional[torch.Tensor]] = [None] * L
         self.staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
@@ -67,7 +72,7 @@ class HostTier:
             n_host = table.count(layer, HOST)
             # With a compressed host tier the raw rows only stage a layer until it is encoded (pageable,
             # touched lazily): pinning them all first would peak host memory at the raw host tier.
-            self.rows[layer] = pinned_empty((n_host, stride), dtype) if pin and compression == "none" \
+            self.rows[layer] = pinned_empty((n_host, stride), dtype, mapped) if pin and compression == "none" \
                 else torch.empty(n_host, stride, dtype=dtype)
 
     def stage(self, layer: int, slot: int, parts) -> bool:
@@ -86,7 +91,8 @@ class HostTier:
         ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
                     checksum=False)
         # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
-        groups = consecutive_runs(self.table.ids(layer, HOST), host_group_experts(2 * self.expert_numel))
+        groups = consecutive_runs(self.table.ids(layer, HOST),
+                                  self.group_experts or host_group_experts(2 * self.expert_numel))
         self.groups[layer] = [(e0, k) for _, e0, k in groups]
         self.compressed[layer] = to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
                                                self.device.type == "cuda")
