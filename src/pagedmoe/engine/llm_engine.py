@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig
+from pagedmoe.engine.async_step import AsyncScheduling
 from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
@@ -83,6 +84,8 @@ class LLMEngine:
                           "decode_tokens": 0, "prefill_tokens": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # --async-scheduling (engine/async_step.py): the next step is prepared while this one runs
+        self._async = AsyncScheduling(self) if config.async_scheduling else None
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
@@ -151,6 +154,8 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._async is not None:
+            return self._async.step()
         t0 = time.perf_counter()
         if self.precision is not None:
             self.precision.tick()  # publish / start precision moves between steps (lends KV blocks)
@@ -219,9 +224,16 @@ class LLMEngine:
                                      histories)
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
+        return self._emit(sampling, sample)
+
+    def _emit(self, sampling: list[Request], sample) -> list[RequestOutput]:
+        """Append each sampled token, check stops, and build the outputs (engine/output.py). Requests that
+        finished meanwhile (--async-scheduling: stopped at the step before, or aborted) get nothing."""
         results = []
         now = time.monotonic()
         for i, request in enumerate(sampling):
+            if request.is_finished:
+                continue
             self.generation_tokens_total += 1
             status = self.outputs.append_token(request, sample.token_ids[i], sample.logprobs[i],
                                                sample.sampled_logprob[i], now)

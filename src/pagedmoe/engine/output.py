@@ -50,7 +50,7 @@ class OutputProcessor:
 
     def mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Forbid EOS and stop tokens for requests that have not reached min_tokens yet."""
-        rows = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
         logits = logits.clone()
