@@ -136,7 +136,8 @@ def test_the_flag_refuses_what_it_cannot_take(ckpt):
 
 @pytest.mark.gpu
 def test_gpu_graphs_same_tokens_and_decode_launch_does_not_sync(tmp_path):
-    """bf16 with CUDA graphs: the same greedy tokens as plain steps, and launching a decode step (inputs,
+    """bf16 with CUDA graphs: the same tokens as plain steps (greedy, seeded sampling, min_tokens; every
+    request runs to the same max_tokens, so both runs batch alike), and launching a decode step (inputs,
     graph replay, sampling, the readback's copy) makes no synchronising CUDA call (torch's sync debug
     mode raises on one)."""
     if not torch.cuda.is_available():
@@ -147,7 +148,10 @@ def test_gpu_graphs_same_tokens_and_decode_launch_does_not_sync(tmp_path):
     make_tiny_checkpoint("qwen3_moe", tmp_path, seed=7)
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=gen).tolist()} for n in (5, 31, 17, 64)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, min_tokens=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=12, ignore_eos=True, logprobs=2)]
     tokens = {}
     launch = AsyncScheduling._launch
 

@@ -35,7 +35,6 @@ from pagedmoe.scheduler_output import SchedulerOutput
 from pagedmoe.worker.sampler import DeviceSample
 
 if TYPE_CHECKING:
-    from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.engine.request import Request
     from pagedmoe.sampling_params import RequestOutput
 
@@ -50,8 +49,9 @@ class InFlightStep:
         return {r.request_id: i for i, r in enumerate(self.sampling)}
 
 
-def check_async_scheduling(engine: "LLMEngine") -> None:
-    """The flag fails loudly where it cannot take effect."""
+def check_async_scheduling(engine) -> None:
+    """The flag fails loudly where it cannot take effect (engine: the LLMEngine; not imported: it imports
+    this module)."""
     why = ("paged experts (their pager ends each step after its tokens reach the host)" if engine.pager is not None
            else "--expert-precision dynamic (it moves experts between steps)" if engine.precision is not None
            else "--tensor-parallel-size > 1 (the workers get host inputs only)" if engine.runner.control is not None
@@ -61,7 +61,7 @@ def check_async_scheduling(engine: "LLMEngine") -> None:
 
 
 class AsyncScheduling:
-    def __init__(self, engine: "LLMEngine") -> None:
+    def __init__(self, engine) -> None:
         check_async_scheduling(engine)
         self.engine = engine
         self.in_flight: Optional[InFlightStep] = None
@@ -87,9 +87,9 @@ class AsyncScheduling:
         if launched is not None:
             e.scheduler.update(sched.scheduled)
             self.in_flight = launched
-            e._record_step_time(sched, time.perf_counter() - t0)
-        elif failed:  # as a plain step's (LLMEngine._fail_step), for the requests still unfinished
-            outputs += e._fail_step(SchedulerOutput([s for s in sched.scheduled if not s.request.is_finished]))
+            e.record_step_time(sched, time.perf_counter() - t0)
+        elif failed:  # as a plain step's (LLMEngine.fail_step), for the requests still unfinished
+            outputs += e.fail_step(SchedulerOutput([s for s in sched.scheduled if not s.request.is_finished]))
         return outputs
 
     def _launch(self, sched: SchedulerOutput, prev: Optional[InFlightStep]) -> InFlightStep:
@@ -106,8 +106,7 @@ class AsyncScheduling:
         # a penalised request has no pending token here (step() completed the step that sampled it)
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in step.sampling]
                      if any(p.penalised for p in params) else None)
-        step.sample = e.sampler.sample_device(logits, params, [e._generators.get(r.request_id)
-                                                               for r in step.sampling], histories)
+        step.sample = e.sampler.sample_device(logits, params, e.generators_of(step.sampling), histories)
         step.sample.start_copy()
         for r in step.sampling:
             r.num_pending_tokens += 1
@@ -119,4 +118,4 @@ class AsyncScheduling:
         sample = step.sample.result()  # the step's one blocking readback: its tokens' copy event
         for r in step.sampling:
             r.num_pending_tokens -= 1
-        return self.engine._emit(step.sampling, sample)
+        return self.engine.emit(step.sampling, sample)

@@ -51,7 +51,7 @@ def _device_of(config: EngineConfig) -> torch.device:
 
 
 class LLMEngine:
-    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # Out of memory in a step fails that step's requests and the engine serves on (fail_step); the benchmarks
     # turn this off: a run with failed requests measures nothing, so their OOM propagates.
     survive_step_oom = True
 
@@ -131,6 +131,10 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         return request
 
+    def generators_of(self, requests: list[Request]) -> list[Optional[torch.Generator]]:
+        """Each request's own sampling generator (seeded), else None."""
+        return [self._generators.get(r.request_id) for r in requests]
+
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -167,14 +171,14 @@ class LLMEngine:
             try:
                 return self._finish_step(sched, logits, rows)
             finally:
-                self._record_step_time(sched, time.perf_counter() - t0)
+                self.record_step_time(sched, time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             if not self.survive_step_oom:
                 raise
             # failed below, once the traceback (and the step's tensors it holds) is gone
-        return self._fail_step(sched)
+        return self.fail_step(sched)
 
-    def _fail_step(self, sched) -> list[RequestOutput]:
+    def fail_step(self, sched) -> list[RequestOutput]:
         """Out of device memory inside a step: the step's requests finish with status "error" and the reason,
         their KV blocks are freed, and the engine serves on (the next step allocates afresh; the memory the
         failed one held is back in torch's pool)."""
@@ -198,7 +202,7 @@ class LLMEngine:
             outputs.append(self.outputs.make_output(request))
         return outputs
 
-    def _record_step_time(self, sched, seconds: float) -> None:
+    def record_step_time(self, sched, seconds: float) -> None:
         st = self.step_time
         if all(s.num_new_tokens == 1 for s in sched.scheduled):
             st["decode_s"] += seconds
@@ -220,13 +224,12 @@ class LLMEngine:
         params = [r.params for r in sampling]
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                      if any(p.penalised for p in params) else None)
-        sample = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in sampling],
-                                     histories)
+        sample = self.sampler.sample(logits, params, self.generators_of(sampling), histories)
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
-        return self._emit(sampling, sample)
+        return self.emit(sampling, sample)
 
-    def _emit(self, sampling: list[Request], sample) -> list[RequestOutput]:
+    def emit(self, sampling: list[Request], sample) -> list[RequestOutput]:
         """Append each sampled token, check stops, and build the outputs (engine/output.py). Requests that
         finished meanwhile (--async-scheduling: stopped at the step before, or aborted) get nothing."""
         results = []

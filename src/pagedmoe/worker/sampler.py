@@ -41,17 +41,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU: torch.tensor(..., device=cuda) copies
+    and then synchronises the stream, which under --async-scheduling would wait for the step in flight."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature then top-k, top-p, min-p, for rows that sample (greedy rows are left as they are)."""
     device = logits.device
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], device)
     out = logits / temps.unsqueeze(-1)
     if any(p.top_k > 0 for p in params):
-        out = apply_top_k(out, torch.tensor([p.top_k for p in params], device=device))
+        out = apply_top_k(out, to_device([p.top_k for p in params], device))
     if any(p.top_p < 1.0 for p in params):
-        out = apply_top_p(out, torch.tensor([p.top_p for p in params], device=device))
+        out = apply_top_p(out, to_device([p.top_p for p in params], device))
     if any(p.min_p > 0.0 for p in params):
-        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=device))
+        out = apply_min_p(out, to_device([p.min_p for p in params], device))
     return out
 
 
@@ -72,13 +78,9 @@ class DeviceSample:
 
     def __init__(self, tokens: torch.Tensor, params: list[SamplingParams], logprob_parts=None) -> None:
         self.params = params
-        self._tensors = [tokens] + ([] if logprob_parts is None else list(logprob_parts))
+        self.tokens = tokens  # [N] int64 on the device: the next step's inputs are gathered from it
+        self._tensors = [tokens] + ([] if logprob_parts is None else list(logprob_parts))  # host copies, once made
         self._event = None
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """[N] int64 on the device: the next step's inputs are gathered from it without a readback."""
-        return self._tensors[0]
 
     def start_copy(self) -> None:
         if self._event is not None or self.tokens.device.type != "cuda":
@@ -88,6 +90,8 @@ class DeviceSample:
             pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             pinned.copy_(t, non_blocking=True)
             host.append(pinned)
+        # NOTE: dropping the device logprob tensors here is safe: the caching allocator hands their memory
+        # only to work queued after the copy (one stream)
         self._tensors = host
         self._event = torch.cuda.Event()
         self._event.record()
@@ -133,7 +137,7 @@ class Sampler:
             tokens = adjusted.argmax(dim=-1)
             shared_rows = [i for i in range(N) if not greedy[i] and generators[i] is None]
             if shared_rows:
-                idx = torch.tensor(shared_rows, device=logits.device)
+                idx = to_device(shared_rows, logits.device)
                 tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(-1)
             for i in range(N):
                 if not greedy[i] and generators[i] is not None:

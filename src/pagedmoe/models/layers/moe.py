@@ -20,18 +20,17 @@ def topk_lower_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     """torch.topk over the last dim with ties broken by the lower id, as the fused router kernel does
     (torch.topk orders ties its own way, which differs between CPU and CUDA; bf16 logits tie often)."""
     values, ids = scores.sort(dim=-1, descending=True, stable=True)
-    return values[..., :k].contiguous(), ids[..., :k].contiguous()
+    return values[..., :k], ids[..., :k].contiguous()
 
 
 def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """Softmax over experts, top-k, optional renormalisation. -> (weights f32 [T, A], ids [T, A]).
 
     In float64, rounded to float32 at the end (transformers: float32 throughout, within 1 ulp of this):
-    a float32 softmax's sum depends on its order and its exp on the device, float64 makes the result
-    the same on CPU, CUDA and in the fused router kernel (kernels/router_topk.py), which does these ops."""
-    x = router_logits.double()
-    e = (x - x.amax(dim=-1, keepdim=True)).exp()
-    probs = e / e.sum(dim=-1, keepdim=True)
+    a float32 softmax's sum depends on its order and its exp on the device; in float64 those differences
+    (and whether the softmax divides or multiplies by 1 / sum) stay below what rounding to float32 shows,
+    so the result is the same on CPU, CUDA and in the fused router kernel (kernels/router_topk.py)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float64)
     weights, ids = topk_lower_id_first(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
