@@ -51,6 +51,10 @@ class EngineConfig:
     max_num_seqs: int = _flag(256, "most sequences in one step", type_=int)
     max_num_batched_tokens: int = _flag(8192, "most tokens in one step (prefill is chunked to fit)",
                                         type_=int)
+    async_scheduling: bool = _flag(False, "prepare the next step (schedule, inputs) and process the previous "
+                                          "one's tokens (detokenise, stop checks) while the GPU runs a step, "
+                                          "as vLLM's --async-scheduling; stops are seen one step late (that "
+                                          "step's token is dropped). Resident experts, one GPU", type_=bool)
     gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)
@@ -159,6 +163,9 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 (the experts are split "
                              "over the tensor-parallel ranks)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling does not support --tensor-parallel-size > 1 yet (the workers get "
+                             "host inputs only)")
         if self.tensor_parallel_size > 1 and self.expert_precision == "dynamic":
             raise ValueError("--expert-precision dynamic does not support --tensor-parallel-size > 1 yet (each "
                              "rank would demote and promote its experts on its own)")

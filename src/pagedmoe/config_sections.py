@@ -35,6 +35,7 @@ class ModelConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    async_scheduling: bool
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,8 @@ SECTIONS = {
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend",
                                    "fused_ops": "fused_ops"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",
-                                    "max_num_batched_tokens": "max_num_batched_tokens"}),
+                                    "max_num_batched_tokens": "max_num_batched_tokens",
+                                    "async_scheduling": "async_scheduling"}),
     "cache": (CacheConfig, {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
                             "gpu_memory_gb": "gpu_memory_gb", "host_memory_gb": "host_memory_gb",
                             "enable_prefix_caching": "enable_prefix_caching"}),

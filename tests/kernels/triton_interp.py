@@ -16,3 +16,26 @@ def fix_interpreter_index() -> None:
 
     patched._index_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+def fix_interpreter_bf16() -> None:
+    """The interpreter casts float32 -> bfloat16 by truncation (``x.to(tl.bfloat16)`` passes no rounding
+    mode) or, asked for rtne, rounds ties up and lets the carry spill; the GPU rounds to nearest even
+    (cvt.rn.bf16.f32). Tests that compare bf16 kernels bit for bit need the GPU's rounding: torch's."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter._convert_float
+    if getattr(orig, "_bf16_fixed", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            src = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32).reshape(-1))
+            return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(input))
+        return orig(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._bf16_fixed = True
+    interpreter._convert_float = convert

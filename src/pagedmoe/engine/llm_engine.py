@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig
+from pagedmoe.engine.async_step import AsyncScheduling
 from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
@@ -50,7 +51,7 @@ def _device_of(config: EngineConfig) -> torch.device:
 
 
 class LLMEngine:
-    # Out of memory in a step fails that step's requests and the engine serves on (_fail_step); the benchmarks
+    # Out of memory in a step fails that step's requests and the engine serves on (fail_step); the benchmarks
     # turn this off: a run with failed requests measures nothing, so their OOM propagates.
     survive_step_oom = True
 
@@ -83,6 +84,8 @@ class LLMEngine:
                           "decode_tokens": 0, "prefill_tokens": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # --async-scheduling (engine/async_step.py): the next step is prepared while this one runs
+        self._async = AsyncScheduling(self) if config.async_scheduling else None
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
@@ -128,6 +131,10 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         return request
 
+    def generators_of(self, requests: list[Request]) -> list[Optional[torch.Generator]]:
+        """Each request's own sampling generator (seeded), else None."""
+        return [self._generators.get(r.request_id) for r in requests]
+
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -151,6 +158,8 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._async is not None:
+            return self._async.step()
         t0 = time.perf_counter()
         if self.precision is not None:
             self.precision.tick()  # publish / start precision moves between steps (lends KV blocks)
@@ -162,14 +171,14 @@ class LLMEngine:
             try:
                 return self._finish_step(sched, logits, rows)
             finally:
-                self._record_step_time(sched, time.perf_counter() - t0)
+                self.record_step_time(sched, time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             if not self.survive_step_oom:
                 raise
             # failed below, once the traceback (and the step's tensors it holds) is gone
-        return self._fail_step(sched)
+        return self.fail_step(sched)
 
-    def _fail_step(self, sched) -> list[RequestOutput]:
+    def fail_step(self, sched) -> list[RequestOutput]:
         """Out of device memory inside a step: the step's requests finish with status "error" and the reason,
         their KV blocks are freed, and the engine serves on (the next step allocates afresh; the memory the
         failed one held is back in torch's pool)."""
@@ -193,7 +202,7 @@ class LLMEngine:
             outputs.append(self.outputs.make_output(request))
         return outputs
 
-    def _record_step_time(self, sched, seconds: float) -> None:
+    def record_step_time(self, sched, seconds: float) -> None:
         st = self.step_time
         if all(s.num_new_tokens == 1 for s in sched.scheduled):
             st["decode_s"] += seconds
@@ -215,13 +224,19 @@ class LLMEngine:
         params = [r.params for r in sampling]
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                      if any(p.penalised for p in params) else None)
-        sample = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in sampling],
-                                     histories)
+        sample = self.sampler.sample(logits, params, self.generators_of(sampling), histories)
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
+        return self.emit(sampling, sample)
+
+    def emit(self, sampling: list[Request], sample) -> list[RequestOutput]:
+        """Append each sampled token, check stops, and build the outputs (engine/output.py). Requests that
+        finished meanwhile (--async-scheduling: stopped at the step before, or aborted) get nothing."""
         results = []
         now = time.monotonic()
         for i, request in enumerate(sampling):
+            if request.is_finished:
+                continue
             self.generation_tokens_total += 1
             status = self.outputs.append_token(request, sample.token_ids[i], sample.logprobs[i],
                                                sample.sampled_logprob[i], now)

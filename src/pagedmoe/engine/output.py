@@ -9,6 +9,7 @@ import torch
 
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.sampling_params import CompletionOutput, Logprob, RequestOutput
+from pagedmoe.worker.sampler import to_device
 
 
 def _eos_token_ids(tokenizer, hf_config, model_path: str) -> set[int]:
@@ -50,15 +51,15 @@ class OutputProcessor:
 
     def mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Forbid EOS and stop tokens for requests that have not reached min_tokens yet."""
-        rows = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
         logits = logits.clone()
         for i, r in rows:
             banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_token_ids)
             banned = [t for t in banned if t < logits.shape[1]]
-            if banned:
-                logits[i, banned] = float("-inf")
+            if banned:  # indices copied without a stream sync (--async-scheduling: a step may be in flight)
+                logits[i, to_device(sorted(banned), logits.device)] = float("-inf")
         return logits
 
     def append_token(self, request: Request, token: int, logprobs: Optional[dict[int, Logprob]],

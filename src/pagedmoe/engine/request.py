@@ -39,6 +39,9 @@ class Request:
     cumulative_logprob: float = 0.0
     # Tokens whose KV is in the cache. Reset to 0 on preemption (recompute).
     num_computed_tokens: int = 0
+    # --async-scheduling: tokens sampled by steps still in flight, not yet in output_token_ids (0, 1, or 2
+    # for a moment); the scheduler counts them as tokens, so the next step decodes after them.
+    num_pending_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: object = None
     output_text: str = ""  # detokenized output so far
@@ -56,7 +59,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, those of steps in flight included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -69,6 +69,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
+            if request.num_pending_tokens and request.num_output_tokens >= request.max_tokens:
+                idx += 1  # --async-scheduling: the step in flight samples its last token; it finishes
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself; everything after it is gone too
@@ -118,7 +121,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, scheduled: Iterable[ScheduledRequest]) -> None:
-        """Record that the scheduled tokens are now in the KV cache."""
+        """Record that the scheduled tokens are now in the KV cache (--async-scheduling: requests that
+        finished meanwhile are left alone: their blocks are freed)."""
         for s in scheduled:
+            if s.request.is_finished:
+                continue
             s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
             self.kv.cache_blocks(s.request, s.request.num_computed_tokens)

@@ -1,10 +1,13 @@
 """Triton fused residual-add + RMSNorm: one read of x and the residual, one write of each output.
 
 The unfused decoder layer runs ``h = h + x`` (one kernel, rounded to the model dtype) and then
-RMSNorm (``xf = h.float(); xf * rsqrt(mean(xf^2) + eps)``, cast to the model dtype, times the weight in
-the model dtype: layers/norm.py, as HF does). This kernel keeps that op order and rounds where the
-torch ops round, so the new residual is bit-exact and the normed output differs from the unfused path
-only through the order of the float32 sum of squares and of the rsqrt (<= 2 ulp of the model dtype, rarely).
+RMSNorm (layers/norm.py: ``xf = h.float()``, the float32 squares summed in float64, times 1/H, rounded to
+float32, plus eps, 1 / sqrt in float64 rounded to float32, ``xf * inv`` cast to the model dtype, times
+the weight in the model dtype).
+This kernel does the same ops in the same precisions (``rms_inv_tile``), so both outputs are bit-exact:
+the float64 sum of the squares of bf16 / fp16 values is exact, hence the same in any order (for float32
+inputs it is off by < 2^-52 relative, which the rounding to float32 hides but for odds of about 2^-28 a
+row). fp fusion is off: no FMA may merge a product with a sum the torch ops round apart.
 Reference: ``fused_add_rmsnorm_ref``.
 """
 from __future__ import annotations
@@ -18,6 +21,15 @@ import triton.language as tl
 from ._attention_checks import check_float, check_same_device, next_pow2
 
 MAX_HIDDEN = 16384  # one row in one tile of registers
+
+
+@triton.jit
+def rms_inv_tile(sum_sq, n, eps):
+    """sum_sq: float64 sum of the float32 squares; n: float64 count -> float32 1 / sqrt(sum_sq / n + eps),
+    rounded where layers/norm.py's rms_inv rounds: the variance and eps in float32, the root in float64
+    (correctly rounded here; torch's float64 rsqrt is within an ulp, which the float32 rounding hides)."""
+    var = (sum_sq * (1.0 / n)).to(tl.float32)
+    return (1.0 / tl.sqrt((var + eps).to(tl.float64))).to(tl.float32)
 
 
 @triton.jit
@@ -39,7 +51,7 @@ def fused_add_rmsnorm_kernel(
         s = (x + r).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
         x = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    inv = rms_inv_tile(tl.sum((x * x).to(tl.float64), axis=0), tl.full([], hidden, tl.float64), eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (x * inv).to(dt).to(tl.float32)  # RMSNorm casts back to the model dtype before the weight
     tl.store(out_ptr + row * stride_out + offs, (w * y).to(dt), mask=mask)
@@ -94,16 +106,18 @@ def fused_add_rmsnorm(
         H, float(eps),
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_H=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
     )
     return out, residual_out
 
 
 def fused_add_rmsnorm_ref(x, residual, weight, eps):
-    """The unfused path, op for op (layers/norm.py after the decoder's residual add)."""
+    """The unfused path (layers/norm.py's ops after the decoder's residual add); kernels import no models,
+    so it is written out here and tests/kernels/test_fused_ops.py checks it against RMSNorm itself."""
     if residual is not None:
         x = x + residual
         residual = x
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype), residual
+    ss = (xf * xf).sum(-1, keepdim=True, dtype=torch.float64)
+    inv = torch.rsqrt(((ss * (1.0 / x.shape[-1])).float() + eps).double()).float()
+    return weight * (xf * inv).to(x.dtype), residual

@@ -6,10 +6,11 @@ head rotate, GLM-4.5), then write_kv (kv_write.py). Here one program per token d
 q and k head: q is written rotated (in place when ``q_out`` is q), k rotated and v as they are go straight
 into the paged caches at the token's slot (slot < 0: padding, nothing written to the caches).
 
-Rounding follows the torch ops: the norm casts to the model dtype before its weight, cos/sin are cast
-to the model dtype, and each product and sum of the rotation rounds to the model dtype, so the outputs
-equal the unfused path's except through the order of the norm's float32 sum of squares and of the rsqrt
-(<= 4 ulp of a head's largest value; without q/k norm they are bit-exact). DeepSeek's interleaved rope (MLA) is not handled here.
+Rounding follows the torch ops: the norm is layers/norm.py's (float64 sum of the float32 squares, 1 / sqrt:
+fused_norm.rms_inv_tile) and casts to the model dtype before its weight, cos/sin are cast to the model
+dtype, and each product and sum of the rotation rounds to the model dtype; fp fusion is off (no FMA
+merges what torch rounds apart). So the outputs are bit-exact against the unfused path (float32 inputs:
+but for odds of about 2^-28 a head, fused_norm.py says why). DeepSeek's interleaved rope (MLA) is not handled here.
 Reference: ``qk_norm_rope_kv_ref``.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton.language as tl
 from ._attention_checks import (
     INDEX_DTYPES, check_caches, check_float, check_index, check_same_device, next_pow2,
 )
+from .fused_norm import rms_inv_tile
 
 
 @triton.jit
@@ -43,8 +45,9 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, cos, sin, eps,
     x2 = tl.load(rows + HALF + offs_r[None, :], mask=m_rot, other=0.0).to(tl.float32)
     xt = tl.load(rows + 2 * HALF + offs_t[None, :], mask=m_tail, other=0.0).to(tl.float32)
     if HAS_NORM:
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xt * xt, axis=1)
-        inv = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+        ss = (tl.sum((x1 * x1).to(tl.float64), axis=1) + tl.sum((x2 * x2).to(tl.float64), axis=1)
+              + tl.sum((xt * xt).to(tl.float64), axis=1))
+        inv = rms_inv_tile(ss, tl.full([], HEAD_DIM, tl.float64), eps)[:, None]
         w1 = tl.load(w_ptr + offs_r, mask=offs_r < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + offs_r, mask=offs_r < HALF, other=0.0).to(tl.float32)[None, :]
         wt = tl.load(w_ptr + 2 * HALF + offs_t, mask=offs_t < TAIL, other=0.0).to(tl.float32)[None, :]
@@ -184,7 +187,7 @@ def qk_norm_rope_kv(
         NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=next_pow2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), HALF=half, HALF_PAD=next_pow2(half),
         TAIL=tail, TAIL_PAD=next_pow2(max(tail, 1)), HAS_NORM=has_norm,
-        num_warps=4 if num_q_heads * head_dim >= 2048 else 1,
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False,
     )
     return q_out
 
@@ -192,11 +195,10 @@ def qk_norm_rope_kv(
 def qk_norm_rope_kv_ref(q, k, v, cos_sin, positions, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping):
     """The unfused path op for op: per-head RMSNorm (layers/norm.py), RoPE (layers/rotary.py), write_kv_ref."""
     from pagedmoe.kernels.attention_ref import write_kv_ref
+    from pagedmoe.kernels.fused_norm import fused_add_rmsnorm_ref
 
-    def norm(x, w):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
+    def norm(x, w):  # layers/norm.py's RMSNorm over each head
+        return fused_add_rmsnorm_ref(x, None, w, eps)[0]
 
     if q_weight is not None:
         q, k = norm(q, q_weight), norm(k, k_weight)

@@ -1,15 +1,18 @@
 """Triton router: scores, top-k and renormalisation of one token's experts in one kernel.
 
 Unfused (layers/moe.py) this is softmax, topk, sum, divide: four to six launches per MoE layer. Two
-scorings, both in float32 over the router logits of any float dtype:
+scorings, both in float64 over the router logits of any float dtype (as layers/moe.py scores them: a
+float32 sum of exps depends on its order and a float32 exp differs between devices; float64 exps and
+sums, rounded to float32 at the end, give the same float32 everywhere but for odds of about 2^-28 a
+weight, and the same choice of experts):
   softmax  Mixtral / Qwen / OLMoE (route_softmax_topk): weights = the top-k probabilities, optionally
            divided by their sum;
   sigmoid  GLM-4.5 with n_group == 1 (route_sigmoid_grouped): experts chosen by sigmoid + correction
-           bias, weights = the plain sigmoid scores, optionally divided by (their sum + 1e-20), times the
-           routed scaling factor.
-Ids come out in descending order of the choice score (ties: the lower id first). The softmax's sum runs
-in another order than torch's, so weights differ from the torch path by float32 rounding (rel. <= 1e-6);
-ids are the same unless two scores tie within that rounding. Reference: the functions in layers/moe.py.
+           bias, weights = the plain sigmoid scores, optionally divided by (their sum + 1e-20), then in
+           float32 times the routed scaling factor.
+Ids come out in descending order of the choice score, ties the lower id first (layers/moe.py's
+topk_lower_id_first). Every op is correctly rounded (float64 division is div.rn.f64 on the GPU) except
+exp, which is libdevice's __nv_exp there, the function torch's CUDA exp calls. Reference: the functions in layers/moe.py.
 """
 from __future__ import annotations
 
@@ -35,17 +38,17 @@ def router_topk_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     mask = offs < num_experts
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float64)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
-        choice = scores + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        choice = scores + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float64)
         choice = tl.where(mask, choice, float("-inf"))
     else:
         e = tl.exp(x - tl.max(x, axis=0))
         scores = e / tl.sum(e, axis=0)
         choice = tl.where(mask, scores, float("-inf"))
     offs_k = tl.arange(0, K_PAD)
-    w = tl.zeros([K_PAD], dtype=tl.float32)
+    w = tl.zeros([K_PAD], dtype=tl.float64)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     for i in tl.static_range(TOP_K):
         best = tl.max(choice, axis=0)
@@ -58,8 +61,9 @@ def router_topk_kernel(
     if RENORMALIZE:
         total = tl.sum(w, axis=0)
         if SIGMOID:
-            total += 1e-20
+            total += tl.full([], 1e-20, tl.float64)
         w = w / total
+    w = w.to(tl.float32)
     if SIGMOID:
         w = w * scaling
     kmask = offs_k < TOP_K
@@ -103,6 +107,6 @@ def router_topk(
         E, router_logits.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=max(16, next_pow2(E)),
         SIGMOID=sigmoid, RENORMALIZE=bool(renormalize),
-        num_warps=1 if E <= 64 else 2,
+        num_warps=1 if E <= 64 else 2, enable_fp_fusion=False,
     )
     return weights, ids

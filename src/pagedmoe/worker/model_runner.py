@@ -104,11 +104,19 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_rows: list[int] = []
+        # --async-scheduling: a decode row whose input is the token the step in flight samples gets a
+        # placeholder here; execute() fills it on the device from that step's tokens (pending_ids: its
+        # index in input_ids -> the request)
+        pending_ids: dict[int, str] = {}
         for row, s in enumerate(out.scheduled):
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             table = kv.block_table(req.request_id)
             if n == 1:  # decode: one token, one slot
-                input_ids.append(req.token_ids(start, start + 1)[0])
+                if start >= req.num_tokens - req.num_pending_tokens:
+                    pending_ids[len(input_ids)] = req.request_id
+                    input_ids.append(0)
+                else:
+                    input_ids.append(req.token_ids(start, start + 1)[0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
@@ -129,7 +137,7 @@ class ModelRunner:
                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
                     logits_indices=torch.tensor(logits_indices, dtype=torch.int64), sampling_rows=sampling_rows,
                     max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
-                    is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled))
+                    is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled), pending_ids=pending_ids)
 
     def to_device(self, host: dict) -> StepInputs:
         dev = self.device
@@ -154,17 +162,30 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample)."""
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager,
+                pending: Optional[tuple[torch.Tensor, dict[str, int]]] = None) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample).
+
+        pending (--async-scheduling): (tokens [M] on the device, request id -> index) of the step still in
+        flight, whose tokens are the inputs of this step's rows that decode after it."""
         host = self.host_inputs(out, kv)
         if self.control is not None:  # rank 0 of a tensor-parallel group: the workers run the same step
+            if host["pending_ids"]:
+                raise RuntimeError("a step with device-side input tokens cannot be broadcast to the workers")
             self.control.send(host)
-        return self.execute_host(host)
+        return self.execute_host(host, pending)
 
     @torch.inference_mode()
-    def execute_host(self, host: dict) -> tuple[torch.Tensor, list[int]]:
+    def execute_host(self, host: dict, pending=None) -> tuple[torch.Tensor, list[int]]:
         """One step from its host inputs (a worker rank runs the steps rank 0 broadcasts through this)."""
         inputs = self.to_device(host)
+        placeholders = host.get("pending_ids")
+        if placeholders:
+            tokens, index_of = pending
+            dst = torch.tensor(list(placeholders), dtype=torch.int64).to(self.device, non_blocking=True)
+            src = torch.tensor([index_of[r] for r in placeholders.values()], dtype=torch.int64)
+            # NOTE: queued behind the step that sampled `tokens` (one stream): no host sync
+            inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, src.to(self.device, non_blocking=True)))
         if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(host["seq_lens"])):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if self.model.pager is not None:

@@ -41,17 +41,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU: torch.tensor(..., device=cuda) copies
+    and then synchronises the stream, which under --async-scheduling would wait for the step in flight."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature then top-k, top-p, min-p, for rows that sample (greedy rows are left as they are)."""
     device = logits.device
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], device)
     out = logits / temps.unsqueeze(-1)
     if any(p.top_k > 0 for p in params):
-        out = apply_top_k(out, torch.tensor([p.top_k for p in params], device=device))
+        out = apply_top_k(out, to_device([p.top_k for p in params], device))
     if any(p.top_p < 1.0 for p in params):
-        out = apply_top_p(out, torch.tensor([p.top_p for p in params], device=device))
+        out = apply_top_p(out, to_device([p.top_p for p in params], device))
     if any(p.min_p > 0.0 for p in params):
-        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=device))
+        out = apply_min_p(out, to_device([p.min_p for p in params], device))
     return out
 
 
@@ -60,6 +66,45 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[Optional[dict[int, Logprob]]]
     sampled_logprob: list[Optional[float]]
+
+
+class DeviceSample:
+    """One step's sampled tokens (and logprob tensors) still on the device. ``start_copy()`` queues their
+    copy into pinned host memory behind the step and records an event; ``result()`` waits for that event
+    only (not for later steps queued since) and builds the SampleOutput: the one blocking readback of a
+    step (``result`` counts them in ``readbacks``, for tests)."""
+
+    readbacks = 0
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams], logprob_parts=None) -> None:
+        self.params = params
+        self.tokens = tokens  # [N] int64 on the device: the next step's inputs are gathered from it
+        self._tensors = [tokens] + ([] if logprob_parts is None else list(logprob_parts))  # host copies, once made
+        self._event = None
+
+    def start_copy(self) -> None:
+        if self._event is not None or self.tokens.device.type != "cuda":
+            return
+        host = []
+        for t in self._tensors:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            host.append(pinned)
+        # NOTE: dropping the device logprob tensors here is safe: the caching allocator hands their memory
+        # only to work queued after the copy (one stream)
+        self._tensors = host
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> SampleOutput:
+        DeviceSample.readbacks += 1
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._tensors[0]
+        token_list = tokens.tolist()
+        if len(self._tensors) == 1:
+            return SampleOutput(token_list, [None] * len(self.params), [None] * len(self.params))
+        return SampleOutput(token_list, *_host_logprobs(token_list, self.params, *self._tensors[1:]))
 
 
 class Sampler:
@@ -76,6 +121,12 @@ class Sampler:
         """logits [N, V] float32 for N sequences; generators[i] is the request's own (seeded) or None;
         histories[i] = (prompt ids, output ids so far), needed when a row has penalties (penalties.py).
         Logprobs are of the raw logits, as vLLM returns them."""
+        return self.sample_device(logits, params, generators, histories).result()
+
+    def sample_device(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[Optional[torch.Generator]],
+                      histories: Optional[list[tuple[list[int], list[int]]]] = None) -> DeviceSample:
+        """As sample(), without reading anything back: the tokens and logprobs stay on the device."""
         N = logits.shape[0]
         greedy = [p.greedy for p in params]
         adjusted = apply_penalties(logits, params, histories)
@@ -86,35 +137,40 @@ class Sampler:
             tokens = adjusted.argmax(dim=-1)
             shared_rows = [i for i in range(N) if not greedy[i] and generators[i] is None]
             if shared_rows:
-                idx = torch.tensor(shared_rows, device=logits.device)
+                idx = to_device(shared_rows, logits.device)
                 tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(-1)
             for i in range(N):
                 if not greedy[i] and generators[i] is not None:
                     tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-        token_list = tokens.tolist()
-        return SampleOutput(token_list, *self._logprobs(logits, tokens, token_list, params))
+        return DeviceSample(tokens, params, self._logprob_tensors(logits, tokens, params))
 
     @staticmethod
-    def _logprobs(logits, tokens, token_list, params):
+    def _logprob_tensors(logits, tokens, params):
+        """(top values, top ids, the sampled token's logprob, its rank) on the device; None if none asked."""
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
-            return [None] * len(params), [None] * len(params)
+            return None
         logprobs = torch.log_softmax(logits, dim=-1)
         n_top = max(w or 0 for w in want)
         top_vals, top_ids = logprobs.topk(max(n_top, 1), dim=-1)
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         ranks = (logprobs > chosen.unsqueeze(-1)).sum(-1) + 1
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        chosen, ranks = chosen.tolist(), ranks.tolist()
-        out_lp, out_chosen = [], []
-        for i, w in enumerate(want):
-            if w is None:
-                out_lp.append(None)
-                out_chosen.append(None)
-                continue
-            entry = {token_list[i]: Logprob(chosen[i], ranks[i])}
-            for r in range(w):
-                entry.setdefault(top_ids[i][r], Logprob(top_vals[i][r], r + 1))
-            out_lp.append(entry)
-            out_chosen.append(chosen[i])
-        return out_lp, out_chosen
+        return top_vals, top_ids, chosen, ranks
+
+
+def _host_logprobs(token_list, params, top_vals, top_ids, chosen, ranks):
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    out_lp, out_chosen = [], []
+    for i, p in enumerate(params):
+        w = p.logprobs
+        if w is None:
+            out_lp.append(None)
+            out_chosen.append(None)
+            continue
+        entry = {token_list[i]: Logprob(chosen[i], ranks[i])}
+        for r in range(w):
+            entry.setdefault(top_ids[i][r], Logprob(top_vals[i][r], r + 1))
+        out_lp.append(entry)
+        out_chosen.append(chosen[i])
+    return out_lp, out_chosen

@@ -7,9 +7,9 @@ Three Triton kernels replace chains of small torch ops in every layer:
                  clipping (not MLA, not OLMoE's whole-projection norm)
   router         softmax or sigmoid scores + top-k + renormalisation (kernels/router_topk.py): the
                  "softmax" router, and "sigmoid_grouped" with n_group == 1 (GLM-4.5), E <= 256, top_k <= 8
-Outputs equal the unfused path's except for float32 sums taken in another order (the kernels' files
-state the bounds: the residual stream and rope without norm are bit-exact; normed values within a few
-ulp; router weights within 1e-6 relative). Layers a kernel cannot take keep the torch path.
+Outputs equal the unfused path's bit for bit: the kernels round where the torch ops round, and the
+norm's mean of squares and the router's scores are float64 in both paths (layers/norm.py, layers/moe.py
+say why). Layers a kernel cannot take keep the torch path.
 
 auto is off for now: the kernels' speed on the H200 is not measured yet (issue 25); once it is, auto
 will turn them on where they measured faster.

@@ -16,26 +16,40 @@ from pagedmoe.experts.interface import TRITON_MAX_TOKENS, ExpertOperand, Experts
 from pagedmoe.models.layers.mlp import GatedMLP
 
 
+def topk_lower_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over the last dim with ties broken by the lower id, as the fused router kernel does
+    (torch.topk orders ties its own way, which differs between CPU and CUDA; bf16 logits tie often)."""
+    values, ids = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], ids[..., :k].contiguous()
+
+
 def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Softmax over experts in float32, top-k, optional renormalisation. -> (weights f32 [T, A], ids [T, A])."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    """Softmax over experts, top-k, optional renormalisation. -> (weights f32 [T, A], ids [T, A]).
+
+    In float64, rounded to float32 at the end (transformers: float32 throughout, within 1 ulp of this):
+    a float32 softmax's sum depends on its order and its exp on the device; in float64 those differences
+    (and whether the softmax divides or multiplies by 1 / sum) stay below what rounding to float32 shows,
+    so the result is the same on CPU, CUDA and in the fused router kernel (kernels/router_topk.py)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float64)
+    weights, ids = topk_lower_id_first(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights.float(), ids
 
 
 def route_sigmoid_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
                           n_group: int, topk_group: int, renormalize: bool, routed_scaling_factor: float):
     """GLM-4.5 / DeepSeek-V3 routing ("noaux_tc"). -> (weights f32 [T, A], ids [T, A]).
 
-    Sigmoid scores in float32; the correction bias only steers the *choice* (the weights are the plain
-    scores). Experts split into n_group groups; a group scores the sum of its best two biased scores;
-    only the topk_group best groups compete for the top-k. Then optional renormalisation (+1e-20, as
-    transformers) and the routed scaling factor. Follows transformers' Glm4MoeTopkRouter op for op.
+    Sigmoid scores; the correction bias only steers the *choice* (the weights are the plain scores).
+    Experts split into n_group groups; a group scores the sum of its best two biased scores; only the
+    topk_group best groups compete for the top-k. Then optional renormalisation (+1e-20, as transformers)
+    and, in float32, the routed scaling factor. Follows transformers' Glm4MoeTopkRouter op for op, but in
+    float64 up to the scaling, as route_softmax_topk says why (sigmoid written as 1 / (1 + exp(-x)), the
+    ops the fused kernel does).
     """
-    scores = router_logits.float().sigmoid()                                   # [T, E]
-    choice = scores + correction_bias
+    scores = (1.0 + torch.exp(-router_logits.double())).reciprocal()        # [T, E]
+    choice = scores + correction_bias.double()
     if n_group > 1:
         T, E = choice.shape
         group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
@@ -43,11 +57,11 @@ def route_sigmoid_grouped(router_logits: torch.Tensor, correction_bias: torch.Te
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
         choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    ids = topk_lower_id_first(choice, top_k)[1]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    return weights.float() * routed_scaling_factor, ids
 
 
 def route_softmax_grouped(router_logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
