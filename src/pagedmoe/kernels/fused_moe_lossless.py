@@ -30,7 +30,7 @@ from pagedmoe.codecs import tiled
 from ._attention_checks import check_float, check_index, check_same_device
 from .device_info import sm_count
 from .fused_moe import FusedMoEConfig, default_config, fused_moe, fused_moe_groups
-from .fused_moe_tiles import acc_zeros, block_rows, mma, store_block
+from .fused_moe_tiles import acc_zeros, block_rows, mma, mma_operand, store_block
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
 MAX_UNROLLED_ESCAPES = 32    # above this many escapes in one weight tile's column, the kernel loops over them
@@ -82,7 +82,7 @@ def _decode_tile(raw_ptrs, nib_ptrs, base, esc_off_ptr, esc_ptr, rows17, row0, r
     if MASKED:  # past N or K: +0.0 (the activations there are 0 too)
         bits = tl.where(w_mask, bits, 0)
     w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return w.to(like_ptr.dtype.element_ty)
+    return mma_operand(w.to(like_ptr.dtype.element_ty))  # the MMA layout of a loaded tile (mma_operand)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
