@@ -341,11 +341,11 @@ def check_out_like(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 def w2_splits(cfg: FusedMoEConfig, num_blocks: int, T: int, A: int, E: int, H: int, I: int,
               num_sms: int) -> tuple[int, int]:
     """(splits of I, k_per_split) of the w2 GEMM: cfg.split_k, or by occupancy; every split a whole number
-    of BLOCK_K2 steps (so each starts at an even K)."""
+    of split_step (default BLOCK_K2) steps, so each starts at an even K."""
+    step = cfg.split_step or cfg.block_k2
     splits = cfg.split_k or choose_split_k(
-        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * triton.cdiv(H, cfg.block_n2), I, cfg.block_k2,
-        num_sms)
-    k_per_split = triton.cdiv(triton.cdiv(I, splits), cfg.block_k2) * cfg.block_k2
+        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * triton.cdiv(H, cfg.block_n2), I, step, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(I, splits), step) * step
     return triton.cdiv(I, k_per_split), k_per_split
 
 

@@ -30,6 +30,7 @@ from pagedmoe.codecs import tiled
 from ._attention_checks import check_float, check_index, check_same_device
 from .device_info import sm_count
 from .fused_moe import FusedMoEConfig, default_config, fused_moe, fused_moe_groups
+from .fused_moe_tuned import tuned_config
 from .fused_moe_tiles import acc_zeros, block_rows, mma, mma_operand, store_block
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
@@ -261,15 +262,22 @@ def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, i
 
 
 def lossless_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                    num_sms: int = 132) -> FusedMoEConfig:
-    """fused_moe's tile table with what the in-register decode needs to stay within 255 registers without
-    spilling (benchmarks/lossless_ptxas.py, sm_90): 8 warps for the gated GEMM at 64 columns, 64-wide K steps
-    for w2 (a decoded [64, 128] tile spilled ~900 bytes per thread), 8 warps for w2 at 64-row blocks. Untuned on
-    a GPU: benchmarks/bench_fused_lossless.py."""
-    cfg = default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
+                    num_sms: int = 132, device: torch.device | None = None) -> FusedMoEConfig:
+    """The tiles fused_moe itself would take for this layer and batch (its tuned table on device, else
+    default_config), changed only where the in-register decode needs it to stay within 255 registers without
+    spilling (benchmarks/lossless_ptxas.py, sm_90): 8 warps for the gated GEMM at 64 columns, 64-wide K steps for w2
+    (a decoded [64, 128] tile spilled ~900 bytes per thread), 8 warps for w2 at 64-row blocks.
+
+    None of these changes the order of any sum, so the output stays equal to fused_moe's on the decoded weights at
+    its own tiles: warps only share out the output tile; a narrower K step runs the same mma instructions in the
+    same K order; split_step keeps the w2 split boundaries of the original K step. Untuned on a GPU:
+    benchmarks/bench_fused_lossless.py."""
+    cfg = (tuned_config(num_tokens, top_k, num_experts, hidden, inter, dtype, device) if device is not None else None) \
+        or default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
     if dtype == torch.float32:  # the interpreter's small tiles
         return cfg
-    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps, block_k2=64,
+    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps,
+                               block_k2=min(64, cfg.block_k2), split_step=cfg.split_step or cfg.block_k2,
                                num_warps2=8 if cfg.block_m >= 64 else cfg.num_warps2)
 
 
@@ -285,7 +293,7 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
     if escapes not in ("loop", "unrolled"):
         raise ValueError(f"escapes must be loop or unrolled, got {escapes!r}")
     T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
-    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     return fused_moe_groups(x, [(TiledExperts(w13, escapes), TiledExperts(w2, escapes), None)], topk_weights, topk_ids,
                       T, A, E, H, I, out, cfg, {})
@@ -297,7 +305,7 @@ def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, *, config: 
     the tiles fused_moe_lossless would use (so the reductions, and the bits, are the same)."""
     T, A = topk_ids.shape
     E, two_i, H = w13.shape
-    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device))
+    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device), x.device)
     d13 = tiled.decode_reference(w13).to(x.dtype)
     d2 = tiled.decode_reference(w2).to(x.dtype)
     return fused_moe(x, d13, d2, topk_weights, topk_ids, config=cfg, **overrides)
