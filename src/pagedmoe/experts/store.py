@@ -41,7 +41,7 @@ _PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "
 class ExpertStore:
     def __init__(self, table: ExpertTable, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
                  paged: bool, stride_align_bytes: int = 16, buffers_factory=None,
-                 host_compression: str = "none") -> None:
+                 host_compression: str = "none", fused_compressed: bool = False) -> None:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
         elem = dtype.itemsize
@@ -64,7 +64,8 @@ class ExpertStore:
                              torch.empty(table.count(layer, RESIDENT), self.stride, dtype=dtype, device=device)
                              for layer in range(L)]
         self.host_tier = HostTier(table, self.stride, self.expert_numel, dtype, device, paged, host_compression)
-        self.compressed_tier = CompressedTier(table, self.expert_numel, dtype, device, paged)
+        self.compressed_tier = CompressedTier(table, self.expert_numel, dtype, device, paged, hidden, inter,
+                                              fused=fused_compressed)
         self.quantized_tier = QuantizedTier(table, hidden, inter, dtype, device, paged)
         # each tier's per-layer lists, under the names the pager, the tests and the stats read
         self.host, self.host_compressed = self.host_tier.rows, self.host_tier.compressed

@@ -24,6 +24,7 @@ Reference: ``pagedmoe.models.layers.moe.experts_loop``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from .fused_moe_tuned import tuned_config
 from .moe_align import moe_align
 from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 
@@ -245,7 +247,10 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     T, A = topk_ids.shape
     first2 = parts[0][1]
     I = first2.shape[1] if isinstance(first2, QuantizedTensor) else first2.shape[2]
-    cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    # the tiles fused_moe would take for the layer (its tuned table, else the defaults): every part runs over
+    # its blocks and splits, so the sums are those of fused_moe on the assembled layer
+    cfg = config or tuned_config(T, A, E, H, I, x.dtype, x.device) or default_config(T, A, E, H, I, x.dtype,
+                                                                                      sm_count(x.device))
     groups = []
     for w13, w2, slots in parts:
         if slots.dtype != torch.int32 or tuple(slots.shape) != (E,) or slots.device != x.device:
@@ -254,9 +259,12 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
             groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
             continue
         if getattr(w13, "version", None) == 2:  # lossless format v2, decoded in the GEMM
-            from .fused_moe_lossless import tiled_pair
+            from .fused_moe_lossless import lossless_tiles, tiled_pair
 
-            groups.append((*tiled_pair(w13, w2, H, I, x.device, x.dtype), slots))
+            # the decode's register needs (lossless_tiles: same sums); the interpreter keeps the layer's tiles (its
+            # numpy dot sums each K step in one go, so there the K step does change the sums)
+            tiles = None if config is not None or x.dtype == torch.float32 or INTERPRET else lossless_tiles(cfg)
+            groups.append((*tiled_pair(w13, w2, H, I, x.device, x.dtype, tiles), slots))
             continue
         check_float(w13, "w13", 3)
         check_float(w2, "w2", 3)

@@ -207,10 +207,14 @@ class TiledExperts:
     """One GEMM's experts in lossless format v2 as fused_moe.py's launcher runs them (its `launch` hook)."""
     tt: "tiled.TiledTensor"
     escapes: str = "loop"
+    # the K step, warps and stages to run at instead of the launch's config (fused_moe_mixed: lossless_tiles of
+    # the layer's; the blocks, column tiles and splits stay the launch's)
+    tiles: FusedMoEConfig | None = None
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
         tt = self.tt
+        cfg = self.tiles or cfg
         bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
         if self.escapes == "loop":  # from shapes only: no device read
@@ -227,15 +231,17 @@ class TiledExperts:
             USE_SLOTS=slots is not None, num_warps=warps, num_stages=stages)
 
 
-def tiled_pair(w13, w2, H: int, I: int, device, dtype) -> tuple[TiledExperts, TiledExperts]:
+def tiled_pair(w13, w2, H: int, I: int, device, dtype, tiles: FusedMoEConfig | None = None
+               ) -> tuple[TiledExperts, TiledExperts]:
     """A group of n experts in lossless format v2 (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, for
-    activations of dtype (bf16, or float32 in the interpreter: both hold the bf16 weights exactly)."""
+    activations of dtype (bf16, or float32 in the interpreter: both hold the bf16 weights exactly); tiles: see
+    TiledExperts."""
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"experts in lossless format v2 take bf16 activations (or float32), got {dtype}")
     n = w13.shape[0] if len(getattr(w13, "shape", ())) == 3 else -1
     _check_tiled(w13, "w13", (n, 2 * I, H), device)
     _check_tiled(w2, "w2", (n, H, I), device)
-    return TiledExperts(w13), TiledExperts(w2)
+    return TiledExperts(w13, tiles=tiles), TiledExperts(w2, tiles=tiles)
 
 
 def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
@@ -276,6 +282,11 @@ def lossless_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
         or default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
     if dtype == torch.float32:  # the interpreter's small tiles
         return cfg
+    return lossless_tiles(cfg)
+
+
+def lossless_tiles(cfg: FusedMoEConfig) -> FusedMoEConfig:
+    """cfg (fused_moe's tiles for a layer) with lossless_config's changes: warps and w2's K step, split_step kept."""
     return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps,
                                block_k2=min(64, cfg.block_k2), split_step=cfg.split_step or cfg.block_k2,
                                num_warps2=8 if cfg.block_m >= 64 else cfg.num_warps2)
