@@ -52,6 +52,7 @@ class ExpertStore:
         self.buffers = None
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
         self.host_compression = host_compression
+        self.fused_compressed = fused_compressed  # read by the VMM buffers: no rows for the compressed experts
         if host_compression != "none" and (not paged or dtype != torch.bfloat16):
             raise ValueError("--host-compression lossless needs paged placement and bf16 weights (--dtype "
                              "bfloat16)")
