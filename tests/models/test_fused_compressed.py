@@ -14,21 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_quantized_gemm import PRELUDE
 from tiny_models import make_tiny_checkpoint
 
 TESTS = Path(__file__).resolve().parents[1]
-SCRIPT = r"""
-import json, os, sys
-sys.path[:0] = [os.environ["TESTS_DIR"], os.path.join(os.environ["TESTS_DIR"], "kernels")]
-import torch
-if not torch.cuda.is_available():  # the interpreter, chosen before any kernel is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from triton_interp import fix_interpreter_bf16_dot, fix_interpreter_index
-    fix_interpreter_index()
+# test_quantized_gemm's prelude (the interpreter when there is no GPU), plus real bf16 products in its tl.dot
+SCRIPT = PRELUDE + r"""
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interp import fix_interpreter_bf16_dot
     fix_interpreter_bf16_dot()
-from tiny_models import greedy_logits
-from pagedmoe import LLM
-from pagedmoe.codecs import tiled
 
 path = sys.argv[1]
 out = {}

@@ -112,10 +112,7 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
         align = vmm.granularity(device)
     if host_compression != "none" and not paged:
         raise ValueError("--host-compression compresses the host tier; it needs placement 'paged'")
-    if fused:
-        if not any(comp):
-            raise ValueError("--compressed-gemm fused reads the lossless compressed GPU tier, but this placement "
-                             "has no compressed experts")
+    if fused:  # (a placement the planner chose without compressed experts has nothing for it to do)
         if plan.dynamic_min_precision is not None:
             raise ValueError("--compressed-gemm fused does not support --expert-precision dynamic yet")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
