@@ -1,14 +1,15 @@
 """Compiles every variant of the fused MoE kernels the engine and the tests launch, ahead of time for a GPU target
 with Triton's own compiler and ptxas (no GPU needed), and checks that the kernels whose weight tiles are computed in
-registers (lossless format v2, fp8 / int8 / int4) hand tl.dot the operand layouts of the bf16 kernel at the same
-tiles: the condition for their outputs to equal fused_moe on the decoded (dequantized) weights bit for bit.
+registers hand tl.dot the operand layouts of the bf16 kernel at the same tiles: the condition for their outputs to
+equal fused_moe on the decoded weights bit for bit. Required of the lossless kernel (format v2); reported for the
+fp8 / int8 / int4 ones (lossy, left at their loads' layout under MMA v2: fused_moe_tiles.weight_tile).
 
     PYTHONPATH=src python benchmarks/compile_sm90.py [--arch 90] [--out DIR]
 
 Variants: the tiles default_config and lossless_config pick on the Mixtral-8x7B and Qwen3-30B-A3B layers at 1-512
 tokens (both GEMMs), and every constexpr branch the launchers reach (SWAP_AB, masked N / K tails, USE_SLOTS, each
 QUANT, each escape mode, fp16 / fp32 activations, narrow and wide K steps, split-K's fp32 output), plus moe_sum.
-A variant fails on a compile error, or when an MMA operand's layout differs from the bf16 kernel's: the MMA
+A variant fails on a compile error, or (lossless) when an MMA operand's layout differs from the bf16 kernel's: the MMA
 encoding must be the same, and a register operand must have the loaded tile's kWidth (2 for 16-bit types, 1 for
 fp32: each mma's K slots then hold the same K elements as from shared memory). Writes compile_sm90.json and exits 1
 on any failure.
@@ -141,7 +142,9 @@ def main() -> int:
                 if key not in refs:
                     refs[key] = mma_operands(compile_gemm(v, args.arch, weights="bf16").asm["ttgir"])
                 row["same_mma_operands_as_bf16"] = same_operands(refs[key], mma, v["act"].itemsize * 8)
-                row["ok"] = row["same_mma_operands_as_bf16"]
+                # the lossless kernel must match (bit-exactness); fp8/int8/int4 are reported (lossy: their sums
+                # may round otherwise under MMA v2, fused_moe_tiles.weight_tile)
+                row["ok"] = row["same_mma_operands_as_bf16"] or v["weights"] != "lossless"
         except Exception as e:  # a compile error: reported with the variant, the others still compiled
             row.update(ok=False, error=error_line(e))
         rows.append(row)

@@ -217,7 +217,9 @@ def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights
     q13 [E * 2I, H], q2 [E * H, I]; fp8 / int8 per output channel, int4 in groups of 128), dequantized
     tile by tile in registers: each weight byte is read once, and no dequantized copy is written. The
     weights it multiplies are the ones kernels/dequant.py would write, so with the same tiles the result
-    equals fused_moe on those dequantized weights bit for bit."""
+    equals fused_moe on those dequantized weights bit for bit in the interpreter and under MMA v3 (64-row
+    blocks); under MMA v2 its tiles keep their 8-bit loads' operand layout (fused_moe_tiles.weight_tile), and
+    the sums may differ in the last bits."""
     E = num_experts
     if E < 1 or q13.shape[0] % (2 * E) or q2.shape[0] % E:
         raise ValueError(f"stacks {q13.shape} / {q2.shape} do not hold {E} experts' [2I, H] / [H, I] weights")
@@ -239,7 +241,8 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     TiledTensors [n, 2I, H] / [n, H, I] (one part per expert, as fused_moe_lossless takes them); slots int32 [E] on the
     device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
     routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
-    bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
+    bit to fused_moe on the layer's experts with the lossless ones decoded, under the same tiles (with quantized
+    parts, as fused_moe_quantized is to their dequantized weights)."""
     if not parts:
         raise ValueError("fused_moe_mixed needs at least one part")
     E, H = num_experts, x.shape[1]

@@ -20,8 +20,9 @@ def mma_operand(w):
     grouping: the fp32 accumulators differ in the last bits, and on the H200 1-2 bf16 ulp of the output at the
     Mixtral shapes (the MMA v3 path, with both tiles in shared memory, was equal). An opaque copy (inline
     assembly with side effects, which that search does not look through) ends the search at the tile itself:
-    both kernels get the same layout, the same sums and the same bits. benchmarks/lossless_ptxas.py and
-    tests/kernels/test_fused_moe_compile.py check the layouts match for sm_90."""
+    both kernels get the same layout, the same sums and the same bits. benchmarks/compile_sm90.py
+    (tests/kernels/test_fused_moe_compile.py) checks the layouts match for sm_90. Used by the lossless decode
+    (bit-exactness is its contract), not by the lossy dequantization (weight_tile)."""
     if COMPILED:
         if w.dtype.primitive_bitwidth == 16:
             w = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=False, pack=2)
@@ -50,7 +51,10 @@ def weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr,
             s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
             byte = tl.load(w_ptrs, mask=mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: each byte once
             q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
-        w = mma_operand((q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+        # NOTE: not through mma_operand: under MMA v2 these tiles keep the kWidth of their 8-bit loads, so the sums
+        # may differ from fused_moe's on the dequantized weights in the last bits (lossy weights: the values are
+        # the same, only the rounding of their sums); the copy would cost w2 ~200 more spilled bytes at 64 tokens
+        w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return w
 
 
