@@ -47,12 +47,37 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))}
 
 
-def compile_one(kernel, names, types, const, arch, num_warps, num_stages) -> dict:
+def compile_kernel(kernel, names, types, const, arch, num_warps, num_stages):
+    """triton.compile for the target, pointers marked 16-byte aligned as the launcher's tensors are."""
     sig = dict(zip(names, types))
     sig.update({k: "constexpr" for k in const})
-    out = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", arch, 32),
-                         options=dict(num_warps=num_warps, num_stages=num_stages))
-    return resource_usage(out.asm["cubin"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_one(kernel, names, types, const, arch, num_warps, num_stages) -> dict:
+    return resource_usage(compile_kernel(kernel, names, types, const, arch, num_warps, num_stages).asm["cubin"])
+
+
+def mma_operands(ttgir: str) -> list[dict]:
+    """Per tl.dot of a compiled kernel: its MMA encoding and, per operand, "smem" or its register kWidth."""
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    out = []
+    for line in ttgir.splitlines():
+        if not re.search(r"= (tt\.dot|ttng\.warp_group_dot) ", line):
+            continue
+        line = line.split(" loc(")[0]
+        sig = line[line[:line.index(" -> ")].rindex(" : "):]  # after the attributes ({inputPrecision = 0 : i32})
+        types = re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), sig)
+        a, b = types.split(" * ", 1)
+        ops = []
+        for t in (a, b):
+            k = re.search(r"kWidth = (\d+)", t)
+            ops.append("smem" if t.lstrip(": ").startswith("!ttg.memdesc") else int(k.group(1)) if k else "fma")
+        mma = re.search(r"-> tensor<[^,]+, (#ttg\.\w+<.*>)>", types)
+        out.append(dict(mma=mma.group(1) if mma else types.split("->")[1].strip(), operands=ops))
+    return out
 
 
 def configs(quick: bool):

@@ -33,6 +33,7 @@ _EXPERT_FETCH_PATHS = ("auto", "copy", "uva")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
+_COMPRESSED_GEMMS = ("decode", "fused")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -124,6 +125,13 @@ class EngineConfig:
                                         "auto (direct for static fp8/int8/int4 on CUDA, where it measured 1.1-2.5x "
                                         "faster per MoE layer; dequant otherwise)",
                                 _QUANTIZED_GEMMS)
+    compressed_gemm: str = _flag("decode", "lossless compressed GPU tier (--num-compressed-experts, --expert-compression "
+                                           "lossless): decode (experts kept in the Huffman format, version 1, "
+                                           "decoded into the compute buffer each step, then bf16 GEMMs) or fused "
+                                           "(kept in the tiled format, version 2, ~0.75x of bf16: the MoE GEMMs read "
+                                           "them and decode weight tiles in registers, no bf16 copy written; same "
+                                           "logits bit for bit; its GPU speed is not measured yet)",
+                                 _COMPRESSED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
                                                       "(default int4; dynamic only)", MIN_EXPERT_PRECISIONS)
     kv_low_watermark: Optional[float] = _flag(None, "dynamic: demote experts while free KV blocks are below this "
@@ -147,6 +155,7 @@ class EngineConfig:
             self.section(name)
         self._check_choices()
         self._check_quantized_gemm()
+        self._check_compressed_gemm()
 
     def _check_limits(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -186,7 +195,8 @@ class EngineConfig:
                               ("expert_fetch", _EXPERT_FETCH), ("expert_fetch_path", _EXPERT_FETCH_PATHS),
                               ("expert_compression", _EXPERT_COMPRESSION),
                               ("host_compression", _HOST_COMPRESSION),
-                              ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS)):
+                              ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS),
+                              ("compressed_gemm", _COMPRESSED_GEMMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
 
@@ -197,6 +207,15 @@ class EngineConfig:
                                  f"static-fp8/int8/int4 or dynamic (got {self.expert_precision})")
             if self.moe_backend not in ("auto", "triton"):
                 raise ValueError(f"--quantized-gemm direct runs the Triton MoE kernels; --moe-backend "
+                                 f"{self.moe_backend} cannot use it")
+
+    def _check_compressed_gemm(self) -> None:
+        if self.compressed_gemm == "fused":
+            if self.expert_compression == "none" and not self.num_compressed_experts:
+                raise ValueError("--compressed-gemm fused reads the lossless compressed GPU tier; it needs "
+                                 "--num-compressed-experts N or --expert-compression lossless")
+            if self.moe_backend not in ("auto", "triton"):
+                raise ValueError(f"--compressed-gemm fused runs the Triton MoE kernels; --moe-backend "
                                  f"{self.moe_backend} cannot use it")
 
     def resolved_quantized_gemm(self, device_type: str) -> str:

@@ -68,6 +68,7 @@ class ExpertConfig:
     fetch_path: str
     precision: str
     quantized_gemm: str
+    compressed_gemm: str
     min_precision: Optional[str]
     kv_low_watermark: Optional[float]
     kv_high_watermark: Optional[float]
@@ -189,7 +190,8 @@ SECTIONS = {
                                "expert_compression": "compression", "host_compression": "host_compression",
                                "expert_buffers": "buffers", "expert_fetch": "fetch", "expert_prefetch": "prefetch",
                                "expert_fetch_path": "fetch_path", "expert_precision": "precision",
-                               "quantized_gemm": "quantized_gemm", "min_expert_precision": "min_precision",
+                               "quantized_gemm": "quantized_gemm", "compressed_gemm": "compressed_gemm",
+                               "min_expert_precision": "min_precision",
                                "kv_low_watermark": "kv_low_watermark", "kv_high_watermark": "kv_high_watermark",
                                "expert_stats": "stats"}),
 }

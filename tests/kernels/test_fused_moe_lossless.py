@@ -6,6 +6,7 @@ bit (torch.equal). CPU: the Triton interpreter with float32 activations (its tl.
 integers; the decoded bf16 weights are exact in float32), small odd shapes, escapes forced into many tiles.
 GPU (@pytest.mark.gpu): bf16 activations, the Mixtral-8x7B and Qwen3-30B-A3B layer shapes.
 """
+import dataclasses
 import functools
 import os
 
@@ -163,6 +164,25 @@ def test_mixed_layer_with_a_lossless_part(T, E, A, H, I):
         fm.fused_moe_mixed(x.half(), [parts[1]], E, weights, ids)  # the lossless part alone
 
 
+@pytest.mark.parametrize("T", [1, 16, 64, 256, 512])
+@pytest.mark.parametrize("E,A,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
+def test_lossless_config_keeps_fused_moes_sums(T, E, A, H, I):
+    """lossless_config changes only warps and w2's K step from fused_moe's own tiles: the blocks, the column tiles,
+    the MMA kind (block_m) and the w2 split boundaries (split_step) are fused_moe's, so on the GPU its output equals
+    decode-then-fused_moe at fused_moe's tiles (test_gpu_equals_fused_moe_at_its_own_tiles)."""
+    from pagedmoe.kernels.fused_moe_config import default_config
+
+    base = default_config(T, A, E, H, I, torch.bfloat16, 132)
+    cfg = lossless_config(T, A, E, H, I, torch.bfloat16, 132)
+    same = ("block_m", "block_n", "block_k", "block_n2", "split_k", "swap_ab")
+    assert all(getattr(cfg, f) == getattr(base, f) for f in same)
+    assert cfg.block_k2 == 64 and cfg.split_step == base.block_k2
+    for blocks in (1, E, 4 * E):
+        assert fm.w2_splits(cfg, blocks, T, A, E, H, I, 132) == fm.w2_splits(base, blocks, T, A, E, H, I, 132)
+    with pytest.raises(ValueError, match="split_step"):
+        dataclasses.replace(cfg, split_step=96)
+
+
 def test_launcher_checks():
     x, t13, t2, weights, ids, w13, w2 = make_layer(3, 2, 4, 32, 16, seed=4)
     with pytest.raises(ValueError, match="w2 must be"):
@@ -189,6 +209,19 @@ def test_launcher_checks():
 def test_gpu_model_shapes(T, E, A, H, I):
     # Mixtral-8x7B and Qwen3-30B-A3B layers at decode sizes, bf16, default tiles: bit-equal to decode-then-GEMM
     check(T, A, E, H, I, seed=T + E, escapes=BOTH, weight_seed=E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64, 256])
+@pytest.mark.parametrize("E,A,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
+def test_gpu_equals_fused_moe_at_its_own_tiles(T, E, A, H, I):
+    """The default call, lossless_config's tiles, against what the unfused engine runs: the decoded bf16 experts
+    through fused_moe with its own tiles (default_config; tuned tables off). Same blocks, MMA kind and split
+    boundaries, other warps and w2 K steps (test_lossless_config_keeps_fused_moes_sums): equal bit for bit."""
+    x, t13, t2, weights, ids, w13, w2 = make_layer(T, A, E, H, I, seed=T + E + 1, weight_seed=E)
+    got = fused_moe_lossless(x, t13, t2, weights, ids)
+    ref = fm.fused_moe(x, w13, w2, weights, ids, config=fm.default_config(T, A, E, H, I, x.dtype, sm_count(x.device)))
+    assert torch.equal(got, ref), f"max diff {(got.float() - ref.float()).abs().max()}"
 
 
 @pytest.mark.gpu

@@ -39,3 +39,27 @@ def fix_interpreter_bf16() -> None:
 
     convert._bf16_fixed = True
     interpreter._convert_float = convert
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """The interpreter's tl.dot multiplies bf16 tiles as the raw uint16 it stores them in; this widens them to
+    the float32 they are exactly (bits << 16) first, so bf16 kernels compute real products, accumulated in
+    float32 per tile by numpy, identically for any two kernels with the same tiles."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+    if getattr(orig, "_bf16_fixed", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16 if hasattr(h.dtype, "scalar") else h.dtype != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    patched._bf16_fixed = True
+    interpreter.InterpreterBuilder.create_dot = patched

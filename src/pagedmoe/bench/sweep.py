@@ -34,6 +34,8 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "cpu-moe": {"expert_placement": "paged", "cpu_moe": True},
     # the planner's best split with a lossless compressed tier beside the host tier (issue 6)
     "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless"},
+    # the same, the compressed tier in format v2 read by the MoE GEMMs themselves, never decoded (issue 23)
+    "paged+lossless-fused": {"expert_placement": "auto", "expert_compression": "lossless", "compressed_gemm": "fused"},
     # the host tier held losslessly compressed: ~0.68 of the PCIe bytes, decoded on the GPU (issue 6)
     "paged+host-lossless": {"expert_placement": "paged", "host_compression": "lossless"},
     # every expert at its own precision rung, moved by the KV pressure controller (issue 7)
@@ -44,7 +46,7 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
 # Flags that fix a paged split: the sweep's --num-gpu-experts etc. apply to "paged" entries only (they would
 # contradict resident, and silently turn auto into paged).
 _PAGED_ONLY_FLAGS = ("num_gpu_experts", "cpu_moe", "num_compressed_experts")
-_NOT_RESIDENT_FLAGS = _PAGED_ONLY_FLAGS + ("expert_compression", "host_compression")
+_NOT_RESIDENT_FLAGS = _PAGED_ONLY_FLAGS + ("expert_compression", "host_compression", "compressed_gemm")
 
 
 def register(sub) -> None:

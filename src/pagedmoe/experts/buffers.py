@@ -14,7 +14,9 @@ memory behind it is mapped once, at start-up, expert row by expert row:
 - or, with `ring=True` (`--expert-buffers vmm-ring`), the k-th streamed row of the model (layer by layer)
   maps row k mod S of one ring of S = 2 x (most streamed experts in a layer) rows: the same physical
   memory, but a row is free again as soon as the layer that used it S rows earlier has computed, so the
-  pager can copy it many layers ahead (experts/pager.py).
+  pager can copy it many layers ahead (experts/pager.py);
+- with --compressed-gemm fused, a compressed expert's row maps one spare row shared by all of them: the MoE
+  GEMMs read those experts from the compressed tier and skip their rows.
 The pager copies host rows (and decodes compressed ones) into the layer's range just before it runs
 (experts/pager.py).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from pagedmoe import cuda_vmm as vmm
-from pagedmoe.experts.table import RESIDENT
+from pagedmoe.experts.table import COMPRESSED, RESIDENT
 
 
 class PlainDoubleBuffer:
@@ -61,14 +63,19 @@ class VmmExpertBuffers:
         self._access = vmm.access_desc(self.device_idx)
         # NOTE: the driver maps a handle only from offset 0 (a non-zero offset gives
         # CUDA_ERROR_NOT_SUPPORTED on the H200), so every row is its own allocation.
-        max_streamed = max((E - table.count(l, RESIDENT) for l in range(L)), default=0)
+        # --compressed-gemm fused: the GEMMs read the compressed experts where they are, so their rows are never
+        # written or read; they all map one spare row (the layer's range stays one tensor)
+        unbuffered = COMPRESSED if getattr(store, "fused_compressed", False) else None
+        max_streamed = max((E - table.count(l, RESIDENT) - (table.count(l, unbuffered) if unbuffered else 0)
+                            for l in range(L)), default=0)
+        spare = None
         self.ring = ring
         self.ring_size = 2 * max_streamed
         if ring:
             ring_rows = [self._create(self.row_bytes) for _ in range(self.ring_size)]
         else:
             self.slots = [[self._create(self.row_bytes) for _ in range(max_streamed)] for _ in range(2)]
-        self.slot_bytes = 2 * max_streamed * self.row_bytes
+        self.slot_bytes = (2 * max_streamed + (unbuffered is not None)) * self.row_bytes
         # per layer, the model-wide indices k of its streamed rows (ring: row k maps ring row k mod S)
         self.streamed_rows: list[list[int]] = []
         self._packed: list[torch.Tensor] = []
@@ -81,8 +88,13 @@ class VmmExpertBuffers:
             streamed = 0  # host and compressed experts share the rotating slot's rows
             rows = []
             for e in range(E):
-                if table.lookup(layer, e).tier == RESIDENT:
+                tier = table.lookup(layer, e).tier
+                if tier == RESIDENT:
                     handle = self._create(self.row_bytes)
+                elif tier == unbuffered:
+                    if spare is None:
+                        spare = self._create(self.row_bytes)
+                    handle = spare
                 elif ring:
                     handle = ring_rows[k % self.ring_size]
                     rows.append(k)

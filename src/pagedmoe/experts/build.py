@@ -68,12 +68,15 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     encodes it) and decoded on the device after each copy. `quantized_gemm` "direct" (static lossy
     experts, every expert of every layer quantized): forwards of up to TRITON_MAX_TOKENS tokens skip the
     dequantisation and the MoE GEMMs read the quantized weights (kernels/fused_moe.py::fused_moe_quantized).
+    `compressed_gemm` "fused": the compressed experts are held in lossless format v2 and the MoE GEMMs read
+    them (kernels/fused_moe.py::fused_moe_mixed with TiledTensor parts): never decoded into the buffers.
     """
     if plan.paged and plan.fetch == "routed":
         return _build_routed(plan, num_moe_layers, dims, device, dtype, activity)
     placement, num_gpu_experts, num_compressed_experts = plan.mode, plan.num_gpu_experts, plan.num_compressed
     buffers, quantized_precision = plan.buffers, plan.quantized_precision
     host_compression, quantized_gemm = plan.host_compression, plan.quantized_gemm
+    fused = plan.compressed_gemm == "fused"
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
     num_layers = num_moe_layers
@@ -110,8 +113,14 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
         align = vmm.granularity(device)
     if host_compression != "none" and not paged:
         raise ValueError("--host-compression compresses the host tier; it needs placement 'paged'")
+    if fused:  # (a placement the planner chose without compressed experts has nothing for it to do)
+        if plan.dynamic_min_precision is not None:
+            raise ValueError("--compressed-gemm fused does not support --expert-precision dynamic yet")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--compressed-gemm fused runs Triton kernels: it needs a CUDA device")
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
-                        stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression)
+                        stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression,
+                        fused_compressed=fused)
     if quantized_gemm == "direct":
         # static: every expert of every layer quantized, in id order; dynamic (no quantized_precision here:
         # ExpertStore.enable_dynamic follows) reads each layer's published version instead
@@ -145,7 +154,8 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     comp = _per_layer(plan.num_compressed, num_layers, "compressed-expert")
     unsupported = [name for name, on in (("--expert-precision static-*", plan.quantized_precision is not None),
                                          ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
-                                         ("--quantized-gemm direct", plan.quantized_gemm == "direct"))
+                                         ("--quantized-gemm direct", plan.quantized_gemm == "direct"),
+                                         ("--compressed-gemm fused", plan.compressed_gemm == "fused"))
                    if on]
     if unsupported:
         raise ValueError(f"--expert-fetch routed fetches exact experts from the host and lossless tiers; it cannot "

@@ -28,7 +28,8 @@ class FillPlan:
         # Per layer: (parts [p0, p1), destination) decode launches of its compressed experts.
         self.decodes = [self._layer_decodes(layer) for layer in range(self.num_layers)]
         elem = store.dtype.itemsize
-        self.decoded_per_layer = [(store.table.count(layer, COMPRESSED)
+        fused = store.compressed_tier.fused  # --compressed-gemm fused: the GEMMs read the compressed tier
+        self.decoded_per_layer = [(store.table.count(layer, COMPRESSED) * (not fused)
                                    + sum(view.num_parts for _, view, _ in self.host_experts[layer]))
                                   * store.expert_numel * elem for layer in range(self.num_layers)]
         self.dequantized_per_layer = [store.table.count(layer, QUANTIZED) * store.expert_numel * elem
@@ -60,7 +61,7 @@ class FillPlan:
         into the run's rows [k, expert_numel] (row padding up to the stride is skipped by the decoder)."""
         store = self.store
         ids = store.table.ids(layer, COMPRESSED)  # slot (= part) order is expert-id order
-        if not ids:
+        if not ids or store.compressed_tier.fused:  # fused: read where they are, by the GEMMs
             return []
         dst, n = store.buffers.packed(layer), store.expert_numel
         return [(p0, p0 + k, dst[e0:e0 + k, :n]) for p0, e0, k in consecutive_runs(ids)]

@@ -44,6 +44,7 @@ from pagedmoe.experts.interface import (TRITON_MAX_TOKENS, DenseOperand, ExpertO
                                        QuantizedOperand)
 from pagedmoe.experts.fill_plan import FillPlan
 from pagedmoe.experts.store import ExpertStore
+from pagedmoe.experts.table import COMPRESSED
 from pagedmoe.planning.cost_model import ring_wait_layers
 
 
@@ -102,6 +103,7 @@ class ExpertPager:
         self._on_decode_stream: list[bool] = [False] * self.num_layers   # this forward, per layer
         self._pending_timing: list[tuple[int, bool]] = []
         self._skip_host = False
+        self._fused_slots: dict[int, tuple] = {}   # --compressed-gemm fused: per layer, the parts' slot maps
 
     def refresh(self) -> None:
         """Drop the fill plan: it is rebuilt from the store on next use (after ExpertStore.finalize, which
@@ -115,6 +117,10 @@ class ExpertPager:
             return
         self._planned = True
         self.fill = FillPlan(self.store)
+        if self.store.compressed_tier.fused:  # the slot maps on the device now: never inside a graph capture
+            for layer in range(self.num_layers):
+                if self.store.compressed[layer] is not None:
+                    self._fused_parts(layer)
 
     # -- called by the model ----------------------------------------------------------------------
     def begin_forward(self, num_tokens: Optional[int] = None) -> None:
@@ -166,7 +172,24 @@ class ExpertPager:
                 return MixedOperand(dyn.versions[layer].parts)
             q = self.store.quantized[layer]   # every expert of the layer quantized, in id order
             return QuantizedOperand(q.w13, q.w2)
+        if self.store.compressed_tier.fused and self.store.compressed[layer] is not None:
+            return MixedOperand(self._fused_parts(layer))
         return DenseOperand(*self.store.views(layer))
+
+    def _fused_parts(self, layer: int) -> list[tuple]:
+        """--compressed-gemm fused: the layer's buffer rows (resident and host experts; the compressed experts'
+        rows are never written and their blocks skipped) and its compressed experts in format v2, each with its
+        slot map [E] (fused_moe_mixed): one MoE call, no decode."""
+        if layer not in self._fused_slots:
+            table, E = self.store.table, self.store.table.num_experts
+            comp = {e: table.lookup(layer, e).slot for e in table.ids(layer, COMPRESSED)}
+            dense = torch.tensor([-1 if e in comp else e for e in range(E)], dtype=torch.int32)
+            tiled = torch.tensor([comp.get(e, -1) for e in range(E)], dtype=torch.int32)
+            self._fused_slots[layer] = (dense.to(self.store.device), tiled.to(self.store.device))
+        dense, tiled = self._fused_slots[layer]
+        w13, w2 = self.store.views(layer)
+        t = self.store.compressed[layer]
+        return [(w13, w2, dense), (t.w13, t.w2, tiled)]
 
     def done(self, layer: int) -> None:
         """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""

@@ -41,7 +41,8 @@ _PARTS = {"gate": ("gate",), "up": ("up",), "down": ("down",), "w13": ("gate", "
 class ExpertStore:
     def __init__(self, table: ExpertTable, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
                  paged: bool, stride_align_bytes: int = 16, buffers_factory=None,
-                 host_compression: str = "none", host_group_experts: int = 0, host_mapped: bool = False) -> None:
+                 host_compression: str = "none", host_group_experts: int = 0, host_mapped: bool = False,
+                 fused_compressed: bool = False) -> None:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
         elem = dtype.itemsize
@@ -52,6 +53,7 @@ class ExpertStore:
         self.buffers = None
         self.dynamic = None                          # DynamicExperts under --expert-precision dynamic
         self.host_compression = host_compression
+        self.fused_compressed = fused_compressed  # read by the VMM buffers: no rows for the compressed experts
         if host_compression != "none" and (not paged or dtype != torch.bfloat16):
             raise ValueError("--host-compression lossless needs paged placement and bf16 weights (--dtype "
                              "bfloat16)")
@@ -65,7 +67,8 @@ class ExpertStore:
                              for layer in range(L)]
         self.host_tier = HostTier(table, self.stride, self.expert_numel, dtype, device, paged, host_compression,
                                   host_group_experts, host_mapped)
-        self.compressed_tier = CompressedTier(table, self.expert_numel, dtype, device, paged)
+        self.compressed_tier = CompressedTier(table, self.expert_numel, dtype, device, paged, hidden, inter,
+                                              fused=fused_compressed)
         self.quantized_tier = QuantizedTier(table, hidden, inter, dtype, device, paged)
         # each tier's per-layer lists, under the names the pager, the tests and the stats read
         self.host, self.host_compressed = self.host_tier.rows, self.host_tier.compressed

@@ -24,6 +24,7 @@ Reference: ``pagedmoe.models.layers.moe.experts_loop``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from .fused_moe_tuned import tuned_config
 from .moe_align import moe_align
 from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 
@@ -215,7 +217,9 @@ def fused_moe_quantized(x: torch.Tensor, q13, q2, num_experts: int, topk_weights
     q13 [E * 2I, H], q2 [E * H, I]; fp8 / int8 per output channel, int4 in groups of 128), dequantized
     tile by tile in registers: each weight byte is read once, and no dequantized copy is written. The
     weights it multiplies are the ones kernels/dequant.py would write, so with the same tiles the result
-    equals fused_moe on those dequantized weights bit for bit."""
+    equals fused_moe on those dequantized weights bit for bit in the interpreter and under MMA v3 (64-row
+    blocks); under MMA v2 its tiles keep their 8-bit loads' operand layout (fused_moe_tiles.weight_tile), and
+    the sums may differ in the last bits."""
     E = num_experts
     if E < 1 or q13.shape[0] % (2 * E) or q2.shape[0] % E:
         raise ValueError(f"stacks {q13.shape} / {q2.shape} do not hold {E} experts' [2I, H] / [H, I] weights")
@@ -237,7 +241,8 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     TiledTensors [n, 2I, H] / [n, H, I] (one part per expert, as fused_moe_lossless takes them); slots int32 [E] on the
     device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
     routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
-    bit to fused_moe on the layer's experts with the quantized ones dequantized, under the same tiles."""
+    bit to fused_moe on the layer's experts with the lossless ones decoded, under the same tiles (with quantized
+    parts, as fused_moe_quantized is to their dequantized weights)."""
     if not parts:
         raise ValueError("fused_moe_mixed needs at least one part")
     E, H = num_experts, x.shape[1]
@@ -245,7 +250,10 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     T, A = topk_ids.shape
     first2 = parts[0][1]
     I = first2.shape[1] if isinstance(first2, QuantizedTensor) else first2.shape[2]
-    cfg = config or default_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    # the tiles fused_moe would take for the layer (its tuned table, else the defaults): every part runs over
+    # its blocks and splits, so the sums are those of fused_moe on the assembled layer
+    cfg = config or tuned_config(T, A, E, H, I, x.dtype, x.device) or default_config(T, A, E, H, I, x.dtype,
+                                                                                      sm_count(x.device))
     groups = []
     for w13, w2, slots in parts:
         if slots.dtype != torch.int32 or tuple(slots.shape) != (E,) or slots.device != x.device:
@@ -254,9 +262,12 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
             groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
             continue
         if getattr(w13, "version", None) == 2:  # lossless format v2, decoded in the GEMM
-            from .fused_moe_lossless import tiled_pair
+            from .fused_moe_lossless import lossless_tiles, tiled_pair
 
-            groups.append((*tiled_pair(w13, w2, H, I, x.device, x.dtype), slots))
+            # the decode's register needs (lossless_tiles: same sums); the interpreter keeps the layer's tiles (its
+            # numpy dot sums each K step in one go, so there the K step does change the sums)
+            tiles = None if config is not None or x.dtype == torch.float32 or INTERPRET else lossless_tiles(cfg)
+            groups.append((*tiled_pair(w13, w2, H, I, x.device, x.dtype, tiles), slots))
             continue
         check_float(w13, "w13", 3)
         check_float(w2, "w2", 3)
@@ -341,11 +352,11 @@ def check_out_like(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 def w2_splits(cfg: FusedMoEConfig, num_blocks: int, T: int, A: int, E: int, H: int, I: int,
               num_sms: int) -> tuple[int, int]:
     """(splits of I, k_per_split) of the w2 GEMM: cfg.split_k, or by occupancy; every split a whole number
-    of BLOCK_K2 steps (so each starts at an even K)."""
+    of split_step (default BLOCK_K2) steps, so each starts at an even K."""
+    step = cfg.split_step or cfg.block_k2
     splits = cfg.split_k or choose_split_k(
-        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * triton.cdiv(H, cfg.block_n2), I, cfg.block_k2,
-        num_sms)
-    k_per_split = triton.cdiv(triton.cdiv(I, splits), cfg.block_k2) * cfg.block_k2
+        min(num_blocks, expected_blocks(T, A, E, cfg.block_m)) * triton.cdiv(H, cfg.block_n2), I, step, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(I, splits), step) * step
     return triton.cdiv(I, k_per_split), k_per_split
 
 

@@ -31,6 +31,9 @@ class FusedMoEConfig:
     num_stages2: int = 4
     split_k: int = 0        # partitions of I in the w2 GEMM; 0: chosen by occupancy (choose_split_k)
     swap_ab: bool = False   # dot(w, a^T): the weight tile on the MMA's M side (both GEMMs)
+    # w2 split boundaries (and choose_split_k's lengths) in multiples of this many K; 0: block_k2. Lets a
+    # kernel take narrower K steps than another yet split K where it does, so the partial sums are the same.
+    split_step: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "block_n2", "block_k2"):
@@ -42,6 +45,8 @@ class FusedMoEConfig:
                 raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
         if self.num_stages < 1 or self.num_stages2 < 1 or not 0 <= self.split_k <= 64:
             raise ValueError(f"bad stages/split_k in {self}")
+        if self.split_step < 0 or self.split_step % self.block_k2:
+            raise ValueError(f"split_step must be 0 or a multiple of block_k2 {self.block_k2}, got {self.split_step}")
 
 
 def expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> float:

@@ -30,7 +30,8 @@ from pagedmoe.codecs import tiled
 from ._attention_checks import check_float, check_index, check_same_device
 from .device_info import sm_count
 from .fused_moe import FusedMoEConfig, default_config, fused_moe, fused_moe_groups
-from .fused_moe_tiles import acc_zeros, block_rows, mma, store_block
+from .fused_moe_tuned import tuned_config
+from .fused_moe_tiles import acc_zeros, block_rows, mma, mma_operand, store_block
 
 ESC_FIRST = tl.constexpr(2)  # escapes patched under the first branch (see _decode_tile)
 MAX_UNROLLED_ESCAPES = 32    # above this many escapes in one weight tile's column, the kernel loops over them
@@ -82,7 +83,7 @@ def _decode_tile(raw_ptrs, nib_ptrs, base, esc_off_ptr, esc_ptr, rows17, row0, r
     if MASKED:  # past N or K: +0.0 (the activations there are 0 too)
         bits = tl.where(w_mask, bits, 0)
     w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return w.to(like_ptr.dtype.element_ty)
+    return mma_operand(w.to(like_ptr.dtype.element_ty))  # the MMA layout of a loaded tile (mma_operand)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
@@ -206,10 +207,14 @@ class TiledExperts:
     """One GEMM's experts in lossless format v2 as fused_moe.py's launcher runs them (its `launch` hook)."""
     tt: "tiled.TiledTensor"
     escapes: str = "loop"
+    # the K step, warps and stages to run at instead of the launch's config (fused_moe_mixed: lossless_tiles of
+    # the layer's; the blocks, column tiles and splits stay the launch's)
+    tiles: FusedMoEConfig | None = None
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
         tt = self.tt
+        cfg = self.tiles or cfg
         bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
         if self.escapes == "loop":  # from shapes only: no device read
@@ -226,15 +231,17 @@ class TiledExperts:
             USE_SLOTS=slots is not None, num_warps=warps, num_stages=stages)
 
 
-def tiled_pair(w13, w2, H: int, I: int, device, dtype) -> tuple[TiledExperts, TiledExperts]:
+def tiled_pair(w13, w2, H: int, I: int, device, dtype, tiles: FusedMoEConfig | None = None
+               ) -> tuple[TiledExperts, TiledExperts]:
     """A group of n experts in lossless format v2 (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, for
-    activations of dtype (bf16, or float32 in the interpreter: both hold the bf16 weights exactly)."""
+    activations of dtype (bf16, or float32 in the interpreter: both hold the bf16 weights exactly); tiles: see
+    TiledExperts."""
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"experts in lossless format v2 take bf16 activations (or float32), got {dtype}")
     n = w13.shape[0] if len(getattr(w13, "shape", ())) == 3 else -1
     _check_tiled(w13, "w13", (n, 2 * I, H), device)
     _check_tiled(w2, "w2", (n, H, I), device)
-    return TiledExperts(w13), TiledExperts(w2)
+    return TiledExperts(w13, tiles=tiles), TiledExperts(w2, tiles=tiles)
 
 
 def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
@@ -261,15 +268,27 @@ def check_lossless_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, i
 
 
 def lossless_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                    num_sms: int = 132) -> FusedMoEConfig:
-    """fused_moe's tile table with what the in-register decode needs to stay within 255 registers without
-    spilling (benchmarks/lossless_ptxas.py, sm_90): 8 warps for the gated GEMM at 64 columns, 64-wide K steps
-    for w2 (a decoded [64, 128] tile spilled ~900 bytes per thread), 8 warps for w2 at 64-row blocks. Untuned on
-    a GPU: benchmarks/bench_fused_lossless.py."""
-    cfg = default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
+                    num_sms: int = 132, device: torch.device | None = None) -> FusedMoEConfig:
+    """The tiles fused_moe itself would take for this layer and batch (its tuned table on device, else
+    default_config), changed only where the in-register decode needs it to stay within 255 registers without
+    spilling (benchmarks/lossless_ptxas.py, sm_90): 8 warps for the gated GEMM at 64 columns, 64-wide K steps for w2
+    (a decoded [64, 128] tile spilled ~900 bytes per thread), 8 warps for w2 at 64-row blocks.
+
+    None of these changes the order of any sum, so the output stays equal to fused_moe's on the decoded weights at
+    its own tiles: warps only share out the output tile; a narrower K step runs the same mma instructions in the
+    same K order; split_step keeps the w2 split boundaries of the original K step. Untuned on a GPU:
+    benchmarks/bench_fused_lossless.py."""
+    cfg = (tuned_config(num_tokens, top_k, num_experts, hidden, inter, dtype, device) if device is not None else None) \
+        or default_config(num_tokens, top_k, num_experts, hidden, inter, dtype, num_sms)
     if dtype == torch.float32:  # the interpreter's small tiles
         return cfg
-    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps, block_k2=64,
+    return lossless_tiles(cfg)
+
+
+def lossless_tiles(cfg: FusedMoEConfig) -> FusedMoEConfig:
+    """cfg (fused_moe's tiles for a layer) with lossless_config's changes: warps and w2's K step, split_step kept."""
+    return dataclasses.replace(cfg, num_warps=8 if cfg.block_n >= 64 else cfg.num_warps,
+                               block_k2=min(64, cfg.block_k2), split_step=cfg.split_step or cfg.block_k2,
                                num_warps2=8 if cfg.block_m >= 64 else cfg.num_warps2)
 
 
@@ -285,7 +304,7 @@ def fused_moe_lossless(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, top
     if escapes not in ("loop", "unrolled"):
         raise ValueError(f"escapes must be loop or unrolled, got {escapes!r}")
     T, A, E, H, I = check_lossless_args(x, w13, w2, topk_weights, topk_ids)
-    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device))
+    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     return fused_moe_groups(x, [(TiledExperts(w13, escapes), TiledExperts(w2, escapes), None)], topk_weights, topk_ids,
                       T, A, E, H, I, out, cfg, {})
@@ -297,7 +316,7 @@ def fused_moe_lossless_reference(x, w13, w2, topk_weights, topk_ids, *, config: 
     the tiles fused_moe_lossless would use (so the reductions, and the bits, are the same)."""
     T, A = topk_ids.shape
     E, two_i, H = w13.shape
-    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device))
+    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device), x.device)
     d13 = tiled.decode_reference(w13).to(x.dtype)
     d2 = tiled.decode_reference(w2).to(x.dtype)
     return fused_moe(x, d13, d2, topk_weights, topk_ids, config=cfg, **overrides)

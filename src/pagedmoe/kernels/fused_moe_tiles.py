@@ -1,8 +1,34 @@
 """Triton building blocks of the MoE GEMM kernels (kernels/fused_moe.py, kernels/fused_moe_lossless.py): a
 block's rows and masks, the weight tile (as stored, or dequantized), the accumulator, the MMA in either operand
 order and the block's store (SiLU-and-mul when gated). Shared so both kernels reduce in the same order."""
+import os
+
 import triton
 import triton.language as tl
+
+# Compiled for a GPU (not run by the interpreter, which has no inline assembly): see mma_operand.
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def mma_operand(w):
+    """w, a weight tile computed in registers (decoded or dequantized), handed to tl.dot as a loaded tile is.
+
+    NOTE: Triton picks an MMA v2 operand's register layout (kWidth) from the narrowest load the operand derives
+    from through elementwise ops: a bf16 tile decoded from uint8 bytes gets kWidth 4, a loaded bf16 tile kWidth
+    2. The two layouts put the K elements in different slots of each mma.sync, which sums them in a different
+    grouping: the fp32 accumulators differ in the last bits, and on the H200 1-2 bf16 ulp of the output at the
+    Mixtral shapes (the MMA v3 path, with both tiles in shared memory, was equal). An opaque copy (inline
+    assembly with side effects, which that search does not look through) ends the search at the tile itself:
+    both kernels get the same layout, the same sums and the same bits. benchmarks/compile_sm90.py
+    (tests/kernels/test_fused_moe_compile.py) checks the layouts match for sm_90. Used by the lossless decode
+    (bit-exactness is its contract), not by the lossy dequantization (weight_tile)."""
+    if COMPILED:
+        if w.dtype.primitive_bitwidth == 16:
+            w = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=False, pack=2)
+        else:
+            w = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=False, pack=1)
+    return w
 
 
 @triton.jit
@@ -25,6 +51,9 @@ def weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, like_ptr, QUANT: tl.constexpr,
             s = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
             byte = tl.load(w_ptrs, mask=mask, other=0)  # [BLOCK_N, BLOCK_K // 2]: each byte once
             q = tl.interleave((byte & 0xF).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0)
+        # NOTE: not through mma_operand: under MMA v2 these tiles keep the kWidth of their 8-bit loads, so the sums
+        # may differ from fused_moe's on the dequantized weights in the last bits (lossy weights: the values are
+        # the same, only the rounding of their sums); the copy would cost w2 ~200 more spilled bytes at 64 tokens
         w = (q * s[:, None]).to(like_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return w
 
@@ -47,18 +76,24 @@ def block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr
 @triton.jit
 def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
     """fp32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the weight tile on the MMA's M side."""
+    # NOTE: one return statement: compiled, Triton checks every return of a function against the first, even
+    # under a constexpr branch, so two returns of different shapes fail ("Inconsistent return types").
     if SWAP_AB:
-        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return acc
 
 
 @triton.jit
 def mma(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += a @ w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc += w @ a^T ([BLOCK_N, BLOCK_M]: the weight tile
     on the MMA's M side)."""
-    if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:  # one return (see acc_zeros)
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit

@@ -16,6 +16,7 @@ from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_
                                          start_up_reserve_bytes)
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO, Placement
+from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO
 
 logger = logging.getLogger("pagedmoe")
 
@@ -36,6 +37,7 @@ class ExpertPlan:
     # routed: forwards of up to this many tokens fetch by path (b), the sync-free UVA gather, and the decode
     # buckets up to it run in CUDA graphs (planning/fetch_cost.py::settle_fetch_path); 0: path (a) everywhere
     sync_free_max_seqs: int = 0
+    compressed_gemm: str = "decode"             # "fused": the MoE GEMMs read the compressed tier (format v2)
 
     @property
     def paged(self) -> bool:
@@ -154,7 +156,8 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                             block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
                             max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
         return None
-    ratio = LOSSLESS_PLANNING_RATIO if x.compression == "lossless" else None
+    fused = c.compressed_gemm == "fused"  # the tier read by the GEMM (issue 23): no decode, its stored bytes read
+    ratio = (FUSED_LOSSLESS_PLANNING_RATIO if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
     plans, errors = {}, []
@@ -166,7 +169,7 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                 max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers,
                 compression_ratio=ratio,
                 host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
-                host_budget_bytes=host_limit)
+                host_budget_bytes=host_limit, fused_compressed=fused)
         except ValueError as e:  # PlacementBudgetError: this mode does not fit
             errors.append(e)
     if not plans:

@@ -3,23 +3,42 @@ their layer's compute rows before it runs (experts/pager.py; codecs/lossless.py,
 format). One CompressedTensor per layer, one part per expert in slot (= expert id) order: a shared
 codebook, and a run of consecutive experts decodes with one kernel launch.
 
+With `fused` (--compressed-gemm fused, issue 23) a layer is held in the tiled format (version 2,
+codecs/tiled.py) instead, as a TiledExperts pair: w13 [n, 2I, H] and w2 [n, H, I], one part per expert in slot
+order, which the MoE GEMMs read directly (kernels/fused_moe_lossless.py): never decoded into the buffers.
+
 Loading: the raw rows are staged in host memory (`staging[l]` [n, 3*I*H]) until every part of the layer
 is written, then encoded on the device and the staging freed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from pagedmoe.codecs import tiled
 from pagedmoe.codecs.lossless import encode
 from pagedmoe.experts.table import COMPRESSED
 
 
+@dataclass(frozen=True)
+class TiledExperts:
+    """A layer's compressed experts in format version 2: the two GEMMs' weights, one part per expert."""
+    w13: tiled.TiledTensor   # [n, 2I, H]
+    w2: tiled.TiledTensor    # [n, H, I]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+
 class CompressedTier:
-    def __init__(self, table, expert_numel: int, dtype: torch.dtype, device: torch.device, paged: bool) -> None:
+    def __init__(self, table, expert_numel: int, dtype: torch.dtype, device: torch.device, paged: bool,
+                 hidden: int = 0, inter: int = 0, fused: bool = False) -> None:
         L = table.num_layers
         self.device = device
+        self.hidden, self.inter, self.fused = hidden, inter, fused
         self.layers: list = [None] * L          # CompressedTensor per layer
         self.staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
         self.staged_parts: list[set] = [set() for _ in range(L)]  # (slot, 'gate'|'up'|'down') written
@@ -41,6 +60,16 @@ class CompressedTier:
     def encode(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
         """Encode the layer's compressed experts: their staged rows, or `rows` (device, slot order) given."""
         staged = self.staging[layer] if rows is None else rows
+        if self.fused:  # the GEMMs' weights as the rows hold them (experts/layout.py): w13 then w2
+            n, H, I = staged.shape[0], self.hidden, self.inter
+            dev = staged.to(self.device)
+            self.layers[layer] = TiledExperts(
+                tiled.encode(dev[:, :2 * I * H].reshape(n, 2 * I, H), num_parts=n, checksum=False),
+                tiled.encode(dev[:, 2 * I * H:].reshape(n, H, I), num_parts=n, checksum=False))
+            del dev
+            self.staging[layer] = None
+            self.staged_parts[layer] = set()
+            return
         # One tensor per layer, one part per expert: a shared codebook, and a run of experts decodes
         # with one kernel launch. Checksums guard files, not device memory: skipped.
         ct = self.layers[layer] = encode(staged.to(self.device), num_parts=staged.shape[0], checksum=False)

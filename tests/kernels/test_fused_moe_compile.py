@@ -1,0 +1,46 @@
+"""The fused MoE kernels compiled for sm_90 on any machine (benchmarks/compile_sm90.py, Triton's own compiler and
+ptxas, no GPU): every variant the engine and the tests launch compiles, and the lossless kernel (format v2), which
+decodes its weight tiles in registers, feeds tl.dot the operand layouts of the bf16 kernel at the same tiles,
+which is what makes its output equal fused_moe on the decoded weights bit for bit on a GPU.
+
+Runs in a subprocess: the other kernel tests import the kernels under the Triton interpreter, which cannot
+compile. Skipped only where Triton's NVIDIA backend (with its ptxas) is not installed.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _nvidia_backend() -> bool:
+    from triton.backends import backends
+
+    return "nvidia" in backends and (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend / ptxas is not installed")
+def test_every_fused_moe_variant_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/compile_sm90.py", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    rows = json.loads((tmp_path / "compile_sm90.json").read_text())["rows"]
+    failed = [r for r in rows if not r["ok"]]
+    assert proc.returncode == 0 and not failed, "\n".join(json.dumps(r) for r in failed) + proc.stderr[-2000:]
+    gemms = [r for r in rows if r["kernel"] != "moe_sum_kernel"]
+    # the variants cover each weight kind in both GEMMs, both operand orders, every escape mode and both MMA versions
+    assert {(r["weights"], r["gemm"], r["swap_ab"]) for r in gemms} >= {
+        (w, g, s) for w in ("bf16", "lossless", "int8", "fp8", "int4") for g in ("w13", "w2") for s in (False, True)}
+    assert {r["esc_cap"] for r in gemms if r["weights"] == "lossless"} >= {-1, 0, 2, 8, 32}
+    versions = {m["mma"].split("versionMajor = ")[1][0] for r in gemms for m in r["mma"] if "versionMajor" in m["mma"]}
+    assert versions == {"2", "3"}
+    checked = [r for r in gemms if r["weights"] == "lossless"]
+    assert len(checked) >= 20 and all(r["same_mma_operands_as_bf16"] for r in checked)
+    assert sum(r["kernel"] == "moe_sum_kernel" for r in rows) == 2
