@@ -116,11 +116,13 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
     plan = plans[host_compression]
     if routed_search(x, device_type):
+        # path (b) runs in the decode CUDA graphs on CUDA (fetch_cost.settle_fetch_path), or where asked for
+        uva = x.fetch_path == "uva" or (x.fetch_path == "auto" and device_type == "cuda" and not eager)
         pick = routed_plan.choose(
             routed_plan.settle(plan, inputs_of(host_compression), host_compression, x.fetch, max_model_len / 2,
-                               "stream-optimised"),
+                               "stream-optimised", uva),
             [routed_plan.best_routed(inputs_of(mode), routed_plan.routed_compression_ratio(x.compression, is_bf16),
-                                     max_model_len / 2, x.fetch)
+                                     max_model_len / 2, x.fetch, uva)
              for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16)], x.fetch)
         if pick.origin == "routed-optimised":
             logger.info("placement for routed fetching: %s, modelled %.1f ms per decode step at %d sequences "

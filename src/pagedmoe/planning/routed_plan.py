@@ -41,6 +41,7 @@ class FetchPick:
     origin: str                 # "stream-optimised" | "routed-optimised"
     shape: object = None        # the ModelShape and HardwareProfile it was costed for
     hw: object = None
+    uva: bool = True            # fetch path (b) modelled where possible
 
     @property
     def num_seqs(self) -> int:
@@ -59,24 +60,30 @@ class FetchPick:
 
     def steps_ms(self, batches: Iterable[int], context_len: float) -> dict[int, float]:
         """Modelled decode step ms at each batch under this pick's fetch."""
-        return {b: 1e3 * _fetch_s(self.shape, self.hw, self.plan.placement, b, context_len, self.tiers(), self.fetch)
+        return {b: 1e3 * _fetch_s(self.shape, self.hw, self.plan.placement, b, context_len, self.tiers(), self.fetch,
+                                  self.uva)
                 for b in batches}
 
 
 def _fetch_s(shape, hw, placement: Placement, num_seqs: int, context_len: float, tiers: FetchTiers,
-             fetch: str) -> float:
+             fetch: str, uva: bool) -> float:
     costs = fetch_step_s(shape, hw, min(placement.num_gpu_experts, default=0), num_seqs, context_len, tiers)
+    if not uva:
+        costs["routed_uva"] = None
     return routed_s(costs) if fetch == "routed" else costs[fetch]
 
 
 def settle(plan: PlacementPlan, inputs: PlanInputs, host_compression: str, requested: str, context_len: float,
-           origin: str) -> FetchPick:
+           origin: str, uva: bool = True) -> FetchPick:
     """`plan` with the fetch `requested` (auto | stream | routed) settles on, as fetch_cost.resolve_fetch would
-    on CUDA, and its step at the plan's sequences."""
+    on CUDA, and its step at the plan's sequences. `uva`: fetch path (b) can run (CUDA graphs on CUDA, not
+    --expert-fetch-path copy); else routed fetching is modelled by path (a) alone."""
     tiers = FetchTiers.of_plan(plan.placement.num_compressed_experts, host_compression)
     seqs = max(1, plan.num_seqs)
     costs = fetch_step_s(inputs.shape, inputs.hw, min(plan.placement.num_gpu_experts, default=0), seqs,
                          context_len, tiers)
+    if not uva:
+        costs["routed_uva"] = None
     if plan.placement.is_resident:
         fetch = "resident"
     elif requested == "auto":
@@ -84,7 +91,7 @@ def settle(plan: PlacementPlan, inputs: PlanInputs, host_compression: str, reque
     else:
         fetch = requested
     return FetchPick(plan, host_compression, fetch, routed_s(costs) if fetch == "routed" else costs[fetch], origin,
-                     inputs.shape, inputs.hw)
+                     inputs.shape, inputs.hw, uva)
 
 
 def _fits(inputs: PlanInputs, placement: Placement) -> Optional[PlacementPlan]:
@@ -144,14 +151,14 @@ def routed_candidates(inputs: PlanInputs, compression_ratio: Optional[float]) ->
 
 
 def best_routed(inputs: PlanInputs, compression_ratio: Optional[float], context_len: float,
-                requested: str = "routed") -> Optional[FetchPick]:
+                requested: str = "routed", uva: bool = True) -> Optional[FetchPick]:
     """The routed-optimised placement: the best decode tokens/s under routed fetching, among the candidates
     --expert-fetch `requested` settles on routed for (routed: all; auto: where routed is modelled ROUTED_MARGIN
     faster than stream-all); ties: more experts on the GPU. None when there is none."""
     host_mode = "lossless" if inputs.host_compression_ratio else "none"
     best = None
     for plan in routed_candidates(inputs, compression_ratio):
-        pick = settle(plan, inputs, host_mode, requested, context_len, "routed-optimised")
+        pick = settle(plan, inputs, host_mode, requested, context_len, "routed-optimised", uva)
         if pick.fetch != "routed":
             continue   # stream-all would run it: the stream-all search's ground (and its compression flags)
         p = plan.placement
