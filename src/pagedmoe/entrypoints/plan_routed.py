@@ -46,6 +46,9 @@ def format_routed(picks, chosen, max_num_seqs: int, context_len: float) -> str:
         label = f"{p.origin}: {p.label()}"
         lines.append(f"{mark} {label:<44}{p.fetch:>8}" + "".join(f"{ms[b]:>9.1f}" for b in PLAN_BATCHES)
                      + f"{p.num_seqs:>6}{p.step_s * 1e3:>9.1f}{p.decode_tokens_per_s:>8.1f}")
+    if len(picks) == 1:
+        lines.append(f"  (no placement searched for routed fetching settles on it at max_num_seqs={max_num_seqs}: "
+                     "stream-all is modelled within ROUTED_MARGIN or faster there)")
     lines.append(f"auto picks the {chosen.origin} placement {chosen.label()} (--expert-fetch {chosen.fetch}): "
                  f"{chosen.step_s * 1e3:.1f} ms per decode step at {chosen.num_seqs} sequences")
     return "\n".join(lines)

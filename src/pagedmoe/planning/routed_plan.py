@@ -76,18 +76,22 @@ def _fetch_s(shape, hw, placement: Placement, num_seqs: int, context_len: float,
 def settle(plan: PlacementPlan, inputs: PlanInputs, host_compression: str, requested: str, context_len: float,
            origin: str, uva: bool = True) -> FetchPick:
     """`plan` with the fetch `requested` (auto | stream | routed) settles on, as fetch_cost.resolve_fetch would
-    on CUDA, and its step at the plan's sequences. `uva`: fetch path (b) can run (CUDA graphs on CUDA, not
+    on CUDA (at max_num_seqs), and its step at the plan's sequences (max_num_seqs, or fewer where the KV is short). `uva`: fetch path (b) can run (CUDA graphs on CUDA, not
     --expert-fetch-path copy); else routed fetching is modelled by path (a) alone."""
     tiers = FetchTiers.of_plan(plan.placement.num_compressed_experts, host_compression)
-    seqs = max(1, plan.num_seqs)
-    costs = fetch_step_s(inputs.shape, inputs.hw, min(plan.placement.num_gpu_experts, default=0), seqs,
-                         context_len, tiers)
-    if not uva:
-        costs["routed_uva"] = None
+    n = min(plan.placement.num_gpu_experts, default=0)
+
+    def costs_at(seqs: int) -> dict:
+        costs = fetch_step_s(inputs.shape, inputs.hw, n, seqs, context_len, tiers)
+        if not uva:
+            costs["routed_uva"] = None
+        return costs
+
+    costs = costs_at(max(1, plan.num_seqs))
     if plan.placement.is_resident:
         fetch = "resident"
-    elif requested == "auto":
-        fetch = choose_fetch(costs)
+    elif requested == "auto":   # the engine settles auto at max_num_seqs (fetch_cost.settle_expert_fetch)
+        fetch = choose_fetch(costs_at(inputs.max_num_seqs))
     else:
         fetch = requested
     return FetchPick(plan, host_compression, fetch, routed_s(costs) if fetch == "routed" else costs[fetch], origin,
