@@ -12,6 +12,10 @@
 #                                                           part runs auto (the cost model's path per bucket)
 #   run(command="bash benchmarks/gpu_issue21.sh lossless")  Qwen3 at 24 GiB routed with the host tier compressed
 #                                                           (--host-compression lossless: compressed bytes per miss)
+#   run(command="bash benchmarks/gpu_issue21.sh placement") Qwen3 at 24 GiB, --expert-fetch auto with the engine sized
+#                                                           for the batch (--max-num-seqs 1, 8): the placement the
+#                                                           routed-aware search picks (planning/routed_plan.py), and
+#                                                           the same with compression forbidden (bf16 N only)
 # Results under $OUT: <part>-<fetch>.json (bench latency --output-json: per batch expert_bytes_moved_per_step,
 # routed_expert_bytes_per_step), issue21-<part>.log with the floors (moved bytes / 54.5 GB/s PCIe).
 set -uo pipefail
@@ -19,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-PART=${1:?usage: gpu_issue21.sh qwen|mixtral|serve|micro|paths|lossless}
+PART=${1:?usage: gpu_issue21.sh qwen|mixtral|serve|micro|paths|lossless|placement}
 LOG="$OUT/issue21-$PART.log"
 Q=benchmarks/configs/qwen3-30b-a3b
 M=benchmarks/configs/mixtral-8x7b
@@ -29,7 +33,9 @@ latency() {  # name model limit_s fetch batches...
   echo "=== $name: $model --expert-fetch $fetch batches $*" | tee -a "$LOG"
   timeout --kill-after=15 "$limit" python -m pagedmoe.cli bench latency "$model" --load-format dummy \
     --gpu-memory-gb 24 --expert-fetch "$fetch" --batch-size "$@" --input-len 128 --output-len 32 \
-    --max-model-len 512 --max-num-seqs 64 ${EXTRA_FLAGS:-} --output-json "$OUT/$name-$fetch.json" 2>&1 | tail -20 | tee -a "$LOG"
+    --max-model-len 512 --max-num-seqs 64 ${EXTRA_FLAGS:-} --output-json "$OUT/$name-$fetch.json" 2>&1 \
+    | tee "$OUT/$name-$fetch.out" | tail -20 | tee -a "$LOG"
+  grep -h "placement for routed fetching\|placement plan:\|routed expert fetching" "$OUT/$name-$fetch.out" | tee -a "$LOG"
   python - "$OUT/$name-$fetch.json" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
@@ -65,5 +71,9 @@ case "$PART" in
     EXTRA_FLAGS="--host-compression lossless --dtype bfloat16 --expert-fetch-path copy" \
       latency qwen-lossless "$Q" 280 routed 1 8 32 64
     EXTRA_FLAGS="--host-compression lossless --dtype bfloat16" latency qwen-lossless "$Q" 280 stream 1 8 ;;
+  placement)
+    for b in 1 8; do EXTRA_FLAGS="--max-num-seqs $b" latency "qwen-sized-b$b" "$Q" 280 auto "$b"; done
+    EXTRA_FLAGS="--max-num-seqs 8 --expert-compression none --host-compression none" \
+      latency qwen-sized-b8-nocompression "$Q" 200 auto 8 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -89,13 +89,16 @@ class EngineConfig:
     num_compressed_experts: Optional[int] = _flag(None, "experts per layer kept losslessly compressed in GPU "
                                                         "memory and decoded each step (paged placement; "
                                                         "with --num-gpu-experts resident, else 0; bf16 only)", type_=int)
-    expert_compression: str = _flag("none", "lossless: let the planner (--expert-placement auto/paged) also "
-                                            "choose a lossless compressed GPU tier (bf16 only)",
-                                    _EXPERT_COMPRESSION)
-    host_compression: str = _flag("none", "lossless: hold the host tier's experts losslessly compressed in "
-                                          "pinned memory (~0.68x the bytes over PCIe), decoded on the GPU "
-                                          "after the copy (bf16, paged placement); auto: when the planner "
-                                          "models it faster", _HOST_COMPRESSION)
+    expert_compression: Optional[str] = _flag(None, "lossless: let the planner (--expert-placement auto/paged) "
+                                                    "also choose a lossless compressed GPU tier (bf16 only); none: "
+                                                    "never; default: only for placements chosen for routed "
+                                                    "fetching (--expert-fetch auto/routed)", _EXPERT_COMPRESSION)
+    host_compression: Optional[str] = _flag(None, "lossless: hold the host tier's experts losslessly compressed "
+                                                  "in pinned memory (~0.68x the bytes over PCIe), decoded on the "
+                                                  "GPU after the copy (bf16, paged placement); auto: when the "
+                                                  "planner models it faster; none: never; default: none, but "
+                                                  "auto for placements chosen for routed fetching",
+                                            _HOST_COMPRESSION)
     expert_buffers: str = _flag("auto", "paged compute buffers: vmm (CUDA virtual memory, resident experts "
                                         "mapped in place, streamed ones copied one layer ahead), vmm-ring (the "
                                         "same memory as one ring of rows: copies start as soon as a row is free, "
@@ -197,7 +200,8 @@ class EngineConfig:
                               ("host_compression", _HOST_COMPRESSION),
                               ("expert_precision", EXPERT_PRECISIONS), ("quantized_gemm", _QUANTIZED_GEMMS),
                               ("compressed_gemm", _COMPRESSED_GEMMS)):
-            if getattr(self, name) not in choices:
+            unset = getattr(self, name) is None and name in ("expert_compression", "host_compression")
+            if getattr(self, name) not in choices and not unset:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
 
     def _check_quantized_gemm(self) -> None:
@@ -211,7 +215,7 @@ class EngineConfig:
 
     def _check_compressed_gemm(self) -> None:
         if self.compressed_gemm == "fused":
-            if self.expert_compression == "none" and not self.num_compressed_experts:
+            if self.expert_compression != "lossless" and not self.num_compressed_experts:
                 raise ValueError("--compressed-gemm fused reads the lossless compressed GPU tier; it needs "
                                  "--num-compressed-experts N or --expert-compression lossless")
             if self.moe_backend not in ("auto", "triton"):

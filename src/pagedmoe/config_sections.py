@@ -60,8 +60,8 @@ class ExpertConfig:
     num_gpu_experts: Optional[int]
     cpu_moe: bool
     num_compressed_experts: Optional[int]
-    compression: str
-    host_compression: str
+    compression: Optional[str]        # None: unset (the compressed tier only for routed placements)
+    host_compression: Optional[str]   # None: unset (none; auto for routed placements)
     buffers: str
     fetch: str
     prefetch: bool
@@ -95,7 +95,7 @@ class ExpertConfig:
             if self.placement == "resident" and self.num_compressed_experts:
                 raise ValueError("--num-compressed-experts pages experts and cannot take effect with "
                                  "--expert-placement resident")
-        if self.compression != "none":
+        if self.compression == "lossless":
             if self.placement == "resident":
                 raise ValueError(f"--expert-compression {self.compression} cannot take effect with "
                                  "--expert-placement resident")
@@ -103,7 +103,7 @@ class ExpertConfig:
                 raise ValueError(f"--expert-compression {self.compression} lets the planner choose the "
                                  "compressed tier; --cpu-moe/--num-gpu-experts fix the placement: give "
                                  "--num-compressed-experts instead")
-        if self.host_compression != "none":
+        if self.host_compression in ("lossless", "auto"):
             if self.placement == "resident":
                 raise ValueError(f"--host-compression {self.host_compression} compresses the host tier and cannot "
                                  "take effect with --expert-placement resident")
@@ -119,7 +119,7 @@ class ExpertConfig:
                                  "take effect with --expert-placement resident")
             for name, given in (("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
                                 ("--num-compressed-experts", self.num_compressed_experts is not None),
-                                ("--expert-compression", self.compression != "none")):
+                                ("--expert-compression", self.compression == "lossless")):
                 if given:
                     raise ValueError(f"--expert-precision {flag} holds every expert in one lossy format; it "
                                      f"contradicts {name}")
@@ -142,7 +142,7 @@ class ExpertConfig:
         for name, given in (("--expert-placement resident", self.placement == "resident"),
                             ("--cpu-moe", self.cpu_moe), ("--num-gpu-experts", self.num_gpu_experts is not None),
                             ("--num-compressed-experts", self.num_compressed_experts is not None),
-                            ("--expert-compression", self.compression != "none"),
+                            ("--expert-compression", self.compression == "lossless"),
                             ("--expert-buffers vmm", self.buffers in ("vmm", "vmm-ring"))):
             if given:
                 raise ValueError(f"--expert-precision dynamic places every expert itself (paged, plain compute "

@@ -128,7 +128,7 @@ def test_placement_flags_apply_to_paged_only():
     assert (lossless.expert_compression, lossless.num_gpu_experts) == ("lossless", None)
     host = point_config(args, "paged+host-lossless", GiB)
     assert (host.host_compression, host.expert_placement, host.num_gpu_experts) == ("lossless", "paged", 3)
-    assert point_config(args, "resident", GiB).host_compression == "none"
+    assert point_config(args, "resident", GiB).host_compression is None   # the default (unset: raw host tier)
     dynamic = point_config(args, "dynamic", GiB)  # --num-gpu-experts would contradict it: reset
     assert (dynamic.expert_precision, dynamic.num_gpu_experts, dynamic.placement()) == ("dynamic", None, ("paged", 0))
 

@@ -276,3 +276,30 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
         torch.cuda.empty_cache()
     for a, b in zip(runs["resident"], runs["routed"]):
         assert torch.equal(a, b)
+
+
+def test_auto_placement_for_routed_fetching_takes_the_compressed_tier(tmp_path):
+    """--expert-placement auto with --expert-fetch routed at a budget below resident's: the planner weighs placements
+    for routed fetching (planning/routed_plan.py) and keeps experts in the compressed GPU tier (a routed miss from
+    it is decoded, not copied); the logits equal resident placement's, bit for bit. --expert-compression none
+    leaves only bf16 resident counts to vary, and --expert-fetch stream the stream-all search as before."""
+    from pagedmoe import LLM
+
+    make_tiny_checkpoint("mixtral", tmp_path, seed=2, dtype=torch.bfloat16, num_hidden_layers=4)
+    common = dict(dtype="bfloat16", max_num_seqs=2)
+    probe = LLM(str(tmp_path), device="cpu", max_model_len=96, **common).engine.plan
+    expert = 3 * 32 * 64 * 2   # tiny Mixtral: I=32, H=64, bf16
+    # two experts short of resident, with the KV of two max_model_len sequences
+    budget = (probe.weight_bytes - 2 * expert + probe.activation_bytes + 12 * probe.kv_bytes_per_block) / 1024 ** 3
+    ref = _trace(tmp_path, (11,), **common)[0]
+    got, engine = _trace(tmp_path, (11,), gpu_memory_gb=budget, expert_fetch="routed", **common)
+    plan = engine.expert_plan
+    assert plan.paged and plan.fetch == "routed" and sum(plan.num_compressed or ()) > 0
+    assert engine.expert_store.compressed_bytes > 0 and engine.pager.cache.stats.misses > 0
+    assert len(ref) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(ref, got))
+    plain = LLM(str(tmp_path), device="cpu", max_model_len=96, gpu_memory_gb=budget, expert_fetch="routed",
+                expert_compression="none", **common).engine.expert_plan
+    assert plain.paged and not any(plain.num_compressed or ()) and plain.host_compression == "none"
+    stream = LLM(str(tmp_path), device="cpu", max_model_len=96, gpu_memory_gb=budget, expert_fetch="stream",
+                 **common).engine.expert_plan
+    assert stream.fetch == "stream" and not any(stream.num_compressed or ()) and stream.host_compression == "none"

@@ -71,9 +71,16 @@ def register(sub) -> None:
                    help="model the compressed tier read by the MoE GEMM itself (lossless format v2, issue 23): no "
                         "decode pass, routed experts cost their stored bytes; ratio 0.753 unless "
                         "--compression-ratio. The fused kernel's GPU speed is unmeasured: this is its HBM floor")
-    p.add_argument("--host-compression", default=_env("host_compression", "none"), choices=["none", "lossless"],
+    p.add_argument("--host-compression", default=_env("host_compression", None), choices=["none", "lossless"],
                    help="lossless: model the host tier held compressed (0.683 of the bytes over PCIe, decoded "
-                        "on the GPU)")
+                        "on the GPU); none: raw everywhere; default: raw, and both for routed fetching's "
+                        "placements (as the engine)")
+    p.add_argument("--expert-fetch", default=_env("expert_fetch", "auto"), choices=["auto", "stream", "routed"],
+                   help="as the engine's: auto and routed also weigh placements chosen for routed fetching "
+                        "(planning/routed_plan.py); stream: the stream-all search alone")
+    p.add_argument("--expert-compression", default=_env("expert_compression", None), choices=["none", "lossless"],
+                   help="the compressed GPU tier in routed fetching's placements: none forbids it; default (or "
+                        "lossless) allows it when bf16 (the stream-all search models it with --compression-ratio)")
     p.add_argument("--host-memory-gb", type=float, default=_env("host_memory_gb", None, float),
                    help="pinned host memory the host tier may take, in GiB (default: unbounded; the plan may be "
                         "for another machine, unlike the engine, which detects it)")
@@ -163,9 +170,10 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0):
+def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, host_ratios=None):
     """--expert-fetch's modelled decode step at batch 1, 8, 32 for the selected placement (else the auto pick),
-    when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table); None otherwise."""
+    when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table); None otherwise. `host_ratios`:
+    the host ratio of rows that differ from `host_ratio` (routed fetching's placements), by label."""
     from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table
 
     pick = next((r for r in rows if r[3] and not isinstance(r[1], Exception)), None) or \
@@ -175,7 +183,8 @@ def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0):
     n = min(pick[1].placement.num_gpu_experts, default=shape.experts_per_gpu)
     if n >= shape.experts_per_gpu:
         return None
-    tiers = FetchTiers(min(pick[1].placement.num_compressed_experts, default=0), host_ratio or 1.0)
+    ratio = (host_ratios or {}).get(pick[0], host_ratio)
+    tiers = FetchTiers(min(pick[1].placement.num_compressed_experts, default=0), ratio or 1.0)
     return pick[0], n, fetch_table(shape, hw, n, context_len, tiers=tiers)
 
 
@@ -197,6 +206,8 @@ def run_plan(args) -> int:
     from pagedmoe.planning.cost_model import H200, HardwareProfile
     from pagedmoe.planning.kv_sizing import CUDA_CONTEXT_BYTES, GiB, estimate_activation_bytes, start_up_reserve_bytes
     from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.entrypoints.plan_routed import format_routed, routed_rows
+    from pagedmoe.planning.fetch_cost import PLAN_BATCHES
     from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
     from pagedmoe.planning.planner import PlanInputs
     from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
@@ -272,6 +283,18 @@ def run_plan(args) -> int:
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
                             None, None, buffers, host_ratio, host_budget, fused_compressed=args.fused_compression)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
+        context_len = (args.input_len + args.output_len) / 2
+        routed = routed_rows(args, inputs, rows, context_len)
+        host_ratios = {}
+        if routed is not None:   # routed fetching's placements join the table; * moves to the one auto picks
+            picks, chosen = routed
+            for p in picks[1:]:
+                label = "routed: " + p.label().replace(", host compressed", " +host lz")
+                host_ratios[label] = LOSSLESS_PLANNING_RATIO if p.host_compression == "lossless" else 0.0
+                rows.append((label, p.plan, p is chosen, p is chosen and mode == "auto"))
+            if chosen is not picks[0]:
+                rows = [(lb, pl, a and lb in host_ratios, sel and (lb in host_ratios or mode != "auto"))
+                        for lb, pl, a, sel in rows]
         if num_gpus > 1 and len(shapes) > 1:
             print(f"\n{num_gpus} x {hw.name}, as the engine runs --tensor-parallel-size {num_gpus} "
                   f"--enable-expert-parallel: each GPU holds its share of the backbone ({gpu_shape.num_heads} "
@@ -283,7 +306,9 @@ def run_plan(args) -> int:
         else:
             print(f"\nbudget {budget / GiB:.2f} GiB ({text}):")
         print(format_table(rows))
-        fetch = _fetch_rows(gpu_shape, hw, rows, (args.input_len + args.output_len) / 2, host_ratio)
+        if routed is not None:
+            print(format_routed(*routed, args.max_num_seqs, context_len))
+        fetch = _fetch_rows(gpu_shape, hw, rows, context_len, host_ratio, host_ratios)
         if fetch is not None:
             print(format_fetch(*fetch))
         selected = [r for r in rows if r[3]]
@@ -293,6 +318,10 @@ def run_plan(args) -> int:
             "num_gpus": num_gpus, "experts_per_gpu": gpu_shape.experts_per_gpu,
             "budget_bytes": budget, "budget_gib": budget / GiB, "budget_arg": text,
             "fetch": None if fetch is None else {"label": fetch[0], "num_gpu_experts": fetch[1], "batches": fetch[2]},
+            "routed_search": None if routed is None else [
+                {"origin": p.origin, "label": p.label(), "fetch": p.fetch, "host_compression": p.host_compression,
+                 "num_seqs": p.num_seqs, "step_ms": p.step_s * 1e3, "chosen": p is routed[1],
+                 "batches_ms": p.steps_ms(PLAN_BATCHES, context_len)} for p in routed[0]],
             "rows": [{"label": label, "auto": is_auto, "selected": sel, "fits": not isinstance(plan, Exception),
                       **({"min_budget_bytes": plan.min_budget_bytes, "error": str(plan)}
                          if isinstance(plan, Exception) else plan.to_dict())}

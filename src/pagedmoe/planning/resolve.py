@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from pagedmoe.planning import planner
+from pagedmoe.planning import planner, routed_plan
 from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_bytes, estimate_activation_bytes,
                                          start_up_reserve_bytes)
 from pagedmoe.planning.model_shape import ModelShape
@@ -82,7 +82,7 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     (read by name and size only); `eager`: no CUDA graphs (their pool is part of the reserve on CUDA)."""
     c, x = config, config.experts
     is_bf16, dtype_bytes = str(dtype) == "torch.bfloat16", dtype.itemsize
-    host_compression = "none" if x.host_compression == "auto" else x.host_compression
+    host_compression = x.host_compression if x.host_compression in ("none", "lossless") else "none"  # auto, unset
     placement, n = x.placement_mode()
     num_moe = dims.num_layers - len(spec.dense_layers)
     lossless = x.compression == "lossless" or bool(x.num_compressed_experts)
@@ -102,20 +102,35 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
         return ExpertPlan("resident", host_compression=host_compression)
     budget_bytes = budget()
     if budget_bytes is None:  # CPU without a budget: nothing to trade
-        if x.compression != "none":
+        if x.compression == "lossless":
             raise ValueError(f"--expert-compression {x.compression} lets the planner trade memory for "
                              "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
                              "(give --num-compressed-experts)")
         if placement == "auto":
             return ExpertPlan("resident", host_compression=host_compression)
         return ExpertPlan("paged", (0,) * num_moe, None, host_compression)
-    plans = _plan_host_modes(c, dims, spec, placement, budget_bytes, device_type, is_bf16, dtype_bytes,
-                             max_model_len, host_compression, host_budget, eager)
-    if plans is None:  # resident at a budget on CUDA: it fits (else the planner refused, naming the minimum)
+    searched = _plan_host_modes(c, dims, spec, placement, budget_bytes, device_type, is_bf16, dtype_bytes,
+                                max_model_len, host_compression, host_budget, eager)
+    if searched is None:  # resident at a budget on CUDA: it fits (else the planner refused, naming the minimum)
         return ExpertPlan("resident", host_compression=host_compression)
+    plans, inputs_of = searched
     # auto: the compressed host tier only when it models faster (it only matters for paged plans)
     host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
     plan = plans[host_compression]
+    if routed_search(x, device_type):
+        # path (b) runs in the decode CUDA graphs on CUDA (fetch_cost.settle_fetch_path), or where asked for
+        uva = x.fetch_path == "uva" or (x.fetch_path == "auto" and device_type == "cuda" and not eager)
+        pick = routed_plan.choose(
+            routed_plan.settle(plan, inputs_of(host_compression), host_compression, x.fetch, max_model_len / 2,
+                               "stream-optimised", uva),
+            [routed_plan.best_routed(inputs_of(mode), routed_plan.routed_compression_ratio(x.compression, is_bf16),
+                                     max_model_len / 2, x.fetch, uva)
+             for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16)], x.fetch)
+        if pick.origin == "routed-optimised":
+            logger.info("placement for routed fetching: %s, modelled %.1f ms per decode step at %d sequences "
+                        "(faster than the stream-all search's %s)", pick.label(), pick.step_s * 1e3, pick.num_seqs,
+                        plan.placement.label())
+        host_compression, plan = pick.host_compression, pick.plan
     logger.info("placement plan: %s", plan.summary())
     per_layer = tuple(plan.placement.num_gpu_experts)
     comp = tuple(plan.placement.num_compressed_experts)
@@ -138,8 +153,9 @@ def rank_shape(c, dims, spec, dtype_bytes: int) -> ModelShape:
 def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_type: str, is_bf16: bool,
                      dtype_bytes: int, max_model_len: int, host_compression: str, host_budget,
                      eager: bool) -> Optional[dict]:
-    """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16);
-    None for a resident placement at a budget, which is only checked (refused with the minimum)."""
+    """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16), and
+    the PlanInputs of a host mode (for the routed search); None for a resident placement at a budget, which is
+    only checked (refused with the minimum)."""
     shape = rank_shape(c, dims, spec, dtype_bytes)
     x, sch = c.experts, c.scheduler
     act = estimate_activation_bytes(sch.max_num_batched_tokens, sch.max_num_seqs, dims.hidden_size,
@@ -160,21 +176,31 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
     ratio = (FUSED_LOSSLESS_PLANNING_RATIO if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
+
+    def kwargs(mode: str) -> dict:
+        return dict(max_model_len=max_model_len, block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
+                    max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers,
+                    host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
+                    host_budget_bytes=host_limit)
+
     plans, errors = {}, []
     for mode in host_modes:
         try:
-            plans[mode] = planner.plan_memory(
-                shape, budget_bytes, act, placement, None, max_model_len=max_model_len,
-                block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
-                max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers,
-                compression_ratio=ratio,
-                host_compression_ratio=LOSSLESS_PLANNING_RATIO if mode == "lossless" else 0.0,
-                host_budget_bytes=host_limit, fused_compressed=fused)
+            plans[mode] = planner.plan_memory(shape, budget_bytes, act, placement, None, compression_ratio=ratio,
+                                              fused_compressed=fused, **kwargs(mode))
         except ValueError as e:  # PlacementBudgetError: this mode does not fit
             errors.append(e)
     if not plans:
         raise errors[0]
-    return plans
+    return plans, lambda mode: planner.PlanInputs(shape, budget_bytes, act, **kwargs(mode))
+
+
+def routed_search(x, device_type: str) -> bool:
+    """The placement search also weighs placements for routed fetching (planning/routed_plan.py): when
+    --expert-fetch may settle on routed (routed, or auto on CUDA) with exact experts in plain buffers."""
+    fetch = x.fetch == "routed" or (x.fetch == "auto" and device_type == "cuda")
+    # the fused compressed tier (--compressed-gemm fused) is read by the GEMMs in place: never fetched routed
+    return fetch and x.precision == "exact" and x.buffers in ("auto", "plain") and x.compressed_gemm != "fused"
 
 
 def _check_fixed_host_tier(c, dims, spec, num_gpu: int, num_comp: int, device_type: str, dtype_bytes: int,
