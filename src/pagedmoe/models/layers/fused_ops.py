@@ -44,8 +44,6 @@ def resolve_fused_ops(mode: str, device: torch.device) -> bool:
 
 def apply_fused_ops(model, enabled: bool) -> list[str]:
     """Switch the model's layers to the fused kernels (or back). Returns what is fused, for the log."""
-    from pagedmoe.kernels.router_topk import MAX_EXPERTS, MAX_TOP_K
-
     model.fused_residual_norm = enabled
     fused = ["residual_norm"] if enabled else []
     attn_layers = [a for a in model.attention_layers() if hasattr(a, "can_fuse_qk_rope")]
@@ -54,6 +52,8 @@ def apply_fused_ops(model, enabled: bool) -> list[str]:
     if any(a.fused_qk_rope for a in attn_layers):
         fused.append("qk_rope_kv")
     moes = model.moe_layers()
+    if enabled:  # the kernels' module imports triton, which the base install (CPU, no GPU extra) lacks
+        from pagedmoe.kernels.router_topk import MAX_EXPERTS, MAX_TOP_K
     for moe in moes:
         router_ok = moe.router == "softmax" or (moe.router == "sigmoid_grouped" and moe.n_group == 1)
         moe.fused_router = (enabled and router_ok and moe.num_experts <= MAX_EXPERTS
