@@ -105,12 +105,36 @@ def profile_steps(engine, num_steps: int) -> tuple[list[float], dict]:
     return walls, per_class
 
 
+def host_profile(engine, num_steps: int, path) -> None:
+    """Host time per function over num_steps decode steps (cProfile): where a host-bound step's gap goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(num_steps):
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    print(buf.getvalue())
+    if path is not None:
+        path.write_text(buf.getvalue())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_offline_bench_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 256])
     p.add_argument("--num-steps", type=int, default=10)
     p.add_argument("--out", default=None, help="folder for one JSON per batch size")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run --num-steps steps under cProfile and print the host functions by own time")
     args = p.parse_args()
     engine, config = make_engine(args)
     out = Path(args.out) if args.out else None
@@ -120,6 +144,8 @@ def main() -> int:
         steady_batch(engine, batch, args.input_len, args.output_len, args.seed)
         pipelined = pipelined_step_s(engine, args.num_steps)
         walls, per_class = profile_steps(engine, args.num_steps)
+        if args.host_profile:
+            host_profile(engine, args.num_steps, out / f"host_b{batch}.txt" if out else None)
         while engine.has_unfinished_requests():  # drain before the next batch size
             for rid in list(engine.requests):
                 engine.abort_request(rid)

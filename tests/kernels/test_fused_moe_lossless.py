@@ -226,7 +226,7 @@ def test_gpu_equals_fused_moe_at_its_own_tiles(T, E, A, H, I):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [dict(swap_ab=True), dict(split_k=3), dict(block_m=64), dict(block_n=16, block_n2=16),
-                                       dict(block_k=128, block_k2=256, num_stages=2, num_stages2=2)])
+                                       dict(block_k=128, block_k2=256, split_step=256, num_stages=2, num_stages2=2)])
 def test_gpu_variants_with_escapes(overrides):
     check(64, 2, 8, 1024, 1408, seed=11, escape_every=997, escapes=BOTH, **overrides)
     check(7, 8, 64, 512, 176, seed=12, escape_every=101, escapes=BOTH, **overrides)

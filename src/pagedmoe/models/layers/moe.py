@@ -133,8 +133,14 @@ def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+GROUPED_MM_MAX_GROUPS = 1024   # torch._grouped_mm's limit on the number of groups (experts, or cache pages)
+
+
 def _grouped_mm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    # grouped_mm needs 16-byte aligned strides; on CUDA only bf16 is supported.
+    # grouped_mm needs 16-byte aligned strides and at most GROUPED_MM_MAX_GROUPS groups (a routed-fetch pool
+    # of a few thousand pages is more); on CUDA only bf16 is supported.
+    if w13.shape[0] > GROUPED_MM_MAX_GROUPS:
+        return False
     elem = x.element_size()
     if (w13.shape[-1] * elem) % 16 or (w2.shape[-1] * elem) % 16 or (w2.shape[1] * elem) % 16:
         return False
@@ -178,22 +184,28 @@ def sync_free(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torc
     if experts_fn is experts_grouped_mm or experts_fn is experts_triton:
         return True
     # auto: Triton for small batches (sync-free), grouped_mm or the loop above that.
-    return experts_fn is experts_auto and _grouped_mm_ok(x, w13, w2)
+    return experts_fn is experts_auto and (_grouped_mm_ok(x, w13, w2) or _auto_triton(x, w13, w2))
+
+
+def _auto_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """experts_auto's rule: Triton on CUDA in half precision for small batches, and for any batch that
+    grouped_mm cannot take (more than GROUPED_MM_MAX_GROUPS experts)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.shape[0] <= TRITON_MAX_TOKENS or not _grouped_mm_ok(x, w13, w2)))
 
 
 def experts_auto(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= TRITON_MAX_TOKENS:
+    if _auto_triton(x, w13, w2):
         return experts_triton(x, w13, w2, topk_weights, topk_ids)
     fn = experts_grouped_mm if _grouped_mm_ok(x, w13, w2) else experts_loop
     return fn(x, w13, w2, topk_weights, topk_ids)
 
 
-def _triton_path(experts_fn: Callable, x: torch.Tensor) -> bool:
+def _triton_path(experts_fn: Callable, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `experts_fn` runs the Triton kernels for `x` (experts_auto's rule, or triton asked for)."""
     if experts_fn is experts_triton:
         return True
-    return (experts_fn is experts_auto and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.shape[0] <= TRITON_MAX_TOKENS)
+    return experts_fn is experts_auto and _auto_triton(x, w13, w2)
 
 
 MOE_BACKENDS: dict[str, Callable] = {
@@ -284,7 +296,7 @@ class FusedMoE(nn.Module):
         """The routed experts' GEMMs over the operand the experts object handed out (by its kind)."""
         if operand.kind == "dense":
             if operand.slots is not None:  # routed fetching: the expert cache's pool, indexed by page
-                if _triton_path(self.experts_fn, x):
+                if _triton_path(self.experts_fn, x, operand.w13, operand.w2):
                     # the slot-map kernel: tiles chosen for the layer's E experts, as resident placement's
                     from pagedmoe.kernels.fused_moe import fused_moe_mixed
 
