@@ -117,7 +117,9 @@ def test_fused_ops_flag():
     from pagedmoe.config import EngineConfig
     from pagedmoe.models.layers.fused_ops import resolve_fused_ops
 
-    assert resolve_fused_ops("auto", torch.device("cpu")) is False  # auto: off until measured on the H200
+    assert resolve_fused_ops("auto", torch.device("cpu")) is False  # auto: on on CUDA only (measured faster there)
+    if torch.cuda.is_available():
+        assert resolve_fused_ops("auto", torch.device("cuda")) is True
     assert resolve_fused_ops("off", torch.device("cpu")) is False
     with pytest.raises(ValueError, match="fused_ops must be one of"):
         EngineConfig(fused_ops="maybe")
