@@ -218,9 +218,14 @@ def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
     assert r["routed_expert_bytes_per_step"] == 2 * num_moe * expert   # batch 1, top-2
     if fetch == "stream":
         assert r["expert_bytes_moved_per_step"] == 8 * num_moe * expert
+        assert "expert_cache_hits_per_step" not in r
     else:
         # the cache (2 x 8 pages) holds this 2-layer model whole once the prefill routed to every expert
         assert 0 <= r["expert_bytes_moved_per_step"] <= 1.5 * r["routed_expert_bytes_per_step"]
+        # every routed (layer, expert) of a decode step is a hit or a miss; a miss moves one expert's bytes
+        hits, misses = r["expert_cache_hits_per_step"], r["expert_cache_misses_per_step"]
+        assert hits + misses == pytest.approx(2 * num_moe)
+        assert r["expert_bytes_moved_per_step"] == pytest.approx(misses * expert)
 
 
 def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
@@ -278,13 +283,17 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
         assert torch.equal(a, b)
 
 
-def test_auto_placement_for_routed_fetching_takes_the_compressed_tier(tmp_path):
+def test_auto_placement_for_routed_fetching_takes_the_compressed_tier(tmp_path, monkeypatch):
     """--expert-placement auto with --expert-fetch routed at a budget below resident's: the planner weighs placements
     for routed fetching (planning/routed_plan.py) and keeps experts in the compressed GPU tier (a routed miss from
     it is decoded, not copied); the logits equal resident placement's, bit for bit. --expert-compression none
     leaves only bf16 resident counts to vary, and --expert-fetch stream the stream-all search as before."""
     from pagedmoe import LLM
+    from pagedmoe.planning import fetch_cost
 
+    # the tiny model's 12 KB experts make a fill's fixed host cost (fitted on the H200 for 9 MB experts) the whole
+    # of a miss's cost, which favours cache pages over compressed experts; bytes alone decide here
+    monkeypatch.setattr(fetch_cost, "ROUTED_MISS_HOST_S", 0.0)
     make_tiny_checkpoint("mixtral", tmp_path, seed=2, dtype=torch.bfloat16, num_hidden_layers=4)
     common = dict(dtype="bfloat16", max_num_seqs=2)
     probe = LLM(str(tmp_path), device="cpu", max_model_len=96, **common).engine.plan

@@ -36,11 +36,14 @@ def batch8():
 
 
 def test_reference_steps_of_the_issue():
-    """Qwen3-30B-A3B at batch 8, uniform routing, host compressed: more experts on the GPU, cheaper routed steps."""
+    """Qwen3-30B-A3B at batch 8, uniform routing, host compressed (fetch path (a)): the model's constants were fitted
+    on the H200 at a893f5d, where N=0 C=56 ran 313.6 ms per step; the compressed tier's misses decode instead of
+    crossing PCIe, but each still pays its fill's host work."""
     step = lambda n, c: routed_s(fetch_step_s(QWEN, H200, n, 8, CTX, FetchTiers(c, R))) * 1e3  # noqa: E731
-    assert step(32, 0) == pytest.approx(250.6, abs=0.2)
-    assert step(0, 40) == pytest.approx(236.7, abs=0.2)
-    assert step(0, 45) == pytest.approx(225.8, abs=0.2)
+    assert step(0, 56) == pytest.approx(313.6, abs=1.0)
+    assert step(32, 0) == pytest.approx(339.8, abs=0.2)
+    assert step(0, 45) == pytest.approx(337.6, abs=0.2)
+    assert step(0, 56) < step(0, 45) and step(0, 56) < step(32, 0)
 
 
 def test_routed_optimised_placement_fills_the_compressed_tier(batch8):
@@ -48,7 +51,9 @@ def test_routed_optimised_placement_fills_the_compressed_tier(batch8):
     p = routed.plan.placement
     assert routed.origin == "routed-optimised" and routed.fetch == "routed" and routed.host_compression == "lossless"
     assert min(p.num_gpu_experts) <= 2 and min(p.num_compressed_experts) >= 45
-    assert routed.num_seqs == 8 and routed.step_s * 1e3 < 222      # issue 21's batch-8 target: 36 tok/s
+    # the model's step for it is the one measured on the H200 (313.6 ms at a893f5d, the fit's point: N=0 C=56);
+    # issue 21's batch-8 target (222 ms, 36 tok/s) is beyond fetch path (a)'s host work
+    assert routed.num_seqs == 8 and routed.step_s * 1e3 == pytest.approx(313.6, rel=0.02)
     # one budget: the plan holds the KV minimum (one max_model_len sequence) within 24 GiB, with the compressed
     # tier planned COMPRESSED_HEADROOM larger than its ratio
     plan = routed.plan
@@ -121,7 +126,7 @@ def test_plan_cli_shows_the_routed_candidates(plan_report):
     assert [s["origin"] for s in search] == ["stream-optimised", "routed-optimised", "routed-optimised"]
     chosen = [s for s in search if s["chosen"]]
     assert len(chosen) == 1 and chosen[0]["host_compression"] == "lossless"
-    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 222
+    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 320
     auto = [r for r in b["rows"] if r["auto"]]
     assert len(auto) == 1 and auto[0]["label"].startswith("routed: N=0 C=")
     assert b["fetch"]["label"] == auto[0]["label"]

@@ -39,6 +39,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
     moved = routed = 0   # expert pairs: host -> device bytes, distinct (layer, expert) routed, over decode steps
+    cache = _cache_counts(engine)   # routed fetching: the expert cache's hits, misses, decoded bytes (decode steps)
+    cache_sum = dict.fromkeys(cache, 0)
     while engine.has_unfinished_requests():
         decode_steps_before = engine.step_time["decode_steps"]
         traffic_before = _expert_traffic(engine)
@@ -49,7 +51,11 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
             decode.append(dt)
             after = _expert_traffic(engine)
             moved, routed = moved + after[0] - traffic_before[0], routed + after[1] - traffic_before[1]
+            now = _cache_counts(engine)
+            cache_sum = {k: cache_sum[k] + now[k] - cache[k] for k in now}
+            cache = now
         else:
+            cache = _cache_counts(engine)
             prefill_s += dt
     dims = engine.model.dims
     num_moe = len(engine.model.moe_layers())
@@ -73,7 +79,18 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "expert_bytes_moved_per_step": moved / max(1, len(decode)),
         "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
         / max(1, len(decode)),
+        # routed fetching only: per decode step, routed experts found in the cache / fetched, bf16 bytes decoded
+        **{f"expert_cache_{k}_per_step": v / max(1, len(decode)) for k, v in cache_sum.items()},
     }
+
+
+def _cache_counts(engine) -> dict:
+    """The expert cache's cumulative hits, misses and decoded bytes ({} unless fetching is routed)."""
+    pager = engine.pager
+    if pager is None or not hasattr(pager, "cache_stats"):
+        return {}
+    st = pager.cache_stats()
+    return {"hits": st["hits"], "misses": st["misses"], "bytes_decoded": st["bytes_decoded"]}
 
 
 def _expert_traffic(engine) -> tuple[int, int]:
@@ -99,6 +116,11 @@ def run(args) -> int:
               f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
         print(f"Batch {batch}: experts moved {r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step host->device "
               f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step")
+        if "expert_cache_hits_per_step" in r:
+            hits, misses = r["expert_cache_hits_per_step"], r["expert_cache_misses_per_step"]
+            print(f"Batch {batch}: expert cache {hits:.1f} hits, {misses:.1f} misses per step "
+                  f"(hit rate {hits / max(1e-9, hits + misses):.1%}), "
+                  f"{r['expert_cache_bytes_decoded_per_step'] / 1e9:.3f} GB/step decoded")
     memory = device_memory(engine)
     if memory:
         print(device_memory_line(memory))

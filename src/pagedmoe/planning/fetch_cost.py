@@ -11,7 +11,8 @@
             miss from the compressed GPU tier moves none; a miss from either lossless tier is decoded.
             Two fetch paths, chosen per CUDA-graph batch bucket:
     copy    path (a): the misses are copied after the layer's host sync, not hidden behind compute; each layer
-            pays the sync and copy launches (ROUTED_LAYER_SYNC_S) and the step runs without CUDA graphs;
+            pays the sync and lookup (ROUTED_LAYER_SYNC_S), each miss its fill's launches (ROUTED_MISS_HOST_S),
+            and the step runs without CUDA graphs (both fitted on the H200);
     uva     path (b) (experts/routed_uva.py): a GPU kernel reads the misses from mapped pinned memory at
             UVA_PCIE_SHARE of the copy engine's rate, no sync (ROUTED_UVA_LAYER_S per layer for its small
             kernels), in CUDA graphs; raw host rows only (no lossless tiers).
@@ -27,13 +28,17 @@ from pagedmoe.planning.kv_sizing import decode_buckets
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
 
-# Per MoE layer and step under routed fetching: the host sync of the routed ids (torch.unique + .tolist())
-# and the launches of the copies and the slot-map write. An estimate (a CUDA sync round trip is ~10-20 us, a
-# copy launch ~5 us); to be measured on the H200 (benchmarks/bench_routed_fetch.py).
-ROUTED_LAYER_SYNC_S = 60e-6
-# Path (b): UVA zero-copy reads ran at 47-51 GB/s on the H200 against the copy engine's 54.5 (shared/H200.md);
-# per MoE layer its plan (a few small torch ops) and gather launches, inside a graph: an estimate, to be measured.
-UVA_PCIE_SHARE = 0.86
+# Path (a), per MoE layer and step: the host sync of the routed ids, the page-table lookup and the slot-map
+# write; per miss: its fill's launches (a copy, or four copies and a decode for a compressed host expert) and
+# bookkeeping. Fitted on the H200 (Qwen3-30B-A3B, 24 GiB, N=0 C=56, host tier compressed, --fused-ops on, at
+# a893f5d): 85.8 / 313.6 ms per step at batch 1 / 8 against 50.4 / 201.6 ms modelled with 60 us per layer and
+# nothing per miss; these two constants make the model give the measured times at both batches.
+ROUTED_LAYER_SYNC_S = 0.51e-3
+ROUTED_MISS_HOST_S = 38e-6
+# Path (b): gathered at 53.6 GB/s on the H200 (16.31 GB moved in a 304 ms batch-8 step, bf16 N=36, at a893f5d)
+# against the copy engine's 54.5 (shared/H200.md); per MoE layer its plan (a few small torch ops) and gather
+# launches, inside a graph: an estimate.
+UVA_PCIE_SHARE = 0.98
 ROUTED_UVA_LAYER_S = 15e-6
 PLAN_BATCHES = (1, 8, 32)
 # Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
@@ -91,7 +96,8 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
     decode = (misses - (host_misses if tiers.host_ratio >= 1.0 else 0.0)) * eb / hw.lossless_decode_bytes_per_s
     # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
     eager = shape.num_layers * hw.layer_overhead_s
-    out["routed"] = base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S + eager
+    out["routed"] = (base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S
+                     + misses * ROUTED_MISS_HOST_S + eager)
     out["routed_uva"] = None if tiers.lossless else (
         base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + L * ROUTED_UVA_LAYER_S)
     return out
