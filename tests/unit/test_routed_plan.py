@@ -37,7 +37,7 @@ def batch8():
 
 def test_reference_steps_of_the_issue():
     """Qwen3-30B-A3B at batch 8, uniform routing, host compressed (fetch path (a)): the model's constants were fitted
-    on the H200 at a893f5d, where N=0 C=56 ran 313.6 ms per step; the compressed tier's misses decode instead of
+    on the H200 at c2e1f27, where N=0 C=56 ran 313.6 ms per step; the compressed tier's misses decode instead of
     crossing PCIe, but each still pays its fill's host work."""
     step = lambda n, c: routed_s(fetch_step_s(QWEN, H200, n, 8, CTX, FetchTiers(c, R))) * 1e3  # noqa: E731
     assert step(0, 56) == pytest.approx(313.6, abs=1.0)
@@ -51,7 +51,7 @@ def test_routed_optimised_placement_fills_the_compressed_tier(batch8):
     p = routed.plan.placement
     assert routed.origin == "routed-optimised" and routed.fetch == "routed" and routed.host_compression == "lossless"
     assert min(p.num_gpu_experts) <= 2 and min(p.num_compressed_experts) >= 45
-    # the model's step for it is the one measured on the H200 (313.6 ms at a893f5d, the fit's point: N=0 C=56);
+    # the model's step for it is the one measured on the H200 (313.6 ms at c2e1f27, the fit's point: N=0 C=56);
     # issue 21's batch-8 target (222 ms, 36 tok/s) is beyond fetch path (a)'s host work
     assert routed.num_seqs == 8 and routed.step_s * 1e3 == pytest.approx(313.6, rel=0.02)
     # one budget: the plan holds the KV minimum (one max_model_len sequence) within 24 GiB, with the compressed

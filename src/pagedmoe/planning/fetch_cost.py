@@ -31,11 +31,11 @@ from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
 # Path (a), per MoE layer and step: the host sync of the routed ids, the page-table lookup and the slot-map
 # write; per miss: its fill's launches (a copy, or four copies and a decode for a compressed host expert) and
 # bookkeeping. Fitted on the H200 (Qwen3-30B-A3B, 24 GiB, N=0 C=56, host tier compressed, --fused-ops on, at
-# a893f5d): 85.8 / 313.6 ms per step at batch 1 / 8 against 50.4 / 201.6 ms modelled with 60 us per layer and
+# c2e1f27): 85.8 / 313.6 ms per step at batch 1 / 8 against 50.4 / 201.6 ms modelled with 60 us per layer and
 # nothing per miss; these two constants make the model give the measured times at both batches.
 ROUTED_LAYER_SYNC_S = 0.51e-3
 ROUTED_MISS_HOST_S = 38e-6
-# Path (b): gathered at 53.6 GB/s on the H200 (16.31 GB moved in a 304 ms batch-8 step, bf16 N=36, at a893f5d)
+# Path (b): gathered at 53.6 GB/s on the H200 (16.31 GB moved in a 304 ms batch-8 step, bf16 N=36, at c2e1f27)
 # against the copy engine's 54.5 (shared/H200.md); per MoE layer its plan (a few small torch ops) and gather
 # launches, inside a graph: an estimate.
 UVA_PCIE_SHARE = 0.98

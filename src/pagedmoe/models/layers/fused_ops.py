@@ -12,7 +12,7 @@ norm's mean of squares and the router's scores are float64 in both paths (layers
 say why). Layers a kernel cannot take keep the torch path.
 
 auto is on on CUDA with triton installed (off elsewhere): measured on the H200 (Qwen3-30B-A3B shape, resident,
-dummy bf16, profile_step.py at 449de78+) the decode step is 6.19 ms at batch 1 with them against 14.36 ms without
+dummy bf16, profile_step.py at 449de78) the decode step is 6.19 ms at batch 1 with them against 14.36 ms without
 (2033 small elementwise launches per step fewer), and 29.5 against 41.6 ms at batch 256 (docs/benchmarks.md).
 """
 from __future__ import annotations
