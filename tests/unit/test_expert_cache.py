@@ -182,3 +182,12 @@ def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():
             h, _ = cache.lookup(layer, [0, 1, 2])   # 9 pages per step, 6 slots
             hits += len(h)
     assert hits >= 4 * 3   # at least three pages hit in each step after the first (LRU: none)
+
+
+def test_routed_ids_dedup_on_host_or_device_alike():
+    from pagedmoe.experts import routed
+
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 8, routed.HOST_UNIQUE_MAX_IDS // 8 + 1):   # the host path, and the device path past the limit
+        ids = torch.randint(0, 128, (rows, 8), generator=g)
+        assert routed.routed_ids(ids) == torch.unique(ids).tolist()

@@ -53,6 +53,7 @@ class ExpertCache:
         self.miss_base, self.miss_rows = num_slots - miss_rows, miss_rows
         self.slot_maps = torch.full((L, E), -1, dtype=torch.int32, device=device)   # as fused_moe_mixed takes
         self.host_maps = [[-1] * E for _ in range(L)]       # host mirror of slot_maps
+        self._mirror = torch.full((L, E), -1, dtype=torch.int32)   # the same as one CPU tensor (publish's source)
         self.owner: list = [None] * num_slots               # slot -> (layer, expert)
         self.lru: OrderedDict = OrderedDict()               # (layer, expert) -> slot, least recent first
         self.free = list(range(self.miss_base - 1, -1, -1))
@@ -110,14 +111,22 @@ class ExpertCache:
         return slot
 
     def publish(self, layer: int) -> None:
-        """Write the layer's host slot map to the device (a small synchronous copy after its fetch), and those of
-        the layers that lost pages to it."""
+        """Write the layer's host slot map to the device after its fetch, and those of the layers that lost pages
+        to it: one asynchronous copy of every layer's map, on the current stream (so it follows the fills and
+        precedes the GEMMs that read it)."""
         # NOTE: fetch path (b) trusts every entry of a device slot map (a cached expert keeps its page), so a
-        # victim's layer is written too; path (a) reads only the entries of the experts it just looked up.
+        # victim's layer is written too; path (a) reads only the entries of the experts it just looked up. The
+        # rows nobody changed are rewritten with the values they hold.
         self.dirty.add(layer)
-        for victim_layer in sorted(self.dirty):
-            self.slot_maps[victim_layer].copy_(torch.tensor(self.host_maps[victim_layer], dtype=torch.int32))
+        for v in self.dirty:
+            self._mirror[v] = torch.tensor(self.host_maps[v], dtype=torch.int32)
         self.dirty.clear()
+        if self.slot_maps.is_cuda:
+            # a pinned snapshot: the copy runs later, and the host changes the mirror before then; the caching
+            # host allocator keeps the block until the copy is done. A pageable source would sync per row.
+            self.slot_maps.copy_(self._mirror.pin_memory(), non_blocking=True)
+        else:
+            self.slot_maps.copy_(self._mirror)
 
     def cached(self, layer: int) -> list[int]:
         return [e for e, s in enumerate(self.host_maps[layer]) if s >= 0]

@@ -37,6 +37,19 @@ from pagedmoe.experts.routed_fill import RoutedFill
 from pagedmoe.experts.routed_uva import SyncFreeFetch
 
 
+# Up to this many router picks a forward's ids reach the host as they are (one small device -> host copy) and
+# the host dedups them; more (prefill) are deduplicated on the device first (torch.unique syncs to size its
+# output, then a second copy brings at most E ids).
+HOST_UNIQUE_MAX_IDS = 4096
+
+
+def routed_ids(topk_ids: torch.Tensor) -> list[int]:
+    """The distinct expert ids of a layer's router picks, ascending (a host sync)."""
+    if topk_ids.numel() <= HOST_UNIQUE_MAX_IDS:
+        return sorted(set(topk_ids.reshape(-1).tolist()))
+    return torch.unique(topk_ids).tolist()
+
+
 class RoutedPager(ExpertPager):
     syncs_host = True   # fetch path (a): one host sync per MoE layer (graphs only up to graph_max_seqs)
 
@@ -83,7 +96,7 @@ class RoutedPager(ExpertPager):
             if not (self._skip_host or self.cuda and torch.cuda.is_current_stream_capturing()):
                 self.stats.layers_loaded += 1
             return DenseOperand(self._w13, self._w2, self.sync_free.layer_slots(layer, topk_ids))
-        ids = torch.unique(topk_ids).tolist()   # NOTE: the per-layer host sync of fetch path (a)
+        ids = routed_ids(topk_ids)   # NOTE: the per-layer host sync of fetch path (a)
         predicted = self._prefetched.pop(layer, None)
         if predicted is not None and self.cuda:
             torch.cuda.current_stream().wait_event(self.prefetch_done[layer])
@@ -125,7 +138,7 @@ class RoutedPager(ExpertPager):
         if nxt >= len(self.routers) or self._skip_host or self._sync_free_now:
             return
         _, ids = self.routers[nxt](x)
-        ids = torch.unique(ids).tolist()
+        ids = routed_ids(ids)
         _, misses = self.cache.lookup(nxt, ids, protect=layer)
         self._prefetched[nxt] = {e for e, _ in misses}
         ctx = contextlib.nullcontext()
