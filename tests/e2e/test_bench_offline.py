@@ -43,9 +43,17 @@ def test_bench_latency_reports_floor(ckpt, tmp_path, capsys):
     for r in res:
         assert r["decode_steps"] == 3  # output 4 tokens: the first comes from the prefill step
         assert r["decode_floor_ms"] > 0 and r["step_bytes"]["kv"] > 0
+        assert r["temperature"] == 1.0   # vLLM's bench latency samples at temperature 1.0, top_p 1.0
     # More sequences read more KV and touch at least as many experts.
     assert res[1]["step_bytes"]["kv"] > res[0]["step_bytes"]["kv"]
     assert res[1]["step_bytes"]["experts"] >= res[0]["step_bytes"]["experts"]
+    assert main(["bench", "latency", str(ckpt), "--batch-size", "1", "--input-len", "10", "--output-len", "3",
+                 "--max-model-len", "64", "--device", "cpu", "--temperature", "0", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["temperature"] == 0.0
+    capsys.readouterr()
+    assert main(["bench", "latency", str(ckpt), "--batch-size", "1", "--input-len", "10", "--output-len", "3",
+                 "--max-model-len", "64", "--device", "cpu", "--temperature", "-1"]) != 0
+    assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("placement", ["resident", "paged"])

@@ -16,12 +16,17 @@ def register(sub) -> None:
     add_offline_bench_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[8],
                    help="one or more batch sizes, measured one after the other on the same engine")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the measured requests (default 1.0 with top_p 1.0, as vLLM's bench "
+                        "latency; 0: greedy. With random weights greedy decoding repeats its tokens, so routed "
+                        "fetching would meet the same experts every step)")
     p.add_argument("--hbm-bandwidth", type=float, default=None,
                    help="bytes/s for the floor (default: measured on the GPU, else the H200 figure)")
     p.set_defaults(func=run)
 
 
-def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw: float, seed: int = 0) -> dict:
+def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw: float, seed: int = 0,
+                temperature: float = 1.0) -> dict:
     from pagedmoe.sampling_params import SamplingParams
 
     if batch_size > engine.config.max_num_seqs:
@@ -30,7 +35,10 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         raise ValueError(f"input + output ({input_len + output_len}) exceeds max_model_len {engine.max_model_len}")
     engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
     prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    # the engine's one generator (seeded by --seed at start-up): one sampling launch per step, as a serving batch
+    params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])
     while engine.has_unfinished_requests():
         engine.step()
@@ -65,7 +73,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     floor = bytes_.total / hbm_bw
     median = statistics.median(decode) if decode else float("nan")
     return {
-        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "temperature": temperature,
         "prefill_time_s": prefill_s, "prefill_tokens_per_s": batch_size * input_len / prefill_s,
         "decode_steps": len(decode), "median_decode_step_ms": 1e3 * median,
         "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
@@ -106,7 +114,8 @@ def run(args) -> int:
     bw = args.hbm_bandwidth or (measure_hbm_bandwidth() if torch.cuda.is_available() else H200_HBM_BYTES_PER_S)
     results = []
     for batch in args.batch_size:
-        r = run_latency(engine, batch, args.input_len, args.output_len, bw, seed=args.seed)
+        r = run_latency(engine, batch, args.input_len, args.output_len, bw, seed=args.seed,
+                        temperature=args.temperature)
         results.append(r)
         print(f"Batch {batch}: prefill {r['prefill_time_s'] * 1e3:.2f} ms for {batch} x {args.input_len} tokens "
               f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
