@@ -142,6 +142,53 @@ def test_sync_free_refresh_pages_in_what_keeps_missing(tmp_path):
     assert pager.cache.stats.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def ckpt4(request, tmp_path_factory):
+    """A 4-layer bf16 checkpoint (its MoE layers' experts outnumber the cache's LRU pages: decode steps miss)."""
+    path = tmp_path_factory.mktemp(request.param + "4")
+    make_tiny_checkpoint(request.param, path, seed=60, num_hidden_layers=4, dtype=torch.bfloat16)
+    return path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_sync_free_uva_path_with_the_compressed_gpu_tier(ckpt4, resident_refs, lengths):
+    """Fetch path (b) with the compressed GPU tier (--num-compressed-experts 3 of 8): the decode steps' misses from
+    that tier are decoded into their miss pages on the device (the indexed lossless decode, here on the
+    interpreter), the others gathered from the raw host rows (which hold only the 5 host experts); no host sync.
+    The logits equal resident placement's, bit for bit (bf16); path (b)'s misses count as moved bytes (host) or
+    decoded bytes (compressed tier), never both."""
+    ref = _resident(resident_refs, ckpt4, lengths, "bfloat16")
+    from pagedmoe import LLM
+
+    llm = LLM(str(ckpt4), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
+              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+              max_num_seqs=4)
+    engine = llm.engine
+    pager = engine.pager
+    collected = []
+    collect = pager.sync_free.collect
+    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
+    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    num_moe = len(engine.model.moe_layers())
+    assert engine.get_stats()["experts"] == {"compressed/bf16": 3 * num_moe, "host/bf16": 5 * num_moe}
+    assert all(engine.expert_store.host[l].shape[0] == 5 for l in range(num_moe))   # host rows: host slots only
+    assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
+    decoded = sum(c.decoded for c in collected)
+    gathered = sum(c.misses - c.decoded for c in collected)
+    assert decoded > 0 and gathered > 0          # path (b) read both tiers
+    st, expert = pager.cache.stats, engine.expert_store.expert_numel * 2
+    # every fill (a miss of either path, or a page refreshed between steps) moved or decoded exactly one expert
+    assert st.bytes_moved + st.bytes_decoded == (st.misses + pager.refreshed_pages) * expert
+    assert st.bytes_decoded >= decoded * expert and st.bytes_moved >= gathered * expert
+    stats = engine.get_stats()
+    assert stats["expert_bytes_h2d"] == st.bytes_moved and stats["expert_bytes_decoded"] == st.bytes_decoded
+
+
 def _decode_bytes(path, fetch):
     """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
     from pagedmoe import LLM, SamplingParams

@@ -107,9 +107,15 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
     # a compressed host tier moves 0.683 of the bytes (and decodes them); uva cannot read it
     comp = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(host_ratio=0.683))
     assert comp["routed"] < raw["routed"] and comp["routed_uva"] is None and comp["stream"] < raw["stream"]
-    # the compressed GPU tier's misses cross no PCIe at all
+    # the compressed GPU tier's misses cross no PCIe at all, by either path (path (b) decodes them on the device)
     gpu = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(num_compressed=64))
-    assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] is None
+    assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] < raw["routed_uva"]
+    # path (b) pays the decode of the compressed misses: 64 of 128 experts compressed, half the misses decoded
+    base = fetch_step_s(shape, hw, 128, 8, 512)["resident"]
+    routed_misses = 48 * shape.routed_experts(8) * (1 - min(1.0, (48 * 25 + 2 * 103) / (48 * 128)))
+    decode_s = routed_misses * 64 / 128 * shape.expert_bytes / hw.lossless_decode_bytes_per_s
+    gather_s = routed_misses * 64 / 128 * shape.expert_bytes / (0.86 * hw.pcie_h2d_bytes_per_s)
+    assert gpu["routed_uva"] - base == pytest.approx(decode_s + gather_s + 48 * 15e-6, rel=1e-6)
     # uva: no sync and no eager overhead, but slower reads: it wins where few bytes move (batch 1), copy where many
     assert routed_path(fetch_step_s(shape, hw, 25, 1, 512)) == "uva"
     assert routed_path(fetch_step_s(shape, hw, 25, 32, 512)) == "copy"
@@ -126,8 +132,11 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
         settle("uva", dev="cpu")
     with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
         settle("copy", fetch="stream")
-    with pytest.raises(ValueError, match="raw host rows"):
-        settle("uva", tiers=FetchTiers(num_compressed=3))
+    # the compressed GPU tier goes with path (b) (decoded on the device); a compressed host tier does not
+    assert settle("uva", tiers=FetchTiers(num_compressed=3)) == 64
+    assert settle("auto", tiers=FetchTiers(num_compressed=64)) >= top
+    with pytest.raises(ValueError, match="raw host rows; it cannot take effect with a compressed host tier"):
+        settle("uva", tiers=FetchTiers(num_compressed=3, host_ratio=0.683))
 
 
 def test_cache_counters_are_exported():
