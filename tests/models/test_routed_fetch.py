@@ -239,6 +239,10 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
     with pytest.raises(ValueError, match="uva gathers raw host rows"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", expert_fetch_path="uva",
             dtype="bfloat16", host_compression="lossless")
+    # with the compressed GPU tier too: the compressed host tier is what path (b) cannot read, and it says so
+    with pytest.raises(ValueError, match="cannot take effect with a compressed host tier"):
+        LLM(str(tmp_path), device="cpu", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+            expert_fetch="routed", expert_fetch_path="uva", dtype="bfloat16", host_compression="lossless")
     with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
@@ -298,19 +302,26 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 @pytest.mark.parametrize("tiers", [dict(cpu_moe=True, expert_fetch_path="copy"),
                                    dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
                                         host_compression="lossless", expert_prefetch=True),
-                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4)],
-                         ids=["host", "lossless-tiers", "uva-graphs"])
+                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4),
+                                   dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                                        expert_fetch_path="uva", max_num_seqs=4)],
+                         ids=["host", "lossless-tiers", "uva-graphs", "uva-compressed-graphs"])
 def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
     """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
     on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
     sync); or, uva, the decode steps gather their misses from mapped pinned memory inside CUDA graphs (the
-    prefills take path (a)); logits equal resident placement's, bf16."""
+    prefills take path (a)), and with the compressed GPU tier decode that tier's misses there too (the indexed
+    lossless decode); logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
     runs = {}
     for name, flags in (("resident", {}), ("routed", dict(expert_fetch="routed", **tiers))):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
+        collected = []   # what path (b) counted per step (graph replays included)
+        if name == "routed" and llm.engine.pager.sync_free is not None:
+            sf = llm.engine.pager.sync_free
+            sf.collect = lambda collect=sf.collect: collected.append(collect()) or collected[-1]
         runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
         if name == "routed":
             uva = tiers.get("expert_fetch_path") == "uva"
@@ -319,6 +330,8 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
             if uva:
                 assert llm.engine.runner.graphs.buckets == [1, 2, 4]
                 assert llm.engine.pager.sync_free.num_steps > 0 and llm.engine.pager.cache.stats.hits > 0
+            if uva and tiers.get("num_compressed_experts"):   # path (b) decoded some misses, gathered others
+                assert sum(c.decoded for c in collected) > 0 and sum(c.misses - c.decoded for c in collected) > 0
         del llm
         torch.cuda.empty_cache()
     for a, b in zip(runs["resident"], runs["routed"]):
