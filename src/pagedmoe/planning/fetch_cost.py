@@ -57,13 +57,9 @@ class FetchTiers:
     any_compressed: bool = False   # some layer holds compressed GPU-tier experts (per-layer counts may differ)
 
     @property
-    def gpu_compressed(self) -> bool:
-        """Some experts in the compressed GPU tier: both fetch paths decode their misses on the device."""
-        return self.num_compressed > 0 or self.any_compressed
-
-    @property
     def host_compressed(self) -> bool:
-        """The host tier held compressed: fetched by path (a) only (copy into staging, then decode)."""
+        """The host tier held compressed: fetched by path (a) only (copy into staging, then decode); the compressed
+        GPU tier both paths decode on the device."""
         return self.host_ratio < 1.0
 
     @classmethod
@@ -105,10 +101,10 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
     # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
     eager = shape.num_layers * hw.layer_overhead_s
     out["routed"] = base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S + eager
-    # path (b): raw host rows only; the compressed GPU tier's misses decoded after the gather, on the same stream
+    # path (b): raw host rows only (so `decode` is the compressed GPU tier's misses), decoded after the gather on the
+    # same stream
     out["routed_uva"] = None if tiers.host_compressed else (
-        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s)
-        + (misses - host_misses) * eb / hw.lossless_decode_bytes_per_s + L * ROUTED_UVA_LAYER_S)
+        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + decode + L * ROUTED_UVA_LAYER_S)
     return out
 
 
