@@ -47,7 +47,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(f"batch {r['batch_size']}: {step:.1f} ms/step, {1e3 * r['batch_size'] / step:.1f} tok/s; moved "
           f"{r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step (PCIe floor {r['expert_bytes_moved_per_step'] / 54.5e6:.1f} ms), "
           f"routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step (floor with no hits "
-          f"{r['routed_expert_bytes_per_step'] / 54.5e6:.1f} ms)")
+          f"{r['routed_expert_bytes_per_step'] / 54.5e6:.1f} ms), decoded {r.get('expert_bytes_decoded_per_step', 0) / 1e9:.3f} GB/step")
 PY
 }
 

@@ -267,6 +267,7 @@ def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
     num_moe = 2
     assert r["expert_fetch"] == fetch
     assert r["routed_expert_bytes_per_step"] == 2 * num_moe * expert   # batch 1, top-2
+    assert r["expert_bytes_decoded_per_step"] == 0   # no lossless tier
     if fetch == "stream":
         assert r["expert_bytes_moved_per_step"] == 8 * num_moe * expert
     else:

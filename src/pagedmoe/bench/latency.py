@@ -38,7 +38,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
-    moved = routed = 0   # expert pairs: host -> device bytes, distinct (layer, expert) routed, over decode steps
+    moved = routed = decoded = 0   # over decode steps: host -> device bytes, distinct (layer, expert) routed, bf16
+    # bytes decoded on the device (lossless tiers)
     while engine.has_unfinished_requests():
         decode_steps_before = engine.step_time["decode_steps"]
         traffic_before = _expert_traffic(engine)
@@ -49,6 +50,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
             decode.append(dt)
             after = _expert_traffic(engine)
             moved, routed = moved + after[0] - traffic_before[0], routed + after[1] - traffic_before[1]
+            decoded += after[2] - traffic_before[2]
         else:
             prefill_s += dt
     dims = engine.model.dims
@@ -71,15 +73,18 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         # routed: decode batches up to this fetch by path (b) (UVA gather, CUDA graphs); 0: path (a) only
         "expert_fetch_sync_free_max_seqs": engine.expert_plan.sync_free_max_seqs,
         "expert_bytes_moved_per_step": moved / max(1, len(decode)),
+        "expert_bytes_decoded_per_step": decoded / max(1, len(decode)),
         "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
         / max(1, len(decode)),
     }
 
 
-def _expert_traffic(engine) -> tuple[int, int]:
-    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far), read after a step."""
+def _expert_traffic(engine) -> tuple[int, int, int]:
+    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far, expert bytes decoded on the
+    device so far), read after a step."""
     moved = engine.pager.stats.bytes_h2d if engine.pager is not None else 0
-    return moved, int(engine.activity.distinct_routed)
+    decoded = engine.pager.stats.bytes_decoded if engine.pager is not None else 0
+    return moved, int(engine.activity.distinct_routed), decoded
 
 
 def run(args) -> int:
@@ -98,7 +103,8 @@ def run(args) -> int:
               f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
               f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
         print(f"Batch {batch}: experts moved {r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step host->device "
-              f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step")
+              f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step, decoded on the "
+              f"device {r['expert_bytes_decoded_per_step'] / 1e9:.3f} GB/step")
     memory = device_memory(engine)
     if memory:
         print(device_memory_line(memory))
