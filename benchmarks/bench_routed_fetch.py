@@ -2,7 +2,9 @@
 expert size (9 MiB bf16), for 1 / 8 / 32 missed experts:
   (a) the host sync of the routed ids (torch.unique + .tolist(), experts/routed.py) + copy-engine copies from
       pinned memory (planning/fetch_cost.py::ROUTED_LAYER_SYNC_S models the sync and launches);
-  (b) the UVA gather kernel (kernels/uva_gather.py) reading mapped pinned memory, no sync.
+  (b) the UVA gather kernel (kernels/uva_gather.py) reading mapped pinned memory, no sync; and path (b)'s decode
+      of the compressed GPU tier's misses (kernels/lossless_decode.py::lossless_decode_indexed over 56 compressed
+      experts, the planner's C at 24 GiB: the fixed grid's cost with no miss, then 1 / 8 / 32 decoded).
     python benchmarks/bench_routed_fetch.py
 """
 from __future__ import annotations
@@ -52,6 +54,28 @@ def main() -> None:
         a, b = _ms(copy_engine), _ms(uva)
         print(f"{n:>3} experts ({nbytes / 1e9:.3f} GB): copy engine + sync {a:.2f} ms ({nbytes / a / 1e6:.1f} GB/s), "
               f"UVA gather {b:.2f} ms ({nbytes / b / 1e6:.1f} GB/s)")
+    del src
+    decode_indexed(pool, stride)
+
+
+def decode_indexed(pool: torch.Tensor, stride: int, num_compressed: int = 56) -> None:
+    """Path (b)'s indexed decode: n of the layer's compressed experts into pages, the other parts' programs exit."""
+    from pagedmoe.codecs.lossless import encode
+    from pagedmoe.kernels.lossless_decode import lossless_decode_indexed, prepare_launch
+
+    rows = (torch.randn(num_compressed, stride, device="cuda") * 0.02).bfloat16()
+    ct = encode(rows, num_parts=num_compressed, checksum=False)
+    prepare_launch(ct)
+    del rows
+    parts = torch.arange(num_compressed, device="cuda")
+    for n in (0, 1, 8, 32):
+        dst = torch.full((num_compressed,), -1, dtype=torch.int64, device="cuda")
+        dst[:n] = torch.arange(n, device="cuda")
+        t = _ms(lambda: lossless_decode_indexed(ct, pool, parts, dst), reps=50)
+        nbytes = n * stride * 2
+        rate = f" ({nbytes / t / 1e9:.2f} TB/s of bf16; fetch_cost: lossless_decode_bytes_per_s 1.5 TB/s)" if n else \
+            " (the fixed grid with every program exiting: the floor per layer)"
+        print(f"{n:>3} of {num_compressed} compressed experts decoded by path (b): {t * 1e3:.1f} us{rate}")
 
 
 if __name__ == "__main__":

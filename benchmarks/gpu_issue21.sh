@@ -10,6 +10,10 @@
 #   run(command="bash benchmarks/gpu_issue21.sh paths")     Qwen3 at 24 GiB routed: --expert-fetch-path uva (path (b),
 #                                                           CUDA graphs) against copy (path (a), eager); the qwen
 #                                                           part runs auto (the cost model's path per bucket)
+#   run(command="bash benchmarks/gpu_issue21.sh uvac")      Qwen3 at 24 GiB routed, --expert-fetch-path uva (path (b), CUDA
+#                                                           graphs) with the compressed GPU tier the placement search
+#                                                           picks (default compression; host tier raw), sized for 8
+#                                                           sequences: batch 1 and 8 (issue target at 8: <= 222 ms/step)
 #   run(command="bash benchmarks/gpu_issue21.sh lossless")  Qwen3 at 24 GiB routed with the host tier compressed
 #                                                           (--host-compression lossless: compressed bytes per miss)
 #   run(command="bash benchmarks/gpu_issue21.sh placement") Qwen3 at 24 GiB, --expert-fetch auto with the engine sized
@@ -23,7 +27,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-PART=${1:?usage: gpu_issue21.sh qwen|prefetch|mixtral|serve|micro|paths|lossless|placement}
+PART=${1:?usage: gpu_issue21.sh qwen|prefetch|mixtral|serve|micro|paths|uvac|lossless|placement}
 LOG="$OUT/issue21-$PART.log"
 Q=benchmarks/configs/qwen3-30b-a3b
 M=benchmarks/configs/mixtral-8x7b
@@ -43,7 +47,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(f"batch {r['batch_size']}: {step:.1f} ms/step, {1e3 * r['batch_size'] / step:.1f} tok/s; moved "
           f"{r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step (PCIe floor {r['expert_bytes_moved_per_step'] / 54.5e6:.1f} ms), "
           f"routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step (floor with no hits "
-          f"{r['routed_expert_bytes_per_step'] / 54.5e6:.1f} ms)")
+          f"{r['routed_expert_bytes_per_step'] / 54.5e6:.1f} ms), decoded {r.get('expert_bytes_decoded_per_step', 0) / 1e9:.3f} GB/step")
 PY
 }
 
@@ -69,6 +73,8 @@ case "$PART" in
   paths)
     EXTRA_FLAGS="--expert-fetch-path uva" latency qwen-uva "$Q" 280 routed 1 8 32
     EXTRA_FLAGS="--expert-fetch-path copy" latency qwen-copy "$Q" 280 routed 1 8 32 ;;
+  uvac)
+    EXTRA_FLAGS="--expert-fetch-path uva --max-num-seqs 8 --dtype bfloat16" latency qwen-uvac "$Q" 200 routed 1 8 ;;
   lossless)
     EXTRA_FLAGS="--host-compression lossless --dtype bfloat16 --expert-fetch-path copy" \
       latency qwen-lossless "$Q" 280 routed 1 8 32 64

@@ -1,6 +1,7 @@
 """Triton lossless decoder against the original bits (and the PyTorch reference decoder).
 
-CPU: the Triton interpreter runs a few small blocks. GPU (@pytest.mark.gpu): a grid over
+CPU: the Triton interpreter runs a few small blocks, and the indexed variant (parts and rows named on the
+device). GPU (@pytest.mark.gpu): the same, the indexed variant inside a CUDA graph, and a grid over
 layouts, decode knobs, odd sizes, part ranges, all 65,536 bf16 patterns, an output that is a view
 into a larger buffer, and the GPU encoder against the CPU encoder. All comparisons are
 torch.equal on int16 views, with the output poisoned (NaN) before decoding.
@@ -18,7 +19,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from pagedmoe.codecs.lossless import LosslessLayout, decode_reference, encode  # noqa: E402
-from pagedmoe.kernels.lossless_decode import lossless_decode  # noqa: E402
+from pagedmoe.kernels.lossless_decode import lossless_decode, lossless_decode_indexed  # noqa: E402
 
 CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,6 +113,75 @@ def test_launcher_checks_arguments():
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="device"):
             lossless_decode(ct, torch.empty(2, 100, dtype=torch.bfloat16))
+
+
+def check_indexed(device):
+    """The indexed variant (routed fetching's path (b)): the parts and destination rows named by device tensors,
+    -1 skipping an entry, decode the bits lossless_decode decodes into exactly those rows (the rest of every row,
+    and the rows not named, untouched); parts of several blocks with a short last one, int32 and int64 indices."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 301, generator=g) * 0.02).bfloat16()
+    x.view(-1)[::29] = float("nan")
+    x = x.to(device)
+    ct = encode(x, num_parts=6, layout=LosslessLayout(16, 8, 12))   # 128-element blocks: 3 per part, the last short
+    ref = torch.full_like(x, float("nan"))
+    lossless_decode(ct, ref)
+    assert torch.equal(bits(ref), bits(x))
+    for dtype in (torch.int32, torch.int64):
+        pool = torch.full((10, 320), float("nan"), dtype=torch.bfloat16, device=device)
+        parts = torch.tensor([5, 0, 3, 1, 4, 2], dtype=dtype, device=device)
+        rows = torch.tensor([8, -1, 0, 4, -1, 9], dtype=dtype, device=device)
+        lossless_decode_indexed(ct, pool, parts, rows)
+        for p, r in zip(parts.tolist(), rows.tolist()):
+            if r >= 0:
+                assert torch.equal(bits(pool[r, :301]), bits(ref[p])), (p, r)
+        named = [r for r in rows.tolist() if r >= 0]
+        rest = pool.clone()
+        rest[named, :301] = float("nan")
+        assert rest.isnan().all()   # the padding past each part and the rows not named are untouched
+    # nothing named: nothing written
+    pool = torch.full((4, 301), float("nan"), dtype=torch.bfloat16, device=device)
+    lossless_decode_indexed(ct, pool, torch.arange(6, device=device), torch.full((6,), -1, device=device))
+    assert pool.isnan().all()
+    with pytest.raises(ValueError, match="unit last stride"):
+        lossless_decode_indexed(ct, pool[:, :300], torch.arange(2, device=device), torch.arange(2, device=device))
+    with pytest.raises(ValueError, match="must be \\[n\\] alike"):
+        lossless_decode_indexed(ct, pool, torch.arange(2, device=device), torch.arange(3, device=device))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        lossless_decode_indexed(ct, pool, torch.arange(2, device=device).float(), torch.arange(2, device=device))
+    with pytest.raises(TypeError, match="bf16"):
+        lossless_decode_indexed(ct, pool.float(), torch.arange(2, device=device), torch.arange(2, device=device))
+
+
+@cpu_only
+def test_interpreter_indexed_decode():
+    check_indexed("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_indexed_decode():
+    check_indexed("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_indexed_decode_in_a_cuda_graph():
+    """Captured once, the launch decodes whichever parts the index tensors name at replay (no host sync)."""
+    x = (torch.randn(8, 70_001, device="cuda") * 0.02).bfloat16()
+    ct = encode(x, num_parts=8)
+    pool = torch.zeros(12, 70_016, dtype=torch.bfloat16, device="cuda")
+    parts = torch.arange(8, device="cuda")
+    rows = torch.full((8,), -1, dtype=torch.int64, device="cuda")
+    lossless_decode_indexed(ct, pool, parts, rows)   # warm-up (compile)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lossless_decode_indexed(ct, pool, parts, rows)
+    rows.copy_(torch.tensor([-1, 11, -1, 0, 5, -1, -1, 2]))
+    pool.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    for p, r in ((1, 11), (3, 0), (4, 5), (7, 2)):
+        assert torch.equal(bits(pool[r, :70_001]), bits(x[p]))
+    assert pool[[1, 3, 4, 6, 7, 8, 9, 10]].isnan().all() and pool[:, 70_001:].isnan().all()
 
 
 # --- GPU -------------------------------------------------------------------------------------

@@ -134,8 +134,58 @@ def test_sync_free_fetch_counts_on_the_device_and_names_the_experts_it_keeps_mis
             assert torch.equal(cache.pool[slots[e]], host[0][e])
         assert slots[3 if step % 2 else 0] == cache.miss_base and slots[1] == cache.host_maps[0][1]
         sf.layer_slots(1, torch.tensor([[2, 2], [2, 2]]))
-        assert sf.collect() == (2, 3)   # layer 0: one hit, one miss; layer 1: one miss
+        assert sf.collect() == (2, 3, 0)   # layer 0: one hit, one miss; layer 1: one miss; nothing decoded
     assert sf.num_steps == REFRESH_STEPS
     # layer 0 missed 0 and 3 in half the steps each (3 last: as often), layer 1 missed 2 in every step
     assert sf.refresh_candidates() == [[0, 3], [2]]
     assert sf.refresh_candidates() == [] and int(sf.miss_counts.sum()) == 0
+
+
+@pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")
+def test_sync_free_fetch_decodes_the_compressed_tier_and_reads_host_rows_by_host_slot():
+    """With the compressed GPU tier (the first C ids of a layer, experts/build.py) path (b) decodes that tier's routed
+    misses into their miss pages (the indexed lossless decode) and gathers the others from the raw host rows, which
+    hold only the host experts (row = host slot, not expert id); the decoded misses are counted apart (no PCIe)."""
+    from triton_interp import fix_interpreter_index
+
+    from pagedmoe.codecs.lossless import LosslessLayout, encode
+    from pagedmoe.experts.cache import ExpertCache
+    from pagedmoe.experts.routed_uva import REFRESH_STEPS, SyncFreeFetch
+    from pagedmoe.experts.table import ExpertTable
+
+    fix_interpreter_index()
+    E, n, stride = 6, 90, 96
+    table = ExpertTable(2, E)
+    table.place([()] * 2, [range(3), [1, 4]])   # layer 0: 0-2 compressed (one range); layer 1: 1 and 4 (not)
+    g = torch.Generator().manual_seed(2)
+    weights = [(torch.randn(E, n, generator=g) * 0.02).bfloat16() for _ in range(2)]
+    comp_ids = [[0, 1, 2], [1, 4]]
+    host_ids = [[e for e in range(E) if e not in c] for c in comp_ids]
+    compressed = [encode(w[c].contiguous(), num_parts=len(c), layout=LosslessLayout(16, 4, 12))
+                  for w, c in zip(weights, comp_ids)]
+    host = []
+    for w, ids in zip(weights, host_ids):
+        rows = torch.zeros(len(ids), stride, dtype=torch.bfloat16)
+        rows[:, :n] = w[ids]
+        host.append(rows)
+    cache = ExpertCache(table, E + 4, stride, torch.bfloat16, torch.device("cpu"), miss_rows=4)
+    cache.lookup(0, [3])                          # layer 0's expert 3 cached (path (a))
+    cache.pool[cache.host_maps[0][3], :n] = weights[0][3]
+    cache.publish(0)
+    sf = SyncFreeFetch(cache, host, max_tokens=2, compressed=compressed)
+    routed = {0: [[2, 3], [5, 0]], 1: [[4, 0], [1, 0]]}
+    for layer, ids in routed.items():
+        slots = sf.layer_slots(layer, torch.tensor(ids))
+        for e in {e for row in ids for e in row}:
+            assert torch.equal(cache.pool[slots[e], :n].view(torch.int16), weights[layer][e].view(torch.int16))
+    assert slots[0] == cache.miss_base   # layer 1's misses 0, 1, 4 in id order: 0 first
+    # layer 0: 3 hit, 0 and 2 decoded, 5 gathered; layer 1: 1 and 4 decoded, 0 gathered
+    assert sf.collect() == (6, 7, 4)
+    # only host experts are named for the cache (a compressed miss is a decode, no PCIe): layer 1 missed 0 (host)
+    # and 1, 4 (compressed) in every step
+    for _ in range(REFRESH_STEPS - 1):
+        sf.layer_slots(1, torch.tensor(routed[1]))
+        sf.collect()
+    assert sf.refresh_candidates() == [[], [0]]   # layer 0: 0 and 2 compressed, host 5 missed once
+    with pytest.raises(ValueError, match="raw host row or compressed GPU-tier part"):
+        SyncFreeFetch(cache, [host[0], host[1][:2]], max_tokens=2, compressed=compressed)

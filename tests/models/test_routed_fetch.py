@@ -142,6 +142,53 @@ def test_sync_free_refresh_pages_in_what_keeps_missing(tmp_path):
     assert pager.cache.stats.bytes_moved == engine.get_stats()["expert_bytes_h2d"]
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def ckpt4(request, tmp_path_factory):
+    """A 4-layer bf16 checkpoint (its MoE layers' experts outnumber the cache's LRU pages: decode steps miss)."""
+    path = tmp_path_factory.mktemp(request.param + "4")
+    make_tiny_checkpoint(request.param, path, seed=60, num_hidden_layers=4, dtype=torch.bfloat16)
+    return path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
+def test_sync_free_uva_path_with_the_compressed_gpu_tier(ckpt4, resident_refs, lengths):
+    """Fetch path (b) with the compressed GPU tier (--num-compressed-experts 3 of 8): the decode steps' misses from
+    that tier are decoded into their miss pages on the device (the indexed lossless decode, here on the
+    interpreter), the others gathered from the raw host rows (which hold only the 5 host experts); no host sync.
+    The logits equal resident placement's, bit for bit (bf16); path (b)'s misses count as moved bytes (host) or
+    decoded bytes (compressed tier), never both."""
+    ref = _resident(resident_refs, ckpt4, lengths, "bfloat16")
+    from pagedmoe import LLM
+
+    llm = LLM(str(ckpt4), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
+              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+              max_num_seqs=4)
+    engine = llm.engine
+    pager = engine.pager
+    collected = []
+    collect = pager.sync_free.collect
+    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
+    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    num_moe = len(engine.model.moe_layers())
+    assert engine.get_stats()["experts"] == {"compressed/bf16": 3 * num_moe, "host/bf16": 5 * num_moe}
+    assert all(engine.expert_store.host[l].shape[0] == 5 for l in range(num_moe))   # host rows: host slots only
+    assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
+    decoded = sum(c.decoded for c in collected)
+    gathered = sum(c.misses - c.decoded for c in collected)
+    assert decoded > 0 and gathered > 0          # path (b) read both tiers
+    st, expert = pager.cache.stats, engine.expert_store.expert_numel * 2
+    # every fill (a miss of either path, or a page refreshed between steps) moved or decoded exactly one expert
+    assert st.bytes_moved + st.bytes_decoded == (st.misses + pager.refreshed_pages) * expert
+    assert st.bytes_decoded >= decoded * expert and st.bytes_moved >= gathered * expert
+    stats = engine.get_stats()
+    assert stats["expert_bytes_h2d"] == st.bytes_moved and stats["expert_bytes_decoded"] == st.bytes_decoded
+
+
 def _decode_bytes(path, fetch):
     """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
     from pagedmoe import LLM, SamplingParams
@@ -192,6 +239,10 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
     with pytest.raises(ValueError, match="uva gathers raw host rows"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", expert_fetch_path="uva",
             dtype="bfloat16", host_compression="lossless")
+    # with the compressed GPU tier too: the compressed host tier is what path (b) cannot read, and it says so
+    with pytest.raises(ValueError, match="cannot take effect with a compressed host tier"):
+        LLM(str(tmp_path), device="cpu", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+            expert_fetch="routed", expert_fetch_path="uva", dtype="bfloat16", host_compression="lossless")
     with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
@@ -216,6 +267,7 @@ def test_bench_latency_reports_moved_and_routed_bytes(tmp_path, capsys, fetch):
     num_moe = 2
     assert r["expert_fetch"] == fetch
     assert r["routed_expert_bytes_per_step"] == 2 * num_moe * expert   # batch 1, top-2
+    assert r["expert_bytes_decoded_per_step"] == 0   # no lossless tier
     if fetch == "stream":
         assert r["expert_bytes_moved_per_step"] == 8 * num_moe * expert
         assert "expert_cache_hits_per_step" not in r
@@ -256,19 +308,26 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 @pytest.mark.parametrize("tiers", [dict(cpu_moe=True, expert_fetch_path="copy"),
                                    dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
                                         host_compression="lossless", expert_prefetch=True),
-                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4)],
-                         ids=["host", "lossless-tiers", "uva-graphs"])
+                                   dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4),
+                                   dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                                        expert_fetch_path="uva", max_num_seqs=4)],
+                         ids=["host", "lossless-tiers", "uva-graphs", "uva-compressed-graphs"])
 def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
     """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
     on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
     sync); or, uva, the decode steps gather their misses from mapped pinned memory inside CUDA graphs (the
-    prefills take path (a)); logits equal resident placement's, bf16."""
+    prefills take path (a)), and with the compressed GPU tier decode that tier's misses there too (the indexed
+    lossless decode); logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
     runs = {}
     for name, flags in (("resident", {}), ("routed", dict(expert_fetch="routed", **tiers))):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=96, gpu_memory_gb=4, **flags)
+        collected = []   # what path (b) counted per step (graph replays included)
+        if name == "routed" and llm.engine.pager.sync_free is not None:
+            sf = llm.engine.pager.sync_free
+            sf.collect = lambda collect=sf.collect: collected.append(collect()) or collected[-1]
         runs[name], _ = greedy_logits(llm, (11, 5, 23), max_tokens=6, seed=5)
         if name == "routed":
             uva = tiers.get("expert_fetch_path") == "uva"
@@ -277,6 +336,8 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
             if uva:
                 assert llm.engine.runner.graphs.buckets == [1, 2, 4]
                 assert llm.engine.pager.sync_free.num_steps > 0 and llm.engine.pager.cache.stats.hits > 0
+            if uva and tiers.get("num_compressed_experts"):   # path (b) decoded some misses, gathered others
+                assert sum(c.decoded for c in collected) > 0 and sum(c.misses - c.decoded for c in collected) > 0
         del llm
         torch.cuda.empty_cache()
     for a, b in zip(runs["resident"], runs["routed"]):

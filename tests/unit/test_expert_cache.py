@@ -107,24 +107,29 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
     # a compressed host tier moves 0.683 of the bytes (and decodes them); uva cannot read it
     comp = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(host_ratio=0.683))
     assert comp["routed"] < raw["routed"] and comp["routed_uva"] is None and comp["stream"] < raw["stream"]
-    # the compressed GPU tier's misses cross no PCIe at all
+    # the compressed GPU tier's misses cross no PCIe at all, by either path (path (b) decodes them on the device)
     gpu = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(num_compressed=64))
-    assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] is None
+    assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] < raw["routed_uva"]
+    # path (b) pays the decode of the compressed misses: 64 of 128 experts compressed, half the misses decoded
+    import pagedmoe.planning.fetch_cost as fc
+
+    base = fetch_step_s(shape, hw, 128, 8, 512)["resident"]
+    routed_misses = 48 * shape.routed_experts(8) * (1 - min(1.0, (48 * 25 + 2 * 103) / (48 * 128)))
+    decode_s = routed_misses * 64 / 128 * shape.expert_bytes / hw.lossless_decode_bytes_per_s
+    gather_s = routed_misses * 64 / 128 * shape.expert_bytes / (fc.UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s)
+    assert gpu["routed_uva"] - base == pytest.approx(decode_s + gather_s + 48 * fc.ROUTED_UVA_LAYER_S, rel=1e-6)
     # uva: no sync and no eager host work, and its reads ran at 0.98 of the copy engine's rate on the H200: it wins
     # at every bucket on raw host rows; with the estimates used before the fit (60 us per layer, nothing per miss,
     # reads at 0.86 of the copy engine's rate) copy wins where many bytes move, and only small buckets take uva
     assert all(routed_path(fetch_step_s(shape, hw, 25, b, 512)) == "uva" for b in (1, 8, 32, 64))
     assert graph_fetch_max_seqs(shape, hw, 25, 64, 512) == 64
-    slow_uva = hw
-    import pagedmoe.planning.fetch_cost as fc
-
     saved = fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE
     fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE = 60e-6, 0.0, 0.86
     try:
-        assert routed_path(fetch_step_s(shape, slow_uva, 25, 32, 512)) == "copy"
-        top = graph_fetch_max_seqs(shape, slow_uva, 25, 64, 512)
+        assert routed_path(fetch_step_s(shape, hw, 25, 32, 512)) == "copy"
+        top = graph_fetch_max_seqs(shape, hw, 25, 64, 512)
         assert top in decode_buckets(64) and 1 <= top < 32
-        assert all(routed_path(fetch_step_s(shape, slow_uva, 25, b, 512)) == "uva" for b in decode_buckets(top))
+        assert all(routed_path(fetch_step_s(shape, hw, 25, b, 512)) == "uva" for b in decode_buckets(top))
     finally:
         fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE = saved
     settle = lambda req, fetch="routed", dev="cuda", graphs=True, tiers=FetchTiers(), interp=False: \
@@ -137,8 +142,11 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
         settle("uva", dev="cpu")
     with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
         settle("copy", fetch="stream")
-    with pytest.raises(ValueError, match="raw host rows"):
-        settle("uva", tiers=FetchTiers(num_compressed=3))
+    # the compressed GPU tier goes with path (b) (decoded on the device); a compressed host tier does not
+    assert settle("uva", tiers=FetchTiers(num_compressed=3)) == 64
+    assert settle("auto", tiers=FetchTiers(num_compressed=64)) >= top
+    with pytest.raises(ValueError, match="raw host rows; it cannot take effect with a compressed host tier"):
+        settle("uva", tiers=FetchTiers(num_compressed=3, host_ratio=0.683))
 
 
 def test_cache_counters_are_exported():

@@ -103,11 +103,12 @@ def test_large_batches_keep_the_stream_all_pick_and_resident_stays():
     routed = [routed_plan.best_routed(replace(inputs, host_compression_ratio=r), R, CTX, "auto") for r in (0.0, R)]
     assert stream.fetch == "stream"
     assert routed_plan.choose(stream, routed, "auto") is stream
-    # forced routed (--expert-fetch routed, as gpu_issue21.sh runs it): the most compressed placement wins
+    # forced routed (--expert-fetch routed, as gpu_issue21.sh runs it): the most compressed GPU tier wins, with the
+    # host tier raw, so that path (b) (CUDA graphs, no host work per miss) takes every bucket
     forced = [routed_plan.best_routed(replace(inputs, host_compression_ratio=r), R, CTX, "routed") for r in (0.0, R)]
     pick = routed_plan.choose(routed_plan.settle(stream.plan, inputs, "none", "routed", CTX, "stream-optimised"),
                               forced, "routed")
-    assert pick.origin == "routed-optimised" and pick.host_compression == "lossless"
+    assert pick.origin == "routed-optimised" and pick.host_compression == "none"
     assert pick.plan.placement.total_compressed > 40 * QWEN.num_moe_layers
     big = PlanInputs(QWEN, 80 * GiB, ACT, 512, 16, (128, 32), 8)
     resident = routed_plan.settle(plan_memory(QWEN, 80 * GiB, ACT, "auto", max_model_len=512, workload=(128, 32),
@@ -125,8 +126,9 @@ def test_plan_cli_shows_the_routed_candidates(plan_report):
     search = b["routed_search"]
     assert [s["origin"] for s in search] == ["stream-optimised", "routed-optimised", "routed-optimised"]
     chosen = [s for s in search if s["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["host_compression"] == "lossless"
-    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 320
+    # the compressed GPU tier with a raw host tier: path (b) reads it, in CUDA graphs (modelled ~260 ms at batch 8)
+    assert len(chosen) == 1 and chosen[0]["host_compression"] == "none"
+    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 280
     auto = [r for r in b["rows"] if r["auto"]]
     assert len(auto) == 1 and auto[0]["label"].startswith("routed: N=0 C=")
     assert b["fetch"]["label"] == auto[0]["label"]
@@ -134,3 +136,40 @@ def test_plan_cli_shows_the_routed_candidates(plan_report):
     assert "placements for routed fetching" not in text and report["budgets"][0]["routed_search"] is None
     text, report = plan_report(*args, "--expert-compression", "none", "--host-compression", "none")
     assert all(" C=" not in s["label"] and s["host_compression"] == "none" for s in report["budgets"][0]["routed_search"])
+
+
+def test_forced_uva_path_keeps_the_compressed_gpu_tier_and_a_raw_host_tier():
+    """--expert-fetch-path uva (path (b) in every decode bucket): the routed search still fills the compressed GPU tier
+    (path (b) decodes its misses on the device) but keeps the host tier raw (path (b) gathers raw rows; a compressed
+    host tier would be refused), and costs the placement by path (b) alone, as the engine will run it."""
+    import torch
+
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.models.hf_config import load_hf_config
+    from pagedmoe.models.registry import spec_builder
+    from pagedmoe.planning.fetch_cost import settle_fetch_path
+    from pagedmoe.planning.resolve import rank_shape, resolve_expert_plan
+
+    hf = load_hf_config(CONFIGS / "qwen3-30b-a3b")
+    dims, spec = spec_builder(hf)(hf)
+
+    def resolve(path, **flags):
+        c = EngineConfig(device="cuda", expert_fetch="routed", expert_fetch_path=path, max_num_seqs=8,
+                         gpu_memory_gb=24, max_model_len=512, dtype="bfloat16", **flags)
+        return c, resolve_expert_plan(c, dims, spec, device_type="cuda", dtype=torch.bfloat16, max_model_len=512,
+                                      budget=lambda: 24 * GiB, host_budget=lambda: None, eager=False)
+
+    c, plan = resolve("uva")
+    assert plan.paged and min(plan.num_compressed) > 40 and plan.host_compression == "none"
+    tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)
+    shape = rank_shape(c, dims, spec, 2)
+    assert settle_fetch_path("uva", "routed", shape, min(plan.num_gpu_experts), tiers, 8, 256, "cuda", True) == 8
+    # auto keeps both paths and both host modes (today's model prefers path (a) with the host tier compressed)
+    assert resolve("auto")[1].host_compression in ("none", "lossless")
+    # the uva-forced pick is costed by path (b): its step is routed_uva's
+    inputs = _inputs(8, host_ratio=0.0)
+    pick = routed_plan.best_routed(inputs, R, CTX, "routed", "uva")
+    costs = fetch_step_s(QWEN, H200, min(pick.plan.placement.num_gpu_experts), 8, CTX, pick.tiers())
+    assert pick.step_s == pytest.approx(costs["routed_uva"]) and min(pick.plan.placement.num_compressed_experts) > 40
+    assert routed_plan.routed_host_modes(None, True, uva_forced=True) == ["none"]
+    assert routed_plan.routed_host_modes("lossless", True, uva_forced=True) == ["lossless"]   # refused later, by name

@@ -46,8 +46,9 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
-    moved = routed = 0   # expert pairs: host -> device bytes, distinct (layer, expert) routed, over decode steps
-    cache = _cache_counts(engine)   # routed fetching: the expert cache's hits, misses, decoded bytes (decode steps)
+    moved = routed = decoded = 0   # over decode steps: host -> device bytes, distinct (layer, expert) routed, bf16
+    # bytes decoded on the device (lossless tiers)
+    cache = _cache_counts(engine)   # routed fetching: the expert cache's hits and misses (decode steps)
     cache_sum = dict.fromkeys(cache, 0)
     while engine.has_unfinished_requests():
         decode_steps_before = engine.step_time["decode_steps"]
@@ -59,6 +60,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
             decode.append(dt)
             after = _expert_traffic(engine)
             moved, routed = moved + after[0] - traffic_before[0], routed + after[1] - traffic_before[1]
+            decoded += after[2] - traffic_before[2]
             now = _cache_counts(engine)
             cache_sum = {k: cache_sum[k] + now[k] - cache[k] for k in now}
             cache = now
@@ -85,26 +87,29 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         # routed: decode batches up to this fetch by path (b) (UVA gather, CUDA graphs); 0: path (a) only
         "expert_fetch_sync_free_max_seqs": engine.expert_plan.sync_free_max_seqs,
         "expert_bytes_moved_per_step": moved / max(1, len(decode)),
+        "expert_bytes_decoded_per_step": decoded / max(1, len(decode)),
         "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
         / max(1, len(decode)),
-        # routed fetching only: per decode step, routed experts found in the cache / fetched, bf16 bytes decoded
+        # routed fetching only: per decode step, routed (layer, expert) pairs found in the cache / fetched
         **{f"expert_cache_{k}_per_step": v / max(1, len(decode)) for k, v in cache_sum.items()},
     }
 
 
 def _cache_counts(engine) -> dict:
-    """The expert cache's cumulative hits, misses and decoded bytes ({} unless fetching is routed)."""
+    """The expert cache's cumulative hits and misses ({} unless fetching is routed)."""
     pager = engine.pager
     if pager is None or not hasattr(pager, "cache_stats"):
         return {}
     st = pager.cache_stats()
-    return {"hits": st["hits"], "misses": st["misses"], "bytes_decoded": st["bytes_decoded"]}
+    return {"hits": st["hits"], "misses": st["misses"]}
 
 
-def _expert_traffic(engine) -> tuple[int, int]:
-    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far), read after a step."""
+def _expert_traffic(engine) -> tuple[int, int, int]:
+    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far, expert bytes decoded on the
+    device so far), read after a step."""
     moved = engine.pager.stats.bytes_h2d if engine.pager is not None else 0
-    return moved, int(engine.activity.distinct_routed)
+    decoded = engine.pager.stats.bytes_decoded if engine.pager is not None else 0
+    return moved, int(engine.activity.distinct_routed), decoded
 
 
 def run(args) -> int:
@@ -124,12 +129,12 @@ def run(args) -> int:
               f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
               f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
         print(f"Batch {batch}: experts moved {r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step host->device "
-              f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step")
+              f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step, decoded on the "
+              f"device {r['expert_bytes_decoded_per_step'] / 1e9:.3f} GB/step")
         if "expert_cache_hits_per_step" in r:
             hits, misses = r["expert_cache_hits_per_step"], r["expert_cache_misses_per_step"]
             print(f"Batch {batch}: expert cache {hits:.1f} hits, {misses:.1f} misses per step "
-                  f"(hit rate {hits / max(1e-9, hits + misses):.1%}), "
-                  f"{r['expert_cache_bytes_decoded_per_step'] / 1e9:.3f} GB/step decoded")
+                  f"(hit rate {hits / max(1e-9, hits + misses):.1%})")
     memory = device_memory(engine)
     if memory:
         print(device_memory_line(memory))

@@ -1,12 +1,15 @@
 """Fetch path (b) of routed fetching: the routed misses of a layer read by a GPU kernel straight from mapped pinned
-host memory (kernels/uva_gather.py), with no host sync, so the decode steps that use it run in CUDA graphs.
+host memory (kernels/uva_gather.py), or decoded from the compressed GPU tier (kernels/lossless_decode.py, indexed),
+with no host sync, so the decode steps that use it run in CUDA graphs.
 
 The RoutedPager (experts/routed.py) runs it in forwards of at most `max_tokens` tokens (the decode buckets the
 cost model gives to it: planning/fetch_cost.py::settle_fetch_path); larger forwards keep path (a). Per MoE layer:
 
     plan_misses(topk_ids, slot_map[l], miss_base)   cached experts keep their page, each routed miss gets
                                                     miss_base + its rank among the layer's misses (id order)
-    gather_rows(host rows of l, pool, fetch_dst)     the misses' rows, host -> miss area, one launch
+    gather_rows(host rows of l, pool, host_dst)      the host tier's misses, host -> miss area, one launch
+    lossless_decode_indexed(compressed tier of l,    the compressed GPU tier's misses decoded into their miss
+        pool, parts, comp_dst)                       pages, one launch (a fixed grid: unmissed parts exit)
 
 and the layer's GEMMs read the pool through the planned slot map. The miss area (min(E, max_tokens x A) pages at
 the end of the pool, outside the LRU order) is reused by every layer.
@@ -17,14 +20,23 @@ the end of the pool, outside the LRU order) is reused by every layer.
 Counting without a sync: the misses and distinct routed experts of each layer accumulate in device counters
 (captured into the graphs, so replays count too) and are read by `collect` after the step (its results reached
 the host, so the read waits for nothing). The misses also accumulate per (layer, expert): every
-REFRESH_STEPS steps `refresh_candidates` names the experts missed in at least two steps of the window, which the
-pager then pages into the cache (copy engine, between steps), so a skewed routing stops missing them.
-Path (b) reads the raw host rows of every expert by id: it needs every expert in the raw host tier (no lossless
-tiers: their fills decode, experts/routed_fill.py).
+REFRESH_STEPS steps `refresh_candidates` names the host experts missed in at least two steps of the window, which
+the pager then pages into the cache (copy engine, between steps), so a skewed routing stops missing them. The
+compressed GPU tier's experts are not named: their misses cross no PCIe (a decode of a few microseconds), so the
+pages go to host experts (each miss ~30x dearer: 9 MiB over PCIe against 9 MiB decoded, Qwen3-30B-A3B on the H200).
+Each expert's master copy is a raw host row or a part of its layer's compressed GPU-tier tensor (experts/build.py
+places the first C ids compressed, the rest on the host, each tier in id order). `host_dst` and `comp_dst` are
+fetch_dst read through each tier's experts in slot order (views where those ids are one range, as built: no
+kernel), so the host rows are read by host slot and the parts by part index. A compressed HOST tier is path
+(a)'s only (its fills copy compressed bytes into staging slots first, experts/routed_fill.py).
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Union
+
 import torch
+
+from pagedmoe.experts.table import COMPRESSED, HOST
 
 REFRESH_STEPS = 8      # steps between two reads of the per-expert miss counts (one small device -> host read)
 REFRESH_MIN_MISSES = 2  # an expert missed in at least this many forwards of the window is paged in
@@ -35,53 +47,103 @@ def miss_rows(num_experts: int, top_k: int, max_tokens: int) -> int:
     return min(num_experts, max_tokens * top_k) if max_tokens > 0 else 0
 
 
+class Collected(NamedTuple):
+    """What path (b) counted since the last collect, summed over layers (per layer and forward)."""
+    misses: int     # routed experts not cached: gathered from the host or decoded
+    routed: int     # distinct routed experts
+    decoded: int    # of the misses, those decoded from the compressed GPU tier (no PCIe bytes)
+
+
+def _select(ids: list[int], device) -> Union[slice, torch.Tensor, None]:
+    """Indexes [E] per-expert tensors at `ids` (in order): a slice when they are one range (a view, no kernel), an
+    index tensor otherwise; None when there are none."""
+    if not ids:
+        return None
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
 class SyncFreeFetch:
-    def __init__(self, cache, host_rows, max_tokens: int) -> None:
-        E = cache.num_experts
-        if cache.miss_rows < miss_rows(E, 1, 1) or any(r is None or r.shape[0] != E for r in host_rows):
-            raise ValueError("the sync-free fetch needs a miss area and every expert's raw row in the host tier")
+    def __init__(self, cache, host_rows, max_tokens: int, compressed=None) -> None:
+        """`host_rows[l]`: layer l's raw host rows in host-slot order; `compressed`: the compressed GPU tier's
+        per-layer CompressedTensors (ExpertStore.compressed, encoded after loading: read at each forward), for the
+        experts cache.table places there."""
+        E, table = cache.num_experts, cache.table
+        if cache.miss_rows < miss_rows(E, 1, 1):
+            raise ValueError("the sync-free fetch needs a miss area in the expert cache")
         self.cache, self.host_rows, self.max_tokens = cache, host_rows, max_tokens
+        self.compressed = compressed
         dev = cache.pool.device
-        self.counts = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev)   # (misses, routed)
+        self._host_sel, self._comp_sel, self._parts, self._comp_ids = [], [], [], []
+        for layer in range(cache.num_layers):
+            host, comp = table.ids(layer, HOST), table.ids(layer, COMPRESSED)   # each in slot order
+            rows = host_rows[layer]
+            if len(host) + len(comp) != E or host and (rows is None or rows.shape[0] != len(host)):
+                raise ValueError("the sync-free fetch reads each expert's raw host row or compressed GPU-tier part; "
+                                 f"MoE layer {layer} has {len(host)} host experts in "
+                                 f"{'no raw rows' if rows is None else f'{rows.shape[0]} raw rows'} and {len(comp)} "
+                                 f"compressed of {E}")
+            if comp and compressed is None:
+                raise ValueError(f"MoE layer {layer} has compressed experts but no compressed tier was given")
+            self._comp_ids.append(set(comp))
+            self._host_sel.append(_select(host, dev))
+            self._comp_sel.append(_select(comp, dev))
+            self._parts.append(torch.tensor([table.lookup(layer, e).slot for e in comp], dtype=torch.int32,
+                                            device=dev) if comp else None)
+        self.counts = torch.zeros(cache.num_layers, 3, dtype=torch.int64, device=dev)   # (misses, routed, decoded)
         self.miss_counts = torch.zeros(cache.num_layers, E, dtype=torch.int32, device=dev)
         self.pending = False     # a forward counted on the device since the last collect
         self.steps = 0           # steps collected since the last refresh
         self.num_steps = 0       # steps that fetched by path (b), in all
 
     def layer_slots(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Gather the layer's routed misses into the miss area; the slot map [E] int32 its GEMMs read."""
+        """Gather (decode) the layer's routed misses into the miss area; the slot map [E] int32 its GEMMs read."""
         from pagedmoe.kernels.uva_gather import gather_rows, plan_misses  # triton: an optional package
 
         fetch_dst, slots, routed = plan_misses(topk_ids, self.cache.slot_maps[layer], self.cache.miss_base,
                                                with_routed=True)
-        gather_rows(self.host_rows[layer], self.cache.pool, fetch_dst)
+        pool = self.cache.pool
+        host, comp = self._host_sel[layer], self._comp_sel[layer]
+        if host is not None:
+            gather_rows(self.host_rows[layer], pool, fetch_dst[host])
         missed = fetch_dst >= 0
-        self.counts[layer] += torch.stack((missed.sum(), routed.sum()))
+        if comp is not None:
+            from pagedmoe.kernels.lossless_decode import lossless_decode_indexed  # triton: an optional package
+
+            ct = self.compressed[layer]
+            if ct is None:
+                raise RuntimeError(f"MoE layer {layer}'s compressed experts are not encoded yet (ExpertStore.finalize)")
+            lossless_decode_indexed(ct, pool, self._parts[layer], fetch_dst[comp])
+            self.counts[layer] += torch.stack((missed.sum(), routed.sum(), missed[comp].sum()))
+        else:
+            self.counts[layer, :2] += torch.stack((missed.sum(), routed.sum()))
         self.miss_counts[layer] += missed.to(torch.int32)
         self.pending = True
         return slots.to(torch.int32)
 
-    def collect(self) -> tuple[int, int]:
-        """(misses, distinct routed experts) summed over layers since the last collect; after a step only."""
+    def collect(self) -> Collected:
+        """What was counted since the last collect, summed over layers; after a step only."""
         if not self.pending:
-            return 0, 0
-        misses, routed = self.counts.sum(0).tolist()   # NOTE: between steps: the step's results reached the host
+            return Collected(0, 0, 0)
+        misses, routed, decoded = self.counts.sum(0).tolist()   # NOTE: between steps: the step's results reached the host
         self.counts.zero_()
         self.pending = False
         self.steps += 1
         self.num_steps += 1
-        return misses, routed
+        return Collected(misses, routed, decoded)
 
     def refresh_candidates(self) -> list[list[int]]:
-        """Every REFRESH_STEPS collected steps: per layer, the experts missed in at least REFRESH_MIN_MISSES
+        """Every REFRESH_STEPS collected steps: per layer, the host experts missed in at least REFRESH_MIN_MISSES
         forwards of the window, most missed first (then the counts restart); else nothing."""
         if self.steps < REFRESH_STEPS:
             return []
         self.steps = 0
         counts = self.miss_counts.tolist()
         self.miss_counts.zero_()   # NOTE: in place: the graphs hold this tensor
-        return [sorted((e for e, c in enumerate(row) if c >= REFRESH_MIN_MISSES), key=lambda e: -row[e])
-                for row in counts]
+        return [sorted((e for e, c in enumerate(row) if c >= REFRESH_MIN_MISSES and e not in comp),
+                       key=lambda e: -row[e])
+                for row, comp in zip(counts, self._comp_ids)]
 
     def reset(self) -> None:
         """Drop what was counted (capture warm-ups are not traffic of the workload)."""

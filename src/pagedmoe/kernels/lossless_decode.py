@@ -66,27 +66,11 @@ def _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
 
 
 @triton.jit
-def lossless_decode_kernel(
-    stream_ptr,  # *int32 [num_words]
-    block_bit_ptr,  # *int64 [num_blocks]
-    lane_bits_ptr,  # *uint8 or *int16 [num_blocks, LANES]
-    raw_ptr,  # *uint8 [numel]
-    lut_ptr,  # *int16 or *int32 [2**SHORT_BITS (+ 2**MAX_LEN)]
-    out_ptr,  # *bf16: part p0 + i starts at out_ptr + i * out_part_stride
-    block_start,  # first block decoded by program 0
-    part_start,  # p0, the first part decoded
-    out_part_stride,  # elements between the starts of consecutive parts in out (>= part_size)
-    part_size,
-    blocks_per_part,
-    LANES: tl.constexpr,
-    K: tl.constexpr,
-    MAX_LEN: tl.constexpr,
-    SHORT_BITS: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    blk = block_start + tl.program_id(0)
-    part = blk // blocks_per_part
-    bip = blk - part * blocks_per_part
+def _decode_block(stream_ptr, block_bit_ptr, lane_bits_ptr, raw_ptr, lut_ptr, optr, part, bip, part_size,
+                  blocks_per_part, LANES: tl.constexpr, K: tl.constexpr, MAX_LEN: tl.constexpr,
+                  SHORT_BITS: tl.constexpr, UNROLL: tl.constexpr):
+    # one block: block `bip` of part `part`, written from optr (the block's first output element)
+    blk = part * blocks_per_part + bip
     elem0 = part.to(tl.int64) * part_size + bip.to(tl.int64) * (LANES * K)
     n_valid = tl.minimum(part_size - bip.to(tl.int64) * (LANES * K), LANES * K).to(tl.int32)
 
@@ -100,13 +84,55 @@ def lossless_decode_kernel(
     nxt = tl.load(wptr + 1).to(tl.uint32, bitcast=True)
     nn = tl.load(wptr + 2).to(tl.uint32, bitcast=True)
     rptr = raw_ptr + elem0
-    optr = out_ptr + (part - part_start).to(tl.int64) * out_part_stride + bip.to(tl.int64) * (LANES * K)
     if n_valid == LANES * K:
         _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
                     LANES, K, MAX_LEN, SHORT_BITS, False, UNROLL)
     else:
         _lane_steps(wptr, lut_ptr, rptr, optr, lane, cur, nxt, nn, off, n_valid,
                     LANES, K, MAX_LEN, SHORT_BITS, True, 1)
+
+
+@triton.jit
+def lossless_decode_kernel(
+    stream_ptr,  # *int32 [num_words]
+    block_bit_ptr,  # *int64 [num_blocks]
+    lane_bits_ptr,  # *uint8 or *int16 [num_blocks, LANES]
+    raw_ptr,  # *uint8 [numel]
+    lut_ptr,  # *int16 or *int32 [2**SHORT_BITS (+ 2**MAX_LEN)]
+    out_ptr,  # *bf16: part p0 + i starts at out_ptr + i * out_part_stride (INDEXED: row r at r * out_part_stride)
+    part_ids_ptr,  # INDEXED: *int [n] the parts to decode (else unused)
+    dst_rows_ptr,  # INDEXED: *int [n] the output row of each (-1: skip it; else unused)
+    block_start,  # first block decoded by program 0 (not INDEXED)
+    part_start,  # p0, the first part decoded (not INDEXED)
+    out_part_stride,  # elements between the starts of consecutive parts (rows) in out (>= part_size)
+    part_size,
+    blocks_per_part,
+    LANES: tl.constexpr,
+    K: tl.constexpr,
+    MAX_LEN: tl.constexpr,
+    SHORT_BITS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if INDEXED:
+        # program i * blocks_per_part + b: block b of part part_ids[i] into row dst_rows[i]; the grid is fixed by
+        # n (no host sync on which parts are wanted), the programs of a skipped entry (-1) exit at once
+        i = pid // blocks_per_part
+        bip = pid - i * blocks_per_part
+        row = tl.load(dst_rows_ptr + i)
+        if row >= 0:
+            part = tl.load(part_ids_ptr + i).to(tl.int32)
+            optr = out_ptr + row.to(tl.int64) * out_part_stride + bip.to(tl.int64) * (LANES * K)
+            _decode_block(stream_ptr, block_bit_ptr, lane_bits_ptr, raw_ptr, lut_ptr, optr, part, bip, part_size,
+                          blocks_per_part, LANES, K, MAX_LEN, SHORT_BITS, UNROLL)
+    else:
+        blk = block_start + pid
+        part = blk // blocks_per_part
+        bip = blk - part * blocks_per_part
+        optr = out_ptr + (part - part_start).to(tl.int64) * out_part_stride + bip.to(tl.int64) * (LANES * K)
+        _decode_block(stream_ptr, block_bit_ptr, lane_bits_ptr, raw_ptr, lut_ptr, optr, part, bip, part_size,
+                      blocks_per_part, LANES, K, MAX_LEN, SHORT_BITS, UNROLL)
 
 
 def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
@@ -182,8 +208,42 @@ def lossless_decode(ct: CompressedTensor, out: torch.Tensor, *, parts: tuple[int
         return out
     lossless_decode_kernel[(num_blocks,)](
         ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(short_bits, table_dtype),
-        out, p0 * bpp, p0, part_stride, part_size, bpp,
+        out, out, out, p0 * bpp, p0, part_stride, part_size, bpp,   # (the part / row pointers unused)
         LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=short_bits,
-        UNROLL=unroll, num_warps=num_warps,
+        UNROLL=unroll, INDEXED=False, num_warps=num_warps,
+    )
+    return out
+
+
+def lossless_decode_indexed(ct: CompressedTensor, out: torch.Tensor, part_ids: torch.Tensor, dst_rows: torch.Tensor,
+                            *, num_warps: int = 4, unroll: int = 2) -> torch.Tensor:
+    """out[dst_rows[i], :part_size] = part part_ids[i] of ct, for every i with dst_rows[i] >= 0, where `part_ids`
+    and `dst_rows` are int32 / int64 device tensors [n]: which parts are decoded, and where, is read on the device
+    (routed fetching's path (b), experts/routed_uva.py: the misses of a layer), so the launch (grid n x blocks per
+    part, fixed) needs no host sync and a CUDA graph can capture it. `out` [S, row] bf16 with unit last stride and
+    rows of at least part_size (the expert cache's pool); the rest of each row is left as it is. Decodes the bits
+    lossless_decode decodes (the same kernel, its INDEXED variant)."""
+    part_size, bpp = _launch_info(ct)
+    n = part_ids.shape[0]
+    if part_ids.dim() != 1 or tuple(dst_rows.shape) != (n,):
+        raise ValueError(f"part_ids {tuple(part_ids.shape)} and dst_rows {tuple(dst_rows.shape)} must be [n] alike")
+    if part_ids.dtype not in (torch.int32, torch.int64) or dst_rows.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"part_ids and dst_rows must be int32 or int64, got {part_ids.dtype} and {dst_rows.dtype}")
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"out must be bf16, got {out.dtype}")
+    if out.dim() != 2 or out.stride(1) != 1 or out.shape[1] < part_size:
+        raise ValueError(f"out must be [rows, >= {part_size}] with unit last stride (one row per part); got "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    devices = {out.device, part_ids.device, dst_rows.device}
+    if devices != {ct.raw.device}:
+        raise ValueError(f"out, part_ids and dst_rows must be on the compressed tensor's device {ct.raw.device}")
+    if n == 0:
+        return out
+    lay = ct.layout
+    lossless_decode_kernel[(n * bpp,)](
+        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(None, torch.int32),
+        out, part_ids, dst_rows, 0, 0, out.stride(0), part_size, bpp,
+        LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=lay.max_code_len,
+        UNROLL=unroll, INDEXED=True, num_warps=num_warps,
     )
     return out

@@ -13,9 +13,10 @@
     copy    path (a): the misses are copied after the layer's host sync, not hidden behind compute; each layer
             pays the sync and lookup (ROUTED_LAYER_SYNC_S), each miss its fill's launches (ROUTED_MISS_HOST_S),
             and the step runs without CUDA graphs (both fitted on the H200);
-    uva     path (b) (experts/routed_uva.py): a GPU kernel reads the misses from mapped pinned memory at
-            UVA_PCIE_SHARE of the copy engine's rate, no sync (ROUTED_UVA_LAYER_S per layer for its small
-            kernels), in CUDA graphs; raw host rows only (no lossless tiers).
+    uva     path (b) (experts/routed_uva.py): a GPU kernel reads the host misses from mapped pinned memory at
+            UVA_PCIE_SHARE of the copy engine's rate, the compressed GPU tier's misses are decoded (in the same
+            stream, after the gather: the decoder's rate), no sync (ROUTED_UVA_LAYER_S per layer for its small
+            kernels), in CUDA graphs; raw host rows only (a compressed host tier is path (a)'s).
   resident  only when every expert fits (N = E): nothing moves.
 """
 from __future__ import annotations
@@ -46,6 +47,12 @@ PLAN_BATCHES = (1, 8, 32)
 ROUTED_MARGIN = 0.10
 
 
+# Why path (b) refuses a compressed host tier (experts/build.py and settle_fetch_path say it the same way).
+HOST_COMPRESSED_UVA = ("--expert-fetch-path uva gathers raw host rows; it cannot take effect with a compressed host "
+                       "tier (--host-compression lossless: use --host-compression none, or --expert-fetch-path copy "
+                       "or auto); the compressed GPU tier (--num-compressed-experts) it decodes on the device")
+
+
 @dataclass(frozen=True)
 class FetchTiers:
     """Where the experts' master copies live besides the raw host tier: `num_compressed` per MoE layer in the
@@ -55,8 +62,10 @@ class FetchTiers:
     any_compressed: bool = False   # some layer holds compressed GPU-tier experts (per-layer counts may differ)
 
     @property
-    def lossless(self) -> bool:
-        return self.num_compressed > 0 or self.any_compressed or self.host_ratio < 1.0
+    def host_compressed(self) -> bool:
+        """The host tier held compressed: fetched by path (a) only (copy into staging, then decode); the compressed
+        GPU tier both paths decode on the device."""
+        return self.host_ratio < 1.0
 
     @classmethod
     def of_plan(cls, num_compressed, host_compression: str) -> "FetchTiers":
@@ -98,8 +107,10 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
     eager = shape.num_layers * hw.layer_overhead_s
     out["routed"] = (base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S
                      + misses * ROUTED_MISS_HOST_S + eager)
-    out["routed_uva"] = None if tiers.lossless else (
-        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + L * ROUTED_UVA_LAYER_S)
+    # path (b): raw host rows only (so `decode` is the compressed GPU tier's misses), decoded after the gather on the
+    # same stream
+    out["routed_uva"] = None if tiers.host_compressed else (
+        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + decode + L * ROUTED_UVA_LAYER_S)
     return out
 
 
@@ -172,20 +183,19 @@ def settle_fetch_path(requested: str, fetch: str, shape: ModelShape, num_gpu_exp
                       interpreter: bool = False, hw: Optional[HardwareProfile] = None) -> int:
     """--expert-fetch-path `requested` settled into ExpertPlan.sync_free_max_seqs: forwards of up to that many
     tokens fetch by path (b) and its decode buckets run in CUDA graphs; 0: path (a) everywhere. uva needs routed
-    fetching, raw host rows and a GPU (or Triton's interpreter, for tests); auto: the cost model per bucket on
-    CUDA with graphs, else copy."""
+    fetching, raw host rows (the compressed GPU tier it decodes) and a GPU (or Triton's interpreter, for tests);
+    auto: the cost model per bucket on CUDA with graphs and raw host rows, else copy."""
     if requested != "auto" and fetch != "routed":
         raise ValueError(f"--expert-fetch-path {requested} picks how routed fetching fetches; it cannot take effect "
                          f"with --expert-fetch {fetch}")
     if requested == "uva":
-        if tiers.lossless:
-            raise ValueError("--expert-fetch-path uva gathers raw host rows; it cannot take effect with the lossless "
-                             "tiers (--num-compressed-experts, --host-compression lossless)")
+        if tiers.host_compressed:
+            raise ValueError(HOST_COMPRESSED_UVA)
         if device_type != "cuda" and not interpreter:
             raise ValueError("--expert-fetch-path uva runs a Triton kernel on mapped host memory: it needs a CUDA "
                              "device")
         return max_num_seqs
-    if requested == "copy" or fetch != "routed" or device_type != "cuda" or not graphs or tiers.lossless:
+    if requested == "copy" or fetch != "routed" or device_type != "cuda" or not graphs or tiers.host_compressed:
         return 0
     return graph_fetch_max_seqs(shape, hw or HardwareProfile(), num_gpu_experts, max_num_seqs, context_len, tiers)
 

@@ -119,13 +119,13 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     plan = plans[host_compression]
     if routed_search(x, device_type):
         # path (b) runs in the decode CUDA graphs on CUDA (fetch_cost.settle_fetch_path), or where asked for
-        uva = x.fetch_path == "uva" or (x.fetch_path == "auto" and device_type == "cuda" and not eager)
+        path = x.fetch_path if x.fetch_path != "auto" else "auto" if device_type == "cuda" and not eager else "copy"
         pick = routed_plan.choose(
             routed_plan.settle(plan, inputs_of(host_compression), host_compression, x.fetch, max_model_len / 2,
-                               "stream-optimised", uva),
+                               "stream-optimised", path),
             [routed_plan.best_routed(inputs_of(mode), routed_plan.routed_compression_ratio(x.compression, is_bf16),
-                                     max_model_len / 2, x.fetch, uva)
-             for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16)], x.fetch)
+                                     max_model_len / 2, x.fetch, path)
+             for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16, x.fetch_path == "uva")], x.fetch)
         if pick.origin == "routed-optimised":
             logger.info("placement for routed fetching: %s, modelled %.1f ms per decode step at %d sequences "
                         "(faster than the stream-all search's %s)", pick.label(), pick.step_s * 1e3, pick.num_seqs,
@@ -174,7 +174,9 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
         return None
     fused = c.compressed_gemm == "fused"  # the tier read by the GEMM (issue 23): no decode, its stored bytes read
     ratio = (FUSED_LOSSLESS_PLANNING_RATIO if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
-    host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
+    # --expert-fetch-path uva gathers raw host rows: auto keeps the host tier raw (lossless given is refused later)
+    host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 and x.fetch_path != "uva" \
+        else [host_compression]
     host_limit = host_budget()
 
     def kwargs(mode: str) -> dict:

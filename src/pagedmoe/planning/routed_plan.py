@@ -4,7 +4,8 @@ the one the stream-all search picked. Pure Python; formulas in docs/planner.md (
 The stream-all search (planner.plan_memory) optimises the every-step copy of every host expert. Routed fetching
 moves only the routed misses, so under uniform routing its best placement keeps the most experts on the GPU: per
 N resident (bf16 cache pages) in 0..E-1, as many experts as fit in the lossless compressed GPU tier (0.683 of
-bf16; a routed miss from it is decoded, never copied), the host tier compressed where allowed. Per N two
+bf16; a routed miss from it is decoded, never copied, by either fetch path), the host tier compressed where allowed
+(fetched by path (a) alone: such a placement is costed without path (b)). Per N two
 compressed counts are tried: the most the budget holds with one max_model_len sequence of KV (the KV minimum),
 and the most that still leaves the KV for as many workload sequences as C = 0 does. Each candidate is sized by
 planner.plan_placement (the one device budget) and costed by fetch_cost.fetch_step_s at the sequences its KV
@@ -41,7 +42,7 @@ class FetchPick:
     origin: str                 # "stream-optimised" | "routed-optimised"
     shape: object = None        # the ModelShape and HardwareProfile it was costed for
     hw: object = None
-    uva: bool = True            # fetch path (b) modelled where possible
+    fetch_path: str = "auto"    # the routed fetch paths modelled (_with_paths)
 
     @property
     def num_seqs(self) -> int:
@@ -61,31 +62,40 @@ class FetchPick:
     def steps_ms(self, batches: Iterable[int], context_len: float) -> dict[int, float]:
         """Modelled decode step ms at each batch under this pick's fetch."""
         return {b: 1e3 * _fetch_s(self.shape, self.hw, self.plan.placement, b, context_len, self.tiers(), self.fetch,
-                                  self.uva)
+                                  self.fetch_path)
                 for b in batches}
 
 
-def _fetch_s(shape, hw, placement: Placement, num_seqs: int, context_len: float, tiers: FetchTiers,
-             fetch: str, uva: bool) -> float:
-    costs = fetch_step_s(shape, hw, min(placement.num_gpu_experts, default=0), num_seqs, context_len, tiers)
-    if not uva:
+def _with_paths(costs: dict, fetch_path: str) -> dict:
+    """fetch_step_s's costs as the engine's --expert-fetch-path `fetch_path` runs routed fetching: auto, either path
+    (the faster per bucket; path (b) only where it can run); copy, path (a) alone; uva, path (b) alone (its cost as
+    "routed" too, so routed_s gives it; where it cannot run, the engine refuses the flag: path (a) is costed)."""
+    costs = dict(costs)
+    if fetch_path == "copy":
         costs["routed_uva"] = None
+    elif fetch_path == "uva" and costs.get("routed_uva") is not None:
+        costs["routed"] = costs["routed_uva"]
+    return costs
+
+
+def _fetch_s(shape, hw, placement: Placement, num_seqs: int, context_len: float, tiers: FetchTiers,
+             fetch: str, fetch_path: str) -> float:
+    costs = _with_paths(fetch_step_s(shape, hw, min(placement.num_gpu_experts, default=0), num_seqs, context_len,
+                                     tiers), fetch_path)
     return routed_s(costs) if fetch == "routed" else costs[fetch]
 
 
 def settle(plan: PlacementPlan, inputs: PlanInputs, host_compression: str, requested: str, context_len: float,
-           origin: str, uva: bool = True) -> FetchPick:
+           origin: str, fetch_path: str = "auto") -> FetchPick:
     """`plan` with the fetch `requested` (auto | stream | routed) settles on, as fetch_cost.resolve_fetch would
-    on CUDA (at max_num_seqs), and its step at the plan's sequences (max_num_seqs, or fewer where the KV is short). `uva`: fetch path (b) can run (CUDA graphs on CUDA, not
-    --expert-fetch-path copy); else routed fetching is modelled by path (a) alone."""
+    on CUDA (at max_num_seqs), and its step at the plan's sequences (max_num_seqs, or fewer where the KV is short).
+    `fetch_path`: the routed fetch paths the engine would run (_with_paths): "auto" where path (b) can run (CUDA
+    graphs on CUDA), "copy" where it cannot (--enforce-eager, off CUDA, --expert-fetch-path copy), "uva" forced."""
     tiers = FetchTiers.of_plan(plan.placement.num_compressed_experts, host_compression)
     n = min(plan.placement.num_gpu_experts, default=0)
 
     def costs_at(seqs: int) -> dict:
-        costs = fetch_step_s(inputs.shape, inputs.hw, n, seqs, context_len, tiers)
-        if not uva:
-            costs["routed_uva"] = None
-        return costs
+        return _with_paths(fetch_step_s(inputs.shape, inputs.hw, n, seqs, context_len, tiers), fetch_path)
 
     costs = costs_at(max(1, plan.num_seqs))
     if plan.placement.is_resident:
@@ -95,7 +105,7 @@ def settle(plan: PlacementPlan, inputs: PlanInputs, host_compression: str, reque
     else:
         fetch = requested
     return FetchPick(plan, host_compression, fetch, routed_s(costs) if fetch == "routed" else costs[fetch], origin,
-                     inputs.shape, inputs.hw, uva)
+                     inputs.shape, inputs.hw, fetch_path)
 
 
 def _fits(inputs: PlanInputs, placement: Placement) -> Optional[PlacementPlan]:
@@ -155,14 +165,14 @@ def routed_candidates(inputs: PlanInputs, compression_ratio: Optional[float]) ->
 
 
 def best_routed(inputs: PlanInputs, compression_ratio: Optional[float], context_len: float,
-                requested: str = "routed", uva: bool = True) -> Optional[FetchPick]:
+                requested: str = "routed", fetch_path: str = "auto") -> Optional[FetchPick]:
     """The routed-optimised placement: the best decode tokens/s under routed fetching, among the candidates
     --expert-fetch `requested` settles on routed for (routed: all; auto: where routed is modelled ROUTED_MARGIN
     faster than stream-all); ties: more experts on the GPU. None when there is none."""
     host_mode = "lossless" if inputs.host_compression_ratio else "none"
     best = None
     for plan in routed_candidates(inputs, compression_ratio):
-        pick = settle(plan, inputs, host_mode, requested, context_len, "routed-optimised", uva)
+        pick = settle(plan, inputs, host_mode, requested, context_len, "routed-optimised", fetch_path)
         if pick.fetch != "routed":
             continue   # stream-all would run it: the stream-all search's ground (and its compression flags)
         p = plan.placement
@@ -191,9 +201,10 @@ def routed_compression_ratio(flag: Optional[str], is_bf16: bool) -> Optional[flo
     return LOSSLESS_PLANNING_RATIO if is_bf16 and flag in (None, "lossless") else None
 
 
-def routed_host_modes(flag: Optional[str], is_bf16: bool) -> list[str]:
+def routed_host_modes(flag: Optional[str], is_bf16: bool, uva_forced: bool = False) -> list[str]:
     """The host-tier modes the routed search tries: --host-compression none or lossless as given; unset (the
-    default) or auto: both when bf16 (lossless is exact), else raw."""
+    default) or auto: both when bf16 (lossless is exact), else raw; raw only under --expert-fetch-path uva (path (b)
+    gathers raw host rows: a compressed host tier would be refused)."""
     if flag in ("none", "lossless"):
         return [flag]
-    return ["none", "lossless"] if is_bf16 else ["none"]
+    return ["none", "lossless"] if is_bf16 and not uva_forced else ["none"]
