@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from pagedmoe.models.layers.linear import Linear
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding
 from pagedmoe.parallel.state import get_state
@@ -78,10 +79,11 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # Linear: nn.Linear with --backbone-gemm's decode-size kernel (layers/linear.py)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=False)
         self.qk_norm = qk_norm
         if qk_norm == "head":    # Qwen3: over each head's D
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)

@@ -1,0 +1,187 @@
+"""--backbone-gemm triton against torch and against transformers, whole tiny models (layers/linear.py).
+
+On CPU kernels/small_gemm.py runs under the Triton interpreter. Steps of at most 16 tokens (decode, and
+a short prefill) run the backbone linears through the kernel, longer prefills keep F.linear. The greedy
+tokens equal the torch path's; every step's logits are within 1e-4 of the torch path's and of
+transformers' in float32 (test_golden.py's bound; the kernel's float32 sums differ from torch's matmul
+only in summation order), and in bfloat16 the tokens still agree.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+    from triton_interp import fix_interpreter_bf16, fix_interpreter_bf16_dot, fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
+    fix_interpreter_bf16()
+    fix_interpreter_bf16_dot()
+
+FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2"]  # qwen2: qkv bias; deepseek: MLA
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the kernel's calls (layers/linear.py imports it at call time) and the rows they took."""
+    import pagedmoe.kernels.small_gemm as sg
+
+    calls, orig = [], sg.small_gemm
+
+    def counted(x, weight, bias=None, config=None):
+        calls.append(x.shape[0])
+        return orig(x, weight, bias, config)
+
+    monkeypatch.setattr(sg, "small_gemm", counted)
+    return calls
+
+
+def _run(path, backbone_gemm, prompts, steps, dtype="float32"):
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.engine.llm_engine import LLMEngine
+    from pagedmoe.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype, max_model_len=128,
+                                    backbone_gemm=backbone_gemm))
+    captured, orig = [], engine.sampler.sample
+
+    def spy(logits, params, gens, *rest):
+        captured.append(logits.clone())
+        return orig(logits, params, gens, *rest)
+
+    engine.sampler.sample = spy
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           prompt_token_ids=p)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return engine, captured, tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
+    hf = make_tiny_checkpoint(family, tmp_path, seed=3)
+    with torch.no_grad():  # the biases (qwen2's q/k/v) start at zero: make them count
+        biases = [p for n, p in hf.named_parameters() if n.endswith("proj.bias")]
+        for b in biases:
+            b.normal_(0.0, 0.5)
+    if biases:
+        hf.save_pretrained(str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (9, 4)]  # 13 tokens: the kernel's
+    steps = 4
+    engine, fast, fast_tokens = _run(tmp_path, "triton", prompts, steps)
+    linears = [m for m in engine.runner.model.modules() if getattr(m, "small_gemm", False)]
+    assert linears and kernel_calls and max(kernel_calls) <= 16
+    assert 13 in kernel_calls  # the prefill step itself went through the kernel
+    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, steps)
+    assert fast_tokens == plain_tokens and len(fast) == len(plain) == steps
+    for i, (a, b) in enumerate(zip(fast, plain)):
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-4, f"{family} step {i}: triton vs torch max abs diff {diff}"
+    tokens = list(prompts[0])
+    with torch.no_grad():
+        for i in range(steps):
+            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
+            diff = (fast[i][0] - ref).abs().max().item()
+            assert diff <= 1e-4, f"{family} step {i}: triton vs transformers max abs diff {diff}"
+            tokens.append(int(ref.argmax()))
+    assert tokens[len(prompts[0]):] == fast_tokens["r0"]
+
+
+def test_long_prefill_keeps_torch(tmp_path, kernel_calls):
+    """A 40-token prefill is not decode-shaped: F.linear takes it, the decode steps after it the kernel."""
+    make_tiny_checkpoint("qwen3_moe", tmp_path, seed=3)
+    prompts = [list(range(1, 41))]
+    _, _, tokens = _run(tmp_path, "triton", prompts, 3)
+    assert kernel_calls and set(kernel_calls) == {1}
+    _, _, plain_tokens = _run(tmp_path, "torch", prompts, 3)
+    assert tokens == plain_tokens
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_tokens_match_torch(family, tmp_path, kernel_calls):
+    make_tiny_checkpoint(family, tmp_path, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 3, 6)]
+    _, fast, fast_tokens = _run(tmp_path, "triton", prompts, 4, "bfloat16")
+    assert kernel_calls
+    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, 4, "bfloat16")
+    assert fast_tokens == plain_tokens
+    for a, b in zip(fast, plain):  # logits of bf16 hidden states: a few bf16 ulps of the largest
+        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
+def test_backbone_gemm_flag():
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.kernels.small_gemm import MAX_M
+    from pagedmoe.models.layers.linear import MAX_TOKENS, resolve_backbone_gemm
+
+    assert MAX_TOKENS == MAX_M
+    assert resolve_backbone_gemm("auto", torch.device("cpu")) is False
+    assert resolve_backbone_gemm("auto", torch.device("cuda")) is False  # torch until measured faster
+    assert resolve_backbone_gemm("torch", torch.device("cpu")) is False
+    assert resolve_backbone_gemm("triton", torch.device("cpu")) is (os.environ.get("TRITON_INTERPRET") == "1")
+    with pytest.raises(ValueError, match="backbone_gemm must be one of"):
+        EngineConfig(backbone_gemm="cublas")
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="--backbone-gemm triton runs Triton kernels: it needs a CUDA"):
+                resolve_backbone_gemm("triton", torch.device("cpu"))
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def test_cli_and_llm_kwargs():
+    import argparse
+
+    from pagedmoe.config import add_engine_args, engine_config_from_args, engine_config_from_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--backbone-gemm", "triton"])).backbone_gemm == "triton"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--backbone-gemm", "fast"])
+    cfg = engine_config_from_kwargs(None, backbone_gemm="torch")
+    assert cfg.backbone_gemm == "torch" and cfg.model_config.backbone_gemm == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_gpu_cuda_graphs_triton_matches_torch(family, tmp_path):
+    """On the GPU, bf16, decode in CUDA graphs with the kernel captured: the same greedy tokens as cuBLAS."""
+    from pagedmoe import LLM, SamplingParams
+
+    make_tiny_checkpoint(family, tmp_path, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 31, 17, 64)]
+    tokens = {}
+    for mode in ("torch", "triton"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
+                  enforce_eager=False, backbone_gemm=mode)
+        assert llm.engine.runner.graphs is not None
+        assert llm.engine.model.lm_head.small_gemm == (mode == "triton")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        tokens[mode] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens["torch"] == tokens["triton"]
