@@ -72,7 +72,7 @@ def small_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # int64: a large vocabulary times the hidden size can pass 2^31
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # int64: a vocabulary x hidden can pass 2^31
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
