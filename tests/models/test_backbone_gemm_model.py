@@ -50,13 +50,13 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _run(path, backbone_gemm, prompts, steps, dtype="float32"):
+def _run(path, backbone_gemm, prompts, steps, dtype="float32", fused_ops="off"):
     from pagedmoe.config import EngineConfig
     from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype, max_model_len=128,
-                                    backbone_gemm=backbone_gemm))
+                                    backbone_gemm=backbone_gemm, fused_ops=fused_ops))
     captured, orig = [], engine.sampler.sample
 
     def spy(logits, params, gens, *rest):
@@ -90,6 +90,12 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
     linears = [m for m in engine.runner.model.modules() if getattr(m, "small_gemm", False)]
     assert linears and kernel_calls and max(kernel_calls) <= 16
     assert 13 in kernel_calls  # the prefill step itself went through the kernel
+    for attn in engine.runner.model.attention_layers():  # q/k/v: row slices of one buffer, one launch
+        if family != "deepseek_v2":
+            w = attn.qkv_weight
+            assert attn.q_proj.weight.data_ptr() == w.data_ptr() and w.shape[0] == sum(
+                p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            assert torch.equal(attn.v_proj.weight, w[-attn.v_proj.out_features:])
     _, plain, plain_tokens = _run(tmp_path, "torch", prompts, steps)
     assert fast_tokens == plain_tokens and len(fast) == len(plain) == steps
     for i, (a, b) in enumerate(zip(fast, plain)):
@@ -103,6 +109,21 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
             assert diff <= 1e-4, f"{family} step {i}: triton vs transformers max abs diff {diff}"
             tokens.append(int(ref.argmax()))
     assert tokens[len(prompts[0]):] == fast_tokens["r0"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_with_fused_ops(family, tmp_path, kernel_calls):
+    """With --fused-ops on the q/k norm + RoPE + KV-write kernel reads q, k, v as column slices of the fused
+    qkv output (row stride Nq + 2 Nkv): the same tokens as torch with the fused ops, logits within 1e-4."""
+    make_tiny_checkpoint(family, tmp_path, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (6, 3)]
+    _, fast, fast_tokens = _run(tmp_path, "triton", prompts, 4, fused_ops="on")
+    assert kernel_calls
+    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, 4, fused_ops="on")
+    assert fast_tokens == plain_tokens
+    for a, b in zip(fast, plain):
+        assert (a - b).abs().max().item() <= 1e-4
 
 
 def test_long_prefill_keeps_torch(tmp_path, kernel_calls):
