@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     import sys
@@ -50,28 +50,14 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _run(path, backbone_gemm, prompts, steps, dtype="float32", fused_ops="off"):
-    from pagedmoe.config import EngineConfig
-    from pagedmoe.engine.llm_engine import LLMEngine
-    from pagedmoe.sampling_params import SamplingParams
+def _run(path, backbone_gemm, lengths, steps, dtype="float32", fused_ops="off", seed=1):
+    """(engine, every step's logits, each prompt's greedy tokens) of random prompts of `lengths`."""
+    from pagedmoe import LLM
 
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype, max_model_len=128,
-                                    backbone_gemm=backbone_gemm, fused_ops=fused_ops))
-    captured, orig = [], engine.sampler.sample
-
-    def spy(logits, params, gens, *rest):
-        captured.append(logits.clone())
-        return orig(logits, params, gens, *rest)
-
-    engine.sampler.sample = spy
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
-                           prompt_token_ids=p)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return engine, captured, tokens
+    llm = LLM(str(path), device="cpu", dtype=dtype, max_model_len=128, backbone_gemm=backbone_gemm,
+              fused_ops=fused_ops)
+    logits, outs = greedy_logits(llm, lengths, steps, seed)
+    return llm.engine, logits, [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -83,10 +69,8 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
             b.normal_(0.0, 0.5)
     if biases:
         hf.save_pretrained(str(tmp_path))
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (9, 4)]  # 13 tokens: the kernel's
     steps = 4
-    engine, fast, fast_tokens = _run(tmp_path, "triton", prompts, steps)
+    engine, fast, fast_tokens = _run(tmp_path, "triton", (9, 4), steps)  # 13 tokens: the prefill is the kernel's
     linears = [m for m in engine.runner.model.modules() if getattr(m, "small_gemm", False)]
     assert linears and kernel_calls and max(kernel_calls) <= 16
     assert 13 in kernel_calls  # the prefill step itself went through the kernel
@@ -96,19 +80,20 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
             assert attn.q_proj.weight.data_ptr() == w.data_ptr() and w.shape[0] == sum(
                 p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             assert torch.equal(attn.v_proj.weight, w[-attn.v_proj.out_features:])
-    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, steps)
+    _, plain, plain_tokens = _run(tmp_path, "torch", (9, 4), steps)
     assert fast_tokens == plain_tokens and len(fast) == len(plain) == steps
     for i, (a, b) in enumerate(zip(fast, plain)):
         diff = (a - b).abs().max().item()
         assert diff <= 1e-4, f"{family} step {i}: triton vs torch max abs diff {diff}"
-    tokens = list(prompts[0])
+    prompt, generated = fast_tokens[0]
+    tokens = list(prompt)
     with torch.no_grad():
         for i in range(steps):
             ref = hf(torch.tensor([tokens])).logits[0, -1].float()
             diff = (fast[i][0] - ref).abs().max().item()
             assert diff <= 1e-4, f"{family} step {i}: triton vs transformers max abs diff {diff}"
             tokens.append(int(ref.argmax()))
-    assert tokens[len(prompts[0]):] == fast_tokens["r0"]
+    assert tokens[len(prompt):] == list(generated)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -116,11 +101,9 @@ def test_with_fused_ops(family, tmp_path, kernel_calls):
     """With --fused-ops on the q/k norm + RoPE + KV-write kernel reads q, k, v as column slices of the fused
     qkv output (row stride Nq + 2 Nkv): the same tokens as torch with the fused ops, logits within 1e-4."""
     make_tiny_checkpoint(family, tmp_path, seed=5)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (6, 3)]
-    _, fast, fast_tokens = _run(tmp_path, "triton", prompts, 4, fused_ops="on")
+    _, fast, fast_tokens = _run(tmp_path, "triton", (6, 3), 4, fused_ops="on", seed=2)
     assert kernel_calls
-    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, 4, fused_ops="on")
+    _, plain, plain_tokens = _run(tmp_path, "torch", (6, 3), 4, fused_ops="on", seed=2)
     assert fast_tokens == plain_tokens
     for a, b in zip(fast, plain):
         assert (a - b).abs().max().item() <= 1e-4
@@ -129,27 +112,24 @@ def test_with_fused_ops(family, tmp_path, kernel_calls):
 def test_long_prefill_keeps_torch(tmp_path, kernel_calls):
     """A 40-token prefill is not decode-shaped: F.linear takes it, the decode steps after it the kernel."""
     make_tiny_checkpoint("qwen3_moe", tmp_path, seed=3)
-    prompts = [list(range(1, 41))]
-    _, _, tokens = _run(tmp_path, "triton", prompts, 3)
+    _, _, tokens = _run(tmp_path, "triton", (40,), 3)
     assert kernel_calls and set(kernel_calls) == {1}
-    _, _, plain_tokens = _run(tmp_path, "torch", prompts, 3)
+    _, _, plain_tokens = _run(tmp_path, "torch", (40,), 3)
     assert tokens == plain_tokens
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_bf16_tokens_match_torch(family, tmp_path, kernel_calls):
     make_tiny_checkpoint(family, tmp_path, seed=7)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 3, 6)]
-    _, fast, fast_tokens = _run(tmp_path, "triton", prompts, 4, "bfloat16")
+    _, fast, fast_tokens = _run(tmp_path, "triton", (5, 3, 6), 4, "bfloat16", seed=3)
     assert kernel_calls
-    _, plain, plain_tokens = _run(tmp_path, "torch", prompts, 4, "bfloat16")
+    _, plain, plain_tokens = _run(tmp_path, "torch", (5, 3, 6), 4, "bfloat16", seed=3)
     assert fast_tokens == plain_tokens
     for a, b in zip(fast, plain):  # logits of bf16 hidden states: a few bf16 ulps of the largest
         assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
 
 
-def test_backbone_gemm_flag():
+def test_backbone_gemm_flag(monkeypatch):
     from pagedmoe.config import EngineConfig
     from pagedmoe.kernels.small_gemm import MAX_M
     from pagedmoe.models.layers.linear import MAX_TOKENS, resolve_backbone_gemm
@@ -158,17 +138,15 @@ def test_backbone_gemm_flag():
     assert resolve_backbone_gemm("auto", torch.device("cpu")) is False
     assert resolve_backbone_gemm("auto", torch.device("cuda")) is False  # torch until measured faster
     assert resolve_backbone_gemm("torch", torch.device("cpu")) is False
-    assert resolve_backbone_gemm("triton", torch.device("cpu")) is (os.environ.get("TRITON_INTERPRET") == "1")
+    if torch.cuda.is_available():
+        assert resolve_backbone_gemm("triton", torch.device("cuda")) is True
     with pytest.raises(ValueError, match="backbone_gemm must be one of"):
         EngineConfig(backbone_gemm="cublas")
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        if not torch.cuda.is_available():
-            with pytest.raises(ValueError, match="--backbone-gemm triton runs Triton kernels: it needs a CUDA"):
-                resolve_backbone_gemm("triton", torch.device("cpu"))
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert resolve_backbone_gemm("triton", torch.device("cpu")) is True
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--backbone-gemm triton runs Triton kernels: it needs a CUDA device"):
+        resolve_backbone_gemm("triton", torch.device("cpu"))
 
 
 def test_cli_and_llm_kwargs():
@@ -189,19 +167,16 @@ def test_cli_and_llm_kwargs():
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_gpu_cuda_graphs_triton_matches_torch(family, tmp_path):
     """On the GPU, bf16, decode in CUDA graphs with the kernel captured: the same greedy tokens as cuBLAS."""
-    from pagedmoe import LLM, SamplingParams
+    from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=7)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 31, 17, 64)]
     tokens = {}
     for mode in ("torch", "triton"):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
                   enforce_eager=False, backbone_gemm=mode)
         assert llm.engine.runner.graphs is not None
         assert llm.engine.model.lm_head.small_gemm == (mode == "triton")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        _, outs = greedy_logits(llm, (5, 31, 17, 64), 10, seed=3)
         tokens[mode] = [o.outputs[0].token_ids for o in outs]
         del llm
         torch.cuda.empty_cache()
