@@ -52,9 +52,12 @@ def variants(cfg) -> list:
     from dataclasses import replace
 
     out = []
+    # one knob at a time, then no split with narrower, deeper tiles (as many programs, no reduction launch)
     for change in (dict(block_n=cfg.block_n * 2), dict(block_n=max(16, cfg.block_n // 2)), dict(block_k=256),
                    dict(block_k=64), dict(split_k=cfg.split_k * 2), dict(split_k=max(1, cfg.split_k // 2)),
-                   dict(num_warps=8), dict(num_warps=2), dict(num_stages=3), dict(num_stages=6)):
+                   dict(num_warps=8), dict(num_warps=2), dict(num_stages=3), dict(num_stages=6),
+                   dict(block_n=16, block_k=512, split_k=1), dict(block_n=32, block_k=256, split_k=1),
+                   dict(block_n=16, block_k=256, split_k=1, num_stages=6)):
         v = replace(cfg, **change)
         if v != cfg and v not in out:
             out.append(v)
@@ -66,6 +69,17 @@ def per_step(rows: list, layers: int, M: int, value) -> float:
     the lm_head once (the fused qkv row is not part of today's step)."""
     return sum(value(r) * (1 if r["linear"] == "lm_head" else layers) for r in rows
                if r["M"] == M and "error" not in r and (r["linear"] in STEP_LINEARS or r["linear"] == "lm_head"))
+
+
+def sweep_order(by_shape: list) -> list:
+    """The shapes (each a list of rows, one per M) in sweep order, what weighs most in a step first: per model,
+    the step's linears by bytes x calls per step, then the fused qkv row."""
+    def weight(rows):
+        r = rows[0]
+        once = r["linear"] == "lm_head"
+        in_step = once or r["linear"] in STEP_LINEARS
+        return list(MODELS).index(r["model"]), not in_step, -r["bytes"] * (1 if once else MODELS[r["model"]][0])
+    return sorted(by_shape, key=weight)
 
 
 def format_table(res: dict) -> str:
@@ -170,8 +184,9 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_small_gemm.json"))
-    p.add_argument("--max-s", type=float, default=100.0, help="no new sweep variant after this many seconds")
+    p.add_argument("--max-s", type=float, default=90.0, help="no new sweep variant after this many seconds")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--sweep-only", default="", help="comma-separated linears to sweep (e.g. o,q), default all")
     args = p.parse_args()
     t0 = time.time()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -183,7 +198,9 @@ def main() -> None:
             rows = bench_shape(model, linear, N, K, res["copy_bytes_per_s"])
             res["rows"] += rows
             by_shape.append(rows)
-    for rows in ([] if args.no_sweep else by_shape):
+    for rows in ([] if args.no_sweep else sweep_order(by_shape)):
+        if args.sweep_only and rows[0]["linear"] not in args.sweep_only.split(","):
+            continue
         if time.time() - t0 > args.max_s:
             break
         sweep_shape(rows, t0 + args.max_s)

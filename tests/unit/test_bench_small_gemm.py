@@ -26,6 +26,16 @@ def test_variants_around_the_rule():
     assert any(v.split_k == base.split_k * 2 for v in vs) and any(v.block_k == 256 for v in vs)
 
 
+def test_sweep_order():
+    shapes = [[dict(model=m, linear=lin, bytes=bs.gemm_bytes(1, N, K))] for m, (_, linears) in bs.MODELS.items()
+              for lin, N, K, _ in linears]
+    order = [(s[0]["model"][:5], s[0]["linear"]) for s in bs.sweep_order(shapes)]
+    # Qwen3: lm_head 622 MB once < q / o 16.8 MB x 48; k, v 2 MB x 48; the fused qkv row last
+    assert order[:7] == [("qwen3", "q"), ("qwen3", "o"), ("qwen3", "lm_head"), ("qwen3", "k"), ("qwen3", "v"),
+                         ("qwen3", "router"), ("qwen3", "qkv")]
+    assert order[7][0] == "mixtr" and order[-1] == ("mixtr", "qkv")
+
+
 def _row(model, linear, M, torch_us, triton_us, floor_us=1.0):
     return dict(model=model, linear=linear, N=8, K=8, M=M, copies=1, bytes=1000, floor_us=floor_us,
                 torch=dict(us=torch_us, gbps=1000 / torch_us / 1e3),
