@@ -98,7 +98,7 @@ def small_gemm_kernel(
 
 
 @triton.jit
-def split_k_reduce_kernel(
+def small_gemm_reduce_kernel(
     ws_ptr, b_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -160,9 +160,9 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     small_gemm_kernel[(n_tiles, split)](x, weight, b, ws, M, N, K, k_per_split, x.stride(0), weight.stride(0),
                                         ws.stride(1), ws.stride(0), HAS_BIAS=False, PARTIAL=True, **meta)
     reduce_n = 128
-    split_k_reduce_kernel[(triton.cdiv(N, reduce_n),)](ws, b, out, M, N, ws.stride(0), ws.stride(1), out.stride(0),
-                                                       SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-                                                       BLOCK_N=reduce_n, num_warps=4)
+    small_gemm_reduce_kernel[(triton.cdiv(N, reduce_n),)](
+        ws, b, out, M, N, ws.stride(0), ws.stride(1), out.stride(0),
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=reduce_n, num_warps=4)
     return out
 
 
