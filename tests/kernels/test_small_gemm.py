@@ -127,7 +127,6 @@ def test_degenerate_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (4096, 4096),
                                  (1024, 4096), (8, 4096), (32000, 4096)])
 def test_gpu_full_shapes_in_cuda_graph(N, K):
