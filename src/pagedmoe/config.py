@@ -26,6 +26,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _MOE_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 _FUSED_OPS = ("auto", "on", "off")  # layers/fused_ops.py
+_BACKBONE_GEMMS = ("auto", "triton", "torch")  # layers/linear.py
 _PLACEMENTS = ("resident", "paged", "auto")
 _EXPERT_BUFFERS = ("auto", "plain", "vmm", "vmm-ring")
 _EXPERT_FETCH = ("auto", "stream", "routed")
@@ -80,6 +81,10 @@ class EngineConfig:
     fused_ops: str = _flag("auto", "fused Triton kernels for the decode step's small ops (residual add + RMSNorm; "
                                    "q/k norm + RoPE + KV write; router top-k): on, off, or auto (on on CUDA "
                                    "with triton installed: faster at every measured batch)", _FUSED_OPS)
+    backbone_gemm: str = _flag("auto", "GEMM of the backbone linears (attention q/k/v/o, router gate, lm_head) in "
+                                       "steps of at most 16 tokens: triton (kernels/small_gemm.py, needs CUDA), "
+                                       "torch (cuBLAS), or auto (torch until the kernel is measured faster on "
+                                       "the H200)", _BACKBONE_GEMMS)
     expert_placement: str = _flag("auto", "resident: every expert in GPU memory; paged: experts stream "
                                               "from pinned host memory one layer ahead (with "
                                               "--num-gpu-experts resident per layer); auto: the planner picks",
@@ -194,7 +199,7 @@ class EngineConfig:
     def _check_choices(self) -> None:
         for name, choices in (("dtype", _DTYPES), ("load_format", _LOAD_FORMATS), ("device", _DEVICES),
                               ("attention_backend", _ATTENTION_BACKENDS), ("moe_backend", _MOE_BACKENDS),
-                              ("fused_ops", _FUSED_OPS),
+                              ("fused_ops", _FUSED_OPS), ("backbone_gemm", _BACKBONE_GEMMS),
                               ("expert_placement", _PLACEMENTS), ("expert_buffers", _EXPERT_BUFFERS),
                               ("expert_fetch", _EXPERT_FETCH), ("expert_fetch_path", _EXPERT_FETCH_PATHS),
                               ("expert_compression", _EXPERT_COMPRESSION),

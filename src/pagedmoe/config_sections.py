@@ -29,6 +29,7 @@ class ModelConfig:
     attention_backend: str
     moe_backend: str
     fused_ops: str
+    backbone_gemm: str
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ SECTIONS = {
                                    "max_model_len": "max_model_len", "seed": "seed", "load_format": "load_format",
                                    "served_model_name": "served_model_name", "enforce_eager": "enforce_eager",
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend",
-                                   "fused_ops": "fused_ops"}),
+                                   "fused_ops": "fused_ops", "backbone_gemm": "backbone_gemm"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",
                                     "max_num_batched_tokens": "max_num_batched_tokens",
                                     "async_scheduling": "async_scheduling"}),

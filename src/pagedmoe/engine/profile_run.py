@@ -32,7 +32,7 @@ def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_le
 @torch.inference_mode()
 def profile_step_bytes(model, block_size: int, device: torch.device, dtype: torch.dtype, attention_backend: str,
                        moe_backend: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                       memory=None, fused_ops: str = "auto") -> int:
+                       memory=None, fused_ops: str = "auto", backbone_gemm: str = "auto") -> int:
     """Device bytes the largest step needs above what is allocated before it (its activations, the logits and
     the sampler's float32 working copy of them). On CUDA `memory` (worker/device_memory.py) counts the growth
     outside torch's pool; off CUDA the step runs (so the path is exercised) and 0 is returned."""
@@ -40,7 +40,7 @@ def profile_step_bytes(model, block_size: int, device: torch.device, dtype: torc
     num_blocks = sum(-(-n // block_size) for n in lengths)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, attention_backend, moe_backend,
                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True,
-                         fused_ops=fused_ops)
+                         fused_ops=fused_ops, backbone_gemm=backbone_gemm)
     kv = KVCacheManager(num_blocks, block_size)
     vocab = model.dims.vocab_size
     low = min(10, vocab - 1)   # no special ids, as bench's random prompts

@@ -159,7 +159,8 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)")
     runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
                          config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                         enforce_eager=eager, kv_backing=backing, memory=memory, fused_ops=config.fused_ops)
+                         enforce_eager=eager, kv_backing=backing, memory=memory, fused_ops=config.fused_ops,
+                         backbone_gemm=config.backbone_gemm)
     if backing is not None and memory is not None and config.num_kv_blocks is None:
         # lent blocks come back only while the process stays within the budget with room for a step's
         # activations and the next build (not whenever the device has memory free)
@@ -360,7 +361,7 @@ def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torc
         if store.dynamic is None:  # dynamic experts are built after the KV cache: estimated
             estimate, act = act, profile_step_bytes(
                 model, c.block_size, device, dtype, c.attention_backend, c.moe_backend,
-                c.max_num_seqs, max_model_len, c.max_num_batched_tokens, memory, c.fused_ops)
+                c.max_num_seqs, max_model_len, c.max_num_batched_tokens, memory, c.fused_ops, c.backbone_gemm)
             logger.info("profile step (%d tokens, %d sequences): %.2f GiB of activations (estimate %.2f GiB)",
                         c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens), act / GiB,
                         estimate / GiB)

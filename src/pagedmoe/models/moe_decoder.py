@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedmoe.experts.interface import ExpertsProvider
 from pagedmoe.models.layers.attention import Attention, AttentionMetadata
+from pagedmoe.models.layers.linear import Linear
 from pagedmoe.models.layers.mla import MLADims, MLAttention
 from pagedmoe.models.layers.mlp import GatedMLP
 from pagedmoe.models.layers.moe import FusedMoE
@@ -174,7 +175,7 @@ class MoEForCausalLM(nn.Module):
         self.parallel = get_state()
         self.experts = experts
         self.model = DecoderModel(dims, spec, max_position, experts)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.lm_head = Linear(dims.hidden_size, dims.vocab_size, bias=False)  # --backbone-gemm (layers/linear.py)
         # --fused-ops (layers/fused_ops.py): residual adds fused with the RMSNorms after them
         self.fused_residual_norm = False
 

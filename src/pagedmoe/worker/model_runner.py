@@ -15,6 +15,7 @@ from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_cache_bytes
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
 from pagedmoe.models.layers.fused_ops import apply_fused_ops, resolve_fused_ops
+from pagedmoe.models.layers.linear import apply_backbone_gemm, resolve_backbone_gemm
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.oom import naming_oom
@@ -38,7 +39,7 @@ class ModelRunner:
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
                  kv_backing: Optional[LendableKVCache] = None, memory=None,
-                 fused_ops: str = "auto") -> None:
+                 fused_ops: str = "auto", backbone_gemm: str = "auto") -> None:
         """`kv_backing`: KV tensors lent to dynamic precision (kvcache/kv_cache.py), else plain ones are
         allocated; `memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and
         the CUDA graphs' stages; None off CUDA."""
@@ -66,6 +67,7 @@ class ModelRunner:
         for moe in model.moe_layers():
             moe.experts_fn = MOE_BACKENDS[moe_backend]
         apply_fused_ops(model, resolve_fused_ops(fused_ops, device))  # before the graphs capture the kernels
+        apply_backbone_gemm(model, resolve_backbone_gemm(backbone_gemm, device))
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             moes = model.moe_layers()

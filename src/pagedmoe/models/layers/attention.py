@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from pagedmoe.models.layers.linear import MAX_TOKENS, Linear
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding
 from pagedmoe.parallel.state import get_state
@@ -67,6 +68,19 @@ def make_attention_backend(name: str, device: torch.device):
     return ATTENTION_BACKENDS[name]()
 
 
+def _share_rows(layers, name: str) -> torch.Tensor:
+    """Concatenate the layers' `name` parameters by rows into one tensor and make each parameter a view of
+    its rows (same values, same names; the old storage is freed)."""
+    with torch.no_grad():
+        whole = torch.cat([getattr(layer, name) for layer in layers])
+        start = 0
+        for layer in layers:
+            n = getattr(layer, name).shape[0]
+            setattr(layer, name, nn.Parameter(whole[start:start + n], requires_grad=False))
+            start += n
+    return whole
+
+
 class Attention(nn.Module):
     """q/k/v projections (optional bias), optional q/k RMSNorm (per head or over all heads), RoPE,
     KV-cache write and paged attention, output projection."""
@@ -78,10 +92,11 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # Linear: nn.Linear with --backbone-gemm's decode-size kernel (layers/linear.py)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=False)
         self.qk_norm = qk_norm
         if qk_norm == "head":    # Qwen3: over each head's D
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)
@@ -101,6 +116,19 @@ class Attention(nn.Module):
         self.backend = None
         # --fused-ops (layers/fused_ops.py): q/k norm + RoPE + KV write in one kernel
         self.fused_qk_rope = False
+        # --backbone-gemm triton (fuse_qkv): the q/k/v weights' one buffer, read by one kernel launch
+        self.qkv_weight: Optional[torch.Tensor] = None
+        self.qkv_bias: Optional[torch.Tensor] = None
+
+    def fuse_qkv(self) -> None:
+        """Make the q/k/v weights (and biases) row slices of one [Nq + 2 Nkv, H] buffer, so a decode step's
+        three projections are one small_gemm launch (two fewer per layer; the k and v ones alone are too
+        small to fill the GPU). The parameters keep their names and values; idempotent."""
+        if self.qkv_weight is not None:
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _share_rows(projs, "weight")
+        self.qkv_bias = _share_rows(projs, "bias") if self.q_proj.bias is not None else None
 
     def can_fuse_qk_rope(self) -> bool:
         """Whether kernels/qk_norm_rope.py computes exactly this layer's q/k path."""
@@ -108,7 +136,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_weight is not None and self.q_proj.small_gemm and 0 < T <= MAX_TOKENS:
+            from pagedmoe.kernels.small_gemm import small_gemm
+
+            # q, k, v: column slices of one [T, Nq + 2 Nkv] output (the kernels downstream take row strides)
+            q, k, v = small_gemm(x, self.qkv_weight, self.qkv_bias).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

@@ -41,14 +41,19 @@ def resolve_fused_ops(mode: str, device: torch.device) -> bool:
         except ImportError:
             return False
         return True
+    require_triton("--fused-ops on", device)
+    return True
+
+
+def require_triton(flag: str, device: torch.device) -> None:
+    """A flag that runs Triton kernels fails loudly where they cannot run (also --backbone-gemm triton)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--fused-ops on runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1, "
+        raise ValueError(f"{flag} runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1, "
                          "the interpreter the CPU tests use)")
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        raise ValueError("--fused-ops on needs triton installed") from e
-    return True
+        raise ValueError(f"{flag} needs triton installed") from e
 
 
 def apply_fused_ops(model, enabled: bool) -> list[str]:

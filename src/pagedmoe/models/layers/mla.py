@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedmoe.kernels.attention_ref import mla_attention_ref, mla_decode_ref, write_latent_ref
+from pagedmoe.models.layers.linear import Linear
 from pagedmoe.models.layers.norm import RMSNorm
 from pagedmoe.models.layers.rotary import RotaryEmbedding
 
@@ -51,17 +52,18 @@ class MLAttention(nn.Module):
         qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         bias = mla.attention_bias
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden_size, num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden_size, mla.q_lora_rank, bias=bias)
             # NOTE: the low-rank norms use transformers' default eps 1e-6, not rms_norm_eps.
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, mla.latent_dim, bias=bias)
+            self.q_b_proj = Linear(mla.q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank)
+        # kv_b_proj stays nn.Linear: decode reads its weight directly (absorbed), never calls it
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
+        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
         self.rotary = rotary
         self.scale = mla.scale or qk_head_dim ** -0.5
         # Bound by the model runner once the cache exists (the split latent pair); MLA runs its own

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedmoe.experts.interface import TRITON_MAX_TOKENS, ExpertOperand, ExpertsProvider
+from pagedmoe.models.layers.linear import Linear
 from pagedmoe.models.layers.mlp import GatedMLP
 
 
@@ -253,7 +254,7 @@ class FusedMoE(nn.Module):
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         if router == "softmax":
-            self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+            self.gate = Linear(hidden_size, num_experts, bias=False)  # --backbone-gemm (layers/linear.py)
         elif router == "softmax_grouped":
             self.gate = Float32Gate(hidden_size, num_experts)
         else:

@@ -1,0 +1,67 @@
+"""The backbone's linear layers and their decode-size GEMM switch (``--backbone-gemm auto|triton|torch``).
+
+`Linear` is nn.Linear (same parameters, same checkpoint names) whose forwards of at most MAX_TOKENS rows
+can run kernels/small_gemm.py instead of cuBLAS: at decode sizes a linear layer is a read of its weight,
+and cuBLAS's M=1 kernels read it at about 35% of the H200's HBM bandwidth (issue 25). The attention q/k/v/o
+projections (MLA's too, but kv_b_proj, whose weight its decode reads directly), the softmax router's gate
+and the lm_head are built from it; the float32 routers of layers/moe.py and the dense / shared-expert MLPs
+stay nn.Linear. Larger forwards (prefill) keep F.linear. With the kernel on, each attention layer's q/k/v
+weights become row slices of one buffer (Attention.fuse_qkv): one launch computes all three.
+
+auto is torch for now: it switches to triton once benchmarks/bench_small_gemm.py has measured the kernel
+faster than F.linear on the H200 for the backbone shapes. triton fails loudly where Triton cannot run.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedmoe.models.layers.fused_ops import require_triton
+
+logger = logging.getLogger(__name__)
+
+BACKBONE_GEMM_MODES = ("auto", "triton", "torch")
+MAX_TOKENS = 16  # kernels/small_gemm.py's MAX_M (tests/models/test_backbone_gemm_model.py checks they agree)
+
+
+class Linear(nn.Linear):
+    """nn.Linear; with `small_gemm` set (apply_backbone_gemm), 1..MAX_TOKENS rows run the Triton kernel."""
+
+    small_gemm = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: x.shape is host metadata: choosing the path reads no device value (CUDA-graph safe)
+        if self.small_gemm and x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS:
+            from pagedmoe.kernels.small_gemm import small_gemm
+
+            return small_gemm(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def resolve_backbone_gemm(mode: str, device: torch.device) -> bool:
+    """Whether the backbone's decode-size linears run kernels/small_gemm.py."""
+    if mode not in BACKBONE_GEMM_MODES:
+        raise ValueError(f"backbone_gemm must be one of {', '.join(BACKBONE_GEMM_MODES)}; got {mode!r}")
+    if mode in ("torch", "auto"):
+        # auto: torch until bench_small_gemm.py measures the kernel faster than cuBLAS on the H200
+        return False
+    require_triton("--backbone-gemm triton", device)
+    return True
+
+
+def apply_backbone_gemm(model: nn.Module, enabled: bool) -> int:
+    """Switch every backbone `Linear` of the model to the kernel (or back). Returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.small_gemm = enabled
+    if enabled:  # q/k/v in one launch (layers/attention.py); MLA's projections stay three
+        for attn in model.attention_layers():
+            if hasattr(attn, "fuse_qkv"):
+                attn.fuse_qkv()
+    if enabled:
+        logger.info("backbone GEMM: %d linear layers run the Triton small-batch kernel at <= %d tokens",
+                    len(layers), MAX_TOKENS)
+    return len(layers)
