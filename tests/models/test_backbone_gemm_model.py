@@ -12,9 +12,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from model_interp import fix_interpreter  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
 
 import pytest  # noqa: E402
 
@@ -22,15 +20,7 @@ pytest.importorskip("triton")
 
 from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
-    from triton_interp import fix_interpreter_bf16, fix_interpreter_bf16_dot, fix_interpreter_index  # noqa: E402
-
-    fix_interpreter_index()
-    fix_interpreter_bf16()
-    fix_interpreter_bf16_dot()
+fix_interpreter(bf16_dot=True)
 
 FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2"]  # qwen2: qkv bias; deepseek: MLA
 

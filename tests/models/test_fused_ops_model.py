@@ -11,9 +11,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the kernels' import: triton.jit picks the interpreter at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from model_interp import fix_interpreter  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
 
 import pytest  # noqa: E402
 
@@ -21,14 +19,7 @@ pytest.importorskip("triton")
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
-    from triton_interp import fix_interpreter_bf16, fix_interpreter_index  # noqa: E402
-
-    fix_interpreter_index()
-    fix_interpreter_bf16()
+fix_interpreter()
 
 # family, checkpoint overrides, the fused ops expected to take effect
 CASES = {
