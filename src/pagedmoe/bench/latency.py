@@ -33,10 +33,10 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         raise ValueError(f"--batch-size {batch_size} exceeds --max-num-seqs {engine.config.max_num_seqs}")
     if input_len + output_len > engine.max_model_len:
         raise ValueError(f"input + output ({input_len + output_len}) exceeds max_model_len {engine.max_model_len}")
-    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
-    prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    engine.survive_step_oom = False  # a benchmark with a failed step measures nothing: its OOM stops it
+    prompts = random_prompts(batch_size + 1, input_len, engine.model.dims.vocab_size, seed)
     # the engine's one generator (seeded by --seed at start-up): one sampling launch per step, as a serving batch
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warmup", None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=prompts[-1])
@@ -46,27 +46,20 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
-    moved = routed = decoded = 0   # over decode steps: host -> device bytes, distinct (layer, expert) routed, bf16
-    # bytes decoded on the device (lossless tiers)
-    cache = _cache_counts(engine)   # routed fetching: the expert cache's hits and misses (decode steps)
-    cache_sum = dict.fromkeys(cache, 0)
+    totals = dict.fromkeys(_expert_counters(engine), 0)   # summed over the decode steps
     while engine.has_unfinished_requests():
         decode_steps_before = engine.step_time["decode_steps"]
-        traffic_before = _expert_traffic(engine)
+        before = _expert_counters(engine)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         if engine.step_time["decode_steps"] > decode_steps_before:
             decode.append(dt)
-            after = _expert_traffic(engine)
-            moved, routed = moved + after[0] - traffic_before[0], routed + after[1] - traffic_before[1]
-            decoded += after[2] - traffic_before[2]
-            now = _cache_counts(engine)
-            cache_sum = {k: cache_sum[k] + now[k] - cache[k] for k in now}
-            cache = now
+            for k, v in _expert_counters(engine).items():
+                totals[k] += v - before[k]
         else:
-            cache = _cache_counts(engine)
             prefill_s += dt
+    per_step = {k: v / max(1, len(decode)) for k, v in totals.items()}
     dims = engine.model.dims
     num_moe = len(engine.model.moe_layers())
     context = input_len + output_len // 2
@@ -86,30 +79,26 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "expert_fetch": engine.expert_plan.fetch,
         # routed: decode batches up to this fetch by path (b) (UVA gather, CUDA graphs); 0: path (a) only
         "expert_fetch_sync_free_max_seqs": engine.expert_plan.sync_free_max_seqs,
-        "expert_bytes_moved_per_step": moved / max(1, len(decode)),
-        "expert_bytes_decoded_per_step": decoded / max(1, len(decode)),
-        "routed_expert_bytes_per_step": routed * engine.expert_store.expert_numel * engine.dtype.itemsize
-        / max(1, len(decode)),
+        "expert_bytes_moved_per_step": per_step["moved"],
+        "expert_bytes_decoded_per_step": per_step["decoded"],
+        "routed_expert_bytes_per_step": per_step["routed"] * engine.expert_store.expert_numel * engine.dtype.itemsize,
         # routed fetching only: per decode step, routed (layer, expert) pairs found in the cache / fetched
-        **{f"expert_cache_{k}_per_step": v / max(1, len(decode)) for k, v in cache_sum.items()},
+        **{f"expert_cache_{k}_per_step": per_step[k] for k in ("hits", "misses") if k in per_step},
     }
 
 
-def _cache_counts(engine) -> dict:
-    """The expert cache's cumulative hits and misses ({} unless fetching is routed)."""
+def _expert_counters(engine) -> dict:
+    """Cumulative counters, read after a step: host -> device expert bytes (moved), expert bytes decoded on the
+    device (decoded), distinct (layer, expert) pairs routed (routed), and under routed fetching the expert cache's
+    hits and misses."""
     pager = engine.pager
-    if pager is None or not hasattr(pager, "cache_stats"):
-        return {}
-    st = pager.cache_stats()
-    return {"hits": st["hits"], "misses": st["misses"]}
-
-
-def _expert_traffic(engine) -> tuple[int, int, int]:
-    """(host -> device expert bytes so far, distinct (layer, expert) pairs routed so far, expert bytes decoded on the
-    device so far), read after a step."""
-    moved = engine.pager.stats.bytes_h2d if engine.pager is not None else 0
-    decoded = engine.pager.stats.bytes_decoded if engine.pager is not None else 0
-    return moved, int(engine.activity.distinct_routed), decoded
+    out = {"moved": pager.stats.bytes_h2d if pager is not None else 0,
+           "decoded": pager.stats.bytes_decoded if pager is not None else 0,
+           "routed": int(engine.activity.distinct_routed)}
+    if pager is not None and hasattr(pager, "cache_stats"):
+        st = pager.cache_stats()
+        out.update(hits=st["hits"], misses=st["misses"])
+    return out
 
 
 def run(args) -> int:

@@ -110,14 +110,14 @@ class ExpertCache:
         self.dirty.add(layer)
         return slot
 
-    def publish(self, layer: int) -> None:
-        """Write the layer's host slot map to the device after its fetch, and those of the layers that lost pages
-        to it: one asynchronous copy of every layer's map, on the current stream (so it follows the fills and
-        precedes the GEMMs that read it)."""
+    def publish(self, *layers: int) -> None:
+        """Write the layers' host slot maps to the device after their fetch, and those of the layers that lost
+        pages to them: one asynchronous copy of every layer's map, on the current stream (so it follows the fills
+        and precedes the GEMMs that read it)."""
         # NOTE: fetch path (b) trusts every entry of a device slot map (a cached expert keeps its page), so a
         # victim's layer is written too; path (a) reads only the entries of the experts it just looked up. The
         # rows nobody changed are rewritten with the values they hold.
-        self.dirty.add(layer)
+        self.dirty.update(layers)
         for v in self.dirty:
             self._mirror[v] = torch.tensor(self.host_maps[v], dtype=torch.int32)
         self.dirty.clear()

@@ -185,13 +185,16 @@ class RoutedPager(ExpertPager):
         st.bytes_routed += routed * self.expert_bytes
         self.stats.bytes_h2d += moved
         self.stats.bytes_decoded += decoded * self.expert_bytes
+        changed = []
         for layer, ids in enumerate(self.sync_free.refresh_candidates()):
             if ids:
                 _, fills = self.cache.lookup(layer, ids)
                 self._fill_pages(layer, fills)   # NOTE: on the compute stream, before the next forward
                 self.refreshed_pages += len(fills)
                 if fills:
-                    self.cache.publish(layer)
+                    changed.append(layer)
+        if changed:
+            self.cache.publish(*changed)   # one copy of the maps for every layer the refresh filled
 
     @property
     def bytes_per_forward(self) -> int:

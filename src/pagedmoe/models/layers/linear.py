@@ -61,7 +61,6 @@ def apply_backbone_gemm(model: nn.Module, enabled: bool) -> int:
         for attn in model.attention_layers():
             if hasattr(attn, "fuse_qkv"):
                 attn.fuse_qkv()
-    if enabled:
         logger.info("backbone GEMM: %d linear layers run the Triton small-batch kernel at <= %d tokens",
                     len(layers), MAX_TOKENS)
     return len(layers)
