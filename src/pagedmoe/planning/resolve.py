@@ -119,7 +119,9 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     plan = plans[host_compression]
     if routed_search(x, device_type):
         # path (b) runs in the decode CUDA graphs on CUDA (fetch_cost.settle_fetch_path), or where asked for
-        path = x.fetch_path if x.fetch_path != "auto" else "auto" if device_type == "cuda" and not eager else "copy"
+        path = x.fetch_path
+        if path == "auto" and (device_type != "cuda" or eager):
+            path = "copy"   # auto gives path (b) only CUDA-graph buckets (fetch_cost.settle_fetch_path)
         pick = routed_plan.choose(
             routed_plan.settle(plan, inputs_of(host_compression), host_compression, x.fetch, max_model_len / 2,
                                "stream-optimised", path),
