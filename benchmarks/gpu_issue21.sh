@@ -11,9 +11,11 @@
 #                                                           CUDA graphs) against copy (path (a), eager); the qwen
 #                                                           part runs auto (the cost model's path per bucket)
 #   run(command="bash benchmarks/gpu_issue21.sh uvac")      Qwen3 at 24 GiB routed, --expert-fetch-path uva (path (b), CUDA
-#                                                           graphs) with the compressed GPU tier the placement search
-#                                                           picks (default compression; host tier raw), sized for 8
-#                                                           sequences: batch 1 and 8 (issue target at 8: <= 222 ms/step)
+#                                                           graphs) with the lossless tiers the placement search picks
+#                                                           (default compression: the compressed GPU tier, and the host
+#                                                           tier compressed, decoded from mapped host memory), sized
+#                                                           for 8 sequences: batch 1 and 8 (target at 8: <= 222 ms/step);
+#                                                           uvacraw: the same with --host-compression none
 #   run(command="bash benchmarks/gpu_issue21.sh lossless")  Qwen3 at 24 GiB routed with the host tier compressed
 #                                                           (--host-compression lossless: compressed bytes per miss)
 #   run(command="bash benchmarks/gpu_issue21.sh placement") Qwen3 at 24 GiB, --expert-fetch auto with the engine sized
@@ -27,7 +29,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-PART=${1:?usage: gpu_issue21.sh qwen|prefetch|mixtral|serve|micro|paths|uvac|lossless|placement}
+PART=${1:?usage: gpu_issue21.sh qwen|prefetch|mixtral|serve|micro|paths|uvac|uvacraw|lossless|placement}
 LOG="$OUT/issue21-$PART.log"
 Q=benchmarks/configs/qwen3-30b-a3b
 M=benchmarks/configs/mixtral-8x7b
@@ -75,6 +77,9 @@ case "$PART" in
     EXTRA_FLAGS="--expert-fetch-path copy" latency qwen-copy "$Q" 280 routed 1 8 32 ;;
   uvac)
     EXTRA_FLAGS="--expert-fetch-path uva --max-num-seqs 8 --dtype bfloat16" latency qwen-uvac "$Q" 200 routed 1 8 ;;
+  uvacraw)
+    EXTRA_FLAGS="--expert-fetch-path uva --max-num-seqs 8 --dtype bfloat16 --host-compression none" \
+      latency qwen-uvacraw "$Q" 200 routed 1 8 ;;
   lossless)
     EXTRA_FLAGS="--host-compression lossless --dtype bfloat16 --expert-fetch-path copy" \
       latency qwen-lossless "$Q" 280 routed 1 8 32 64

@@ -118,9 +118,10 @@ class EngineConfig:
                                          "moves the mispredicted ones too)", type_=bool)
     expert_fetch_path: str = _flag("auto", "--expert-fetch routed: how a layer's routed misses arrive: copy (the "
                                            "copy engine, after a host sync per MoE layer: steps run eager), uva "
-                                           "(a GPU kernel reads them from mapped pinned host memory, the "
-                                           "compressed GPU tier's decoded on the device, no sync: decode steps run "
-                                           "in CUDA graphs; raw host tier only), auto (the cost model picks per "
+                                           "(a GPU kernel reads them from mapped pinned host memory, a compressed "
+                                           "host tier decoded as it is read, the compressed GPU tier's decoded on "
+                                           "the device, no sync: decode steps run in CUDA graphs), auto (the cost "
+                                           "model picks per "
                                            "CUDA-graph batch bucket)", _EXPERT_FETCH_PATHS)
     expert_precision: str = _flag("exact", "exact: experts keep their checkpoint values; static-fp8/int8/int4: "
                                            "every expert held in GPU memory in that lossy format and "

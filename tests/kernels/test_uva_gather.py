@@ -126,7 +126,7 @@ def test_sync_free_fetch_counts_on_the_device_and_names_the_experts_it_keeps_mis
     cache.lookup(0, [1])                          # expert 1 of layer 0 cached (path (a))
     cache.pool[cache.host_maps[0][1]] = host[0][1]
     cache.publish(0)
-    sf = SyncFreeFetch(cache, host, max_tokens=2)
+    sf = SyncFreeFetch(cache, host, max_tokens=2, expert_bytes=32)
     for step in range(REFRESH_STEPS):
         assert sf.refresh_candidates() == []
         slots = sf.layer_slots(0, torch.tensor([[1, 3], [3, 1]] if step % 2 else [[1, 0], [1, 1]]))
@@ -134,7 +134,8 @@ def test_sync_free_fetch_counts_on_the_device_and_names_the_experts_it_keeps_mis
             assert torch.equal(cache.pool[slots[e]], host[0][e])
         assert slots[3 if step % 2 else 0] == cache.miss_base and slots[1] == cache.host_maps[0][1]
         sf.layer_slots(1, torch.tensor([[2, 2], [2, 2]]))
-        assert sf.collect() == (2, 3, 0)   # layer 0: one hit, one miss; layer 1: one miss; nothing decoded
+        # layer 0: one hit, one miss; layer 1: one miss; nothing decoded; two raw rows of 32 bytes moved
+        assert sf.collect() == (2, 3, 0, 64)
     assert sf.num_steps == REFRESH_STEPS
     # layer 0 missed 0 and 3 in half the steps each (3 last: as often), layer 1 missed 2 in every step
     assert sf.refresh_candidates() == [[0, 3], [2]]
@@ -172,20 +173,105 @@ def test_sync_free_fetch_decodes_the_compressed_tier_and_reads_host_rows_by_host
     cache.lookup(0, [3])                          # layer 0's expert 3 cached (path (a))
     cache.pool[cache.host_maps[0][3], :n] = weights[0][3]
     cache.publish(0)
-    sf = SyncFreeFetch(cache, host, max_tokens=2, compressed=compressed)
+    sf = SyncFreeFetch(cache, host, max_tokens=2, compressed=compressed, expert_bytes=2 * n)
     routed = {0: [[2, 3], [5, 0]], 1: [[4, 0], [1, 0]]}
     for layer, ids in routed.items():
         slots = sf.layer_slots(layer, torch.tensor(ids))
         for e in {e for row in ids for e in row}:
             assert torch.equal(cache.pool[slots[e], :n].view(torch.int16), weights[layer][e].view(torch.int16))
     assert slots[0] == cache.miss_base   # layer 1's misses 0, 1, 4 in id order: 0 first
-    # layer 0: 3 hit, 0 and 2 decoded, 5 gathered; layer 1: 1 and 4 decoded, 0 gathered
-    assert sf.collect() == (6, 7, 4)
+    # layer 0: 3 hit, 0 and 2 decoded, 5 gathered; layer 1: 1 and 4 decoded, 0 gathered (two raw rows moved)
+    assert sf.collect() == (6, 7, 4, 2 * 2 * n)
     # only host experts are named for the cache (a compressed miss is a decode, no PCIe): layer 1 missed 0 (host)
     # and 1, 4 (compressed) in every step
     for _ in range(REFRESH_STEPS - 1):
         sf.layer_slots(1, torch.tensor(routed[1]))
         sf.collect()
     assert sf.refresh_candidates() == [[], [0]]   # layer 0: 0 and 2 compressed, host 5 missed once
-    with pytest.raises(ValueError, match="raw host row or compressed GPU-tier part"):
+    with pytest.raises(ValueError, match="raw host row, mapped compressed host part or compressed GPU-tier part"):
         SyncFreeFetch(cache, [host[0], host[1][:2]], max_tokens=2, compressed=compressed)
+
+
+def _host_layer(weights, ids, group_sizes, layout):
+    """One layer's host experts `ids` as experts/tiers/host.py holds a compressed host tier: encoded once (one part
+    per host slot), split into groups of `group_sizes` parts, the groups' arrays moved into one host tensor per kind
+    (to_host), and path (b)'s view of them all (mapped_layer)."""
+    from pagedmoe.codecs.lossless import encode
+    from pagedmoe.experts.tiers.host import mapped_layer, to_host
+
+    ct = encode(weights[ids].contiguous(), num_parts=len(ids), layout=layout)
+    starts = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
+    groups = to_host([ct.parts(s, s + k) for s, k in zip(starts, group_sizes)], pin=False)
+    return groups, mapped_layer(groups, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")
+def test_mapped_compressed_host_layer_decodes_every_part_by_host_slot():
+    """mapped_layer: the groups of a compressed host layer (each its own CompressedTensor, block offsets rebased to
+    its own first word) seen as one tensor of all their parts, its block offsets absolute again, so the indexed
+    decode reads any host slot's part (groups of 2, 1 and 3 parts here) and writes exactly its expert's bits; each
+    part's stored bytes are what a path (a) fill of that expert copies (its group's arrays, one expert per group)."""
+    from triton_interp import fix_interpreter_index
+
+    from pagedmoe.codecs.lossless import LosslessLayout
+    from pagedmoe.kernels.lossless_decode import lossless_decode_indexed
+
+    fix_interpreter_index()
+    g = torch.Generator().manual_seed(4)
+    n, E = 150, 6
+    weights = (torch.randn(E, n, generator=g) * 0.02).bfloat16()
+    groups, mapped = _host_layer(weights, list(range(E)), [2, 1, 3], LosslessLayout(16, 4, 12))
+    assert mapped.ct.num_parts == E and all(gr.raw.untyped_storage().data_ptr() == mapped.ct.raw.untyped_storage()
+                                            .data_ptr() for gr in groups)   # the groups' own memory, not a copy
+    out = torch.full((E + 2, n + 10), float("nan"), dtype=torch.bfloat16)
+    dst = torch.tensor([3, -1, 0, 7, 1, 5])          # part i into row dst[i]; part 1 skipped
+    lossless_decode_indexed(mapped.ct, out, torch.arange(E, dtype=torch.int32), dst)
+    for part, row in enumerate(dst.tolist()):
+        if row >= 0:
+            assert torch.equal(out[row, :n].view(torch.int16), weights[part].view(torch.int16))
+    assert out[2].isnan().all() and out[3, n:].isnan().all()   # untouched rows and row tails
+    # one expert per group (as routed fetching builds it): part p's stored bytes = its group's decoded arrays
+    groups1, mapped1 = _host_layer(weights, list(range(E)), [1] * E, LosslessLayout(16, 4, 12))
+    arrays = ("stream", "block_bit_offsets", "lane_bits", "raw")
+    assert mapped1.part_bytes.tolist() == [sum(getattr(gr, a).numel() * getattr(gr, a).element_size() for a in arrays)
+                                           for gr in groups1]
+
+
+@pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")
+def test_sync_free_fetch_decodes_a_compressed_host_tier_from_host_memory():
+    """With the host tier compressed (--host-compression lossless) path (b) decodes each host miss straight from the
+    layer's mapped host arrays into its miss page (the indexed decode reads host memory: on the GPU over PCIe),
+    beside the compressed GPU tier's decoded misses; every miss is decoded, and the bytes moved are the missed host
+    parts' stored bytes, counted on the device."""
+    from triton_interp import fix_interpreter_index
+
+    from pagedmoe.codecs.lossless import LosslessLayout, encode
+    from pagedmoe.experts.cache import ExpertCache
+    from pagedmoe.experts.routed_uva import SyncFreeFetch
+    from pagedmoe.experts.table import ExpertTable
+
+    fix_interpreter_index()
+    E, n, stride, lay = 6, 90, 96, LosslessLayout(16, 4, 12)
+    table = ExpertTable(2, E)
+    table.place([()] * 2, [range(2), []])   # layer 0: 0-1 in the compressed GPU tier; layer 1: all on the host
+    g = torch.Generator().manual_seed(6)
+    weights = [(torch.randn(E, n, generator=g) * 0.02).bfloat16() for _ in range(2)]
+    host_ids = [[2, 3, 4, 5], list(range(E))]
+    compressed = [encode(weights[0][:2].contiguous(), num_parts=2, layout=lay), None]
+    mapped = [_host_layer(w, ids, [1] * len(ids), lay)[1] for w, ids in zip(weights, host_ids)]
+    cache = ExpertCache(table, E + 4, stride, torch.bfloat16, torch.device("cpu"), miss_rows=4)
+    cache.lookup(1, [5])                          # layer 1's expert 5 cached (path (a))
+    cache.pool[cache.host_maps[1][5], :n] = weights[1][5]
+    cache.publish(1)
+    with pytest.raises(ValueError, match="mapped compressed host part"):   # raw rows expected without host_mapped
+        SyncFreeFetch(cache, [None, None], max_tokens=2, compressed=compressed)
+    sf = SyncFreeFetch(cache, [None, None], max_tokens=2, compressed=compressed, host_mapped=mapped)
+    routed = {0: [[1, 4], [2, 4]], 1: [[5, 0], [3, 5]]}
+    for layer, ids in routed.items():
+        slots = sf.layer_slots(layer, torch.tensor(ids))
+        for e in {e for row in ids for e in row}:
+            assert torch.equal(cache.pool[slots[e], :n].view(torch.int16), weights[layer][e].view(torch.int16))
+    part_bytes = [m.part_bytes.tolist() for m in mapped]
+    # layer 0: 1 decoded (GPU tier), 2 and 4 decoded from the host (host slots 0 and 2); layer 1: 5 hit, 0 and 3
+    moved = part_bytes[0][0] + part_bytes[0][2] + part_bytes[1][0] + part_bytes[1][3]
+    assert sf.collect() == (5, 6, 5, moved) and moved > 0

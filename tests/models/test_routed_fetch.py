@@ -189,6 +189,38 @@ def test_sync_free_uva_path_with_the_compressed_gpu_tier(ckpt4, resident_refs, l
     assert stats["expert_bytes_h2d"] == st.bytes_moved and stats["expert_bytes_decoded"] == st.bytes_decoded
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_sync_free_uva_path_decodes_a_compressed_host_tier(ckpt4, resident_refs):
+    """Fetch path (b) with both lossless tiers (--num-compressed-experts 3, --host-compression lossless): the decode
+    steps' host misses are decoded straight from the layer's compressed host arrays (on the GPU: mapped pinned
+    memory, read over PCIe) into their miss pages, the GPU tier's decoded as before; no host sync, no raw host rows.
+    The logits equal resident placement's, bit for bit (bf16), in a mixed batch; every path (b) miss is a decode,
+    and the bytes it moved are the compressed bytes of the host misses (below their bf16 bytes)."""
+    lengths = (7, 19, 3, 30)
+    ref = _resident(resident_refs, ckpt4, lengths, "bfloat16")
+    from pagedmoe import LLM
+
+    llm = LLM(str(ckpt4), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
+              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+              host_compression="lossless", max_num_seqs=4)
+    engine, pager = llm.engine, llm.engine.pager
+    collected = []
+    collect = pager.sync_free.collect
+    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
+    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    store = engine.expert_store
+    assert all(rows is None for rows in store.host) and all(m is not None for m in store.host_tier.uva)
+    assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
+    misses = sum(c.misses for c in collected)
+    decoded, moved = sum(c.decoded for c in collected), sum(c.moved for c in collected)
+    # only the host misses moved bytes (their compressed parts: below the bf16 bytes of every miss)
+    assert misses > 0 and decoded == misses and 0 < moved < misses * store.expert_numel * 2
+
+
 def _decode_bytes(path, fetch):
     """Bytes moved and routed per decode step of one sequence (prefill excluded), and the engine."""
     from pagedmoe import LLM, SamplingParams
@@ -236,13 +268,6 @@ def test_routed_flags_that_cannot_take_effect(tmp_path):
         LLM(str(tmp_path), device="cpu", num_gpu_experts=7, expert_fetch="routed", host_memory_gb=1e-4)
     with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="stream", expert_fetch_path="uva")
-    with pytest.raises(ValueError, match="uva gathers raw host rows"):
-        LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_fetch="routed", expert_fetch_path="uva",
-            dtype="bfloat16", host_compression="lossless")
-    # with the compressed GPU tier too: the compressed host tier is what path (b) cannot read, and it says so
-    with pytest.raises(ValueError, match="cannot take effect with a compressed host tier"):
-        LLM(str(tmp_path), device="cpu", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
-            expert_fetch="routed", expert_fetch_path="uva", dtype="bfloat16", host_compression="lossless")
     with pytest.raises(ValueError, match="--expert-prefetch prefetches"):
         LLM(str(tmp_path), device="cpu", cpu_moe=True, expert_prefetch=True)
     # auto on CPU keeps the stream-all pipeline
@@ -310,14 +335,17 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
                                         host_compression="lossless", expert_prefetch=True),
                                    dict(cpu_moe=True, expert_fetch_path="uva", max_num_seqs=4),
                                    dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
-                                        expert_fetch_path="uva", max_num_seqs=4)],
-                         ids=["host", "lossless-tiers", "uva-graphs", "uva-compressed-graphs"])
+                                        expert_fetch_path="uva", max_num_seqs=4),
+                                   dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                                        host_compression="lossless", expert_fetch_path="uva", max_num_seqs=4)],
+                         ids=["host", "lossless-tiers", "uva-graphs", "uva-compressed-graphs", "uva-lossless-tiers-graphs"])
 def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
     """On the GPU: pinned host rows copied (or compressed ones copied and decoded, or GPU-compressed ones decoded)
     on the compute stream, the slot map written, eager steps (the runner turns CUDA graphs off for the per-layer
     sync); or, uva, the decode steps gather their misses from mapped pinned memory inside CUDA graphs (the
     prefills take path (a)), and with the compressed GPU tier decode that tier's misses there too (the indexed
-    lossless decode); logits equal resident placement's, bf16."""
+    lossless decode), and with the host tier compressed decode its misses straight from mapped host memory;
+    logits equal resident placement's, bf16."""
     from pagedmoe import LLM
 
     make_tiny_checkpoint(family, tmp_path, seed=8, num_hidden_layers=4)
@@ -336,7 +364,10 @@ def test_routed_on_cuda_matches_resident(tmp_path, family, tiers):
             if uva:
                 assert llm.engine.runner.graphs.buckets == [1, 2, 4]
                 assert llm.engine.pager.sync_free.num_steps > 0 and llm.engine.pager.cache.stats.hits > 0
-            if uva and tiers.get("num_compressed_experts"):   # path (b) decoded some misses, gathered others
+            if uva and tiers.get("host_compression"):   # path (b) decoded every miss, the host's read over PCIe
+                assert sum(c.decoded for c in collected) == sum(c.misses for c in collected) > 0
+                assert sum(c.moved for c in collected) > 0
+            elif uva and tiers.get("num_compressed_experts"):   # path (b) decoded some misses, gathered others
                 assert sum(c.decoded for c in collected) > 0 and sum(c.misses - c.decoded for c in collected) > 0
         del llm
         torch.cuda.empty_cache()

@@ -104,15 +104,18 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
 
     shape, hw = _qwen3_shape(), HardwareProfile()
     raw = fetch_step_s(shape, hw, 25, 8, 512)
-    # a compressed host tier moves 0.683 of the bytes (and decodes them); uva cannot read it
+    # a compressed host tier moves 0.683 of the bytes (and decodes them), by either path: path (b)'s decoder reads
+    # it from mapped host memory at UVA_DECODE_PCIE_SHARE of the gather's rate (or the decoder's, if slower)
+    import pagedmoe.planning.fetch_cost as fc
+
     comp = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(host_ratio=0.683))
-    assert comp["routed"] < raw["routed"] and comp["routed_uva"] is None and comp["stream"] < raw["stream"]
+    assert comp["routed"] < raw["routed"] and comp["routed_uva"] < raw["routed_uva"] and comp["stream"] < raw["stream"]
+    raw_read = raw["routed_uva"] - fetch_step_s(shape, hw, 128, 8, 512)["resident"] - 48 * fc.ROUTED_UVA_LAYER_S
+    assert comp["routed_uva"] - raw["routed_uva"] == pytest.approx(raw_read * (0.683 / fc.UVA_DECODE_PCIE_SHARE - 1))
     # the compressed GPU tier's misses cross no PCIe at all, by either path (path (b) decodes them on the device)
     gpu = fetch_step_s(shape, hw, 25, 8, 512, FetchTiers(num_compressed=64))
     assert gpu["routed"] < raw["routed"] and gpu["routed_uva"] < raw["routed_uva"]
     # path (b) pays the decode of the compressed misses: 64 of 128 experts compressed, half the misses decoded
-    import pagedmoe.planning.fetch_cost as fc
-
     base = fetch_step_s(shape, hw, 128, 8, 512)["resident"]
     routed_misses = 48 * shape.routed_experts(8) * (1 - min(1.0, (48 * 25 + 2 * 103) / (48 * 128)))
     decode_s = routed_misses * 64 / 128 * shape.expert_bytes / hw.lossless_decode_bytes_per_s
@@ -136,17 +139,16 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
         settle_fetch_path(req, fetch, shape, 25, tiers, 64, 512, dev, graphs, interp)  # noqa: E731
     assert settle("auto") == 64 and settle("copy") == 0 and settle("uva") == 64
     assert settle("auto", graphs=False) == 0 and settle("auto", dev="cpu") == 0
-    assert settle("auto", tiers=FetchTiers(host_ratio=0.683)) == 0 and settle("auto", fetch="stream") == 0
+    assert settle("auto", tiers=FetchTiers(host_ratio=0.683)) == 64 and settle("auto", fetch="stream") == 0
     assert settle("uva", dev="cpu", interp=True) == 64
     with pytest.raises(ValueError, match="needs a CUDA device"):
         settle("uva", dev="cpu")
     with pytest.raises(ValueError, match="cannot take effect with --expert-fetch stream"):
         settle("copy", fetch="stream")
-    # the compressed GPU tier goes with path (b) (decoded on the device); a compressed host tier does not
+    # both lossless tiers go with path (b) (decoded on the device)
     assert settle("uva", tiers=FetchTiers(num_compressed=3)) == 64
     assert settle("auto", tiers=FetchTiers(num_compressed=64)) >= top
-    with pytest.raises(ValueError, match="raw host rows; it cannot take effect with a compressed host tier"):
-        settle("uva", tiers=FetchTiers(num_compressed=3, host_ratio=0.683))
+    assert settle("uva", tiers=FetchTiers(num_compressed=3, host_ratio=0.683)) == 64
 
 
 def test_cache_counters_are_exported():

@@ -36,14 +36,19 @@ def batch8():
 
 
 def test_reference_steps_of_the_issue():
-    """Qwen3-30B-A3B at batch 8, uniform routing, host compressed (fetch path (a)): the model's constants were fitted
+    """Qwen3-30B-A3B at batch 8, uniform routing, host compressed, fetch path (a): the model's constants were fitted
     on the H200 at c2e1f27, where N=0 C=56 ran 313.6 ms per step; the compressed tier's misses decode instead of
-    crossing PCIe, but each still pays its fill's host work."""
-    step = lambda n, c: routed_s(fetch_step_s(QWEN, H200, n, 8, CTX, FetchTiers(c, R))) * 1e3  # noqa: E731
+    crossing PCIe, but each still pays its fill's host work. Path (b) over the raw host tier at N=0 C=56 ran 273.8 ms
+    (d4a254d; modelled 260); over the compressed host tier (decoded from mapped host memory) it is modelled ~203 ms."""
+    costs = lambda n, c, r=R: fetch_step_s(QWEN, H200, n, 8, CTX, FetchTiers(c, r))  # noqa: E731
+    step = lambda n, c: costs(n, c)["routed"] * 1e3  # noqa: E731
     assert step(0, 56) == pytest.approx(313.6, abs=1.0)
     assert step(32, 0) == pytest.approx(339.8, abs=0.2)
     assert step(0, 45) == pytest.approx(337.6, abs=0.2)
     assert step(0, 56) < step(0, 45) and step(0, 56) < step(32, 0)
+    assert costs(0, 56, 1.0)["routed_uva"] * 1e3 == pytest.approx(260.0, abs=1.0)
+    assert costs(0, 56)["routed_uva"] * 1e3 == pytest.approx(203.0, abs=1.0)
+    assert routed_s(costs(0, 56)) == costs(0, 56)["routed_uva"]
 
 
 def test_routed_optimised_placement_fills_the_compressed_tier(batch8):
@@ -51,9 +56,9 @@ def test_routed_optimised_placement_fills_the_compressed_tier(batch8):
     p = routed.plan.placement
     assert routed.origin == "routed-optimised" and routed.fetch == "routed" and routed.host_compression == "lossless"
     assert min(p.num_gpu_experts) <= 2 and min(p.num_compressed_experts) >= 45
-    # the model's step for it is the one measured on the H200 (313.6 ms at c2e1f27, the fit's point: N=0 C=56);
-    # issue 21's batch-8 target (222 ms, 36 tok/s) is beyond fetch path (a)'s host work
-    assert routed.num_seqs == 8 and routed.step_s * 1e3 == pytest.approx(313.6, rel=0.02)
+    # path (b) decodes the compressed host tier from mapped host memory: modelled ~203 ms per step at N=0 C=56
+    # (issue 21's batch-8 target is 222 ms, 36 tok/s); path (a) ran 313.6 ms there (c2e1f27, the fit's point)
+    assert routed.num_seqs == 8 and routed.step_s * 1e3 == pytest.approx(203.0, rel=0.02)
     # one budget: the plan holds the KV minimum (one max_model_len sequence) within 24 GiB, with the compressed
     # tier planned COMPRESSED_HEADROOM larger than its ratio
     plan = routed.plan
@@ -104,11 +109,11 @@ def test_large_batches_keep_the_stream_all_pick_and_resident_stays():
     assert stream.fetch == "stream"
     assert routed_plan.choose(stream, routed, "auto") is stream
     # forced routed (--expert-fetch routed, as gpu_issue21.sh runs it): the most compressed GPU tier wins, with the
-    # host tier raw, so that path (b) (CUDA graphs, no host work per miss) takes every bucket
+    # host tier compressed too: path (b) (CUDA graphs, no host work per miss) decodes both tiers' misses
     forced = [routed_plan.best_routed(replace(inputs, host_compression_ratio=r), R, CTX, "routed") for r in (0.0, R)]
     pick = routed_plan.choose(routed_plan.settle(stream.plan, inputs, "none", "routed", CTX, "stream-optimised"),
                               forced, "routed")
-    assert pick.origin == "routed-optimised" and pick.host_compression == "none"
+    assert pick.origin == "routed-optimised" and pick.host_compression == "lossless"
     assert pick.plan.placement.total_compressed > 40 * QWEN.num_moe_layers
     big = PlanInputs(QWEN, 80 * GiB, ACT, 512, 16, (128, 32), 8)
     resident = routed_plan.settle(plan_memory(QWEN, 80 * GiB, ACT, "auto", max_model_len=512, workload=(128, 32),
@@ -126,9 +131,10 @@ def test_plan_cli_shows_the_routed_candidates(plan_report):
     search = b["routed_search"]
     assert [s["origin"] for s in search] == ["stream-optimised", "routed-optimised", "routed-optimised"]
     chosen = [s for s in search if s["chosen"]]
-    # the compressed GPU tier with a raw host tier: path (b) reads it, in CUDA graphs (modelled ~260 ms at batch 8)
-    assert len(chosen) == 1 and chosen[0]["host_compression"] == "none"
-    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 280
+    # the compressed GPU tier with the host tier compressed: path (b) decodes both, in CUDA graphs (modelled ~203 ms
+    # at batch 8)
+    assert len(chosen) == 1 and chosen[0]["host_compression"] == "lossless"
+    assert set(chosen[0]["batches_ms"]) == {"1", "8", "32"} and chosen[0]["batches_ms"]["8"] < 222
     auto = [r for r in b["rows"] if r["auto"]]
     assert len(auto) == 1 and auto[0]["label"].startswith("routed: N=0 C=")
     assert b["fetch"]["label"] == auto[0]["label"]
@@ -138,10 +144,11 @@ def test_plan_cli_shows_the_routed_candidates(plan_report):
     assert all(" C=" not in s["label"] and s["host_compression"] == "none" for s in report["budgets"][0]["routed_search"])
 
 
-def test_forced_uva_path_keeps_the_compressed_gpu_tier_and_a_raw_host_tier():
+def test_forced_uva_path_keeps_both_lossless_tiers():
     """--expert-fetch-path uva (path (b) in every decode bucket): the routed search still fills the compressed GPU tier
-    (path (b) decodes its misses on the device) but keeps the host tier raw (path (b) gathers raw rows; a compressed
-    host tier would be refused), and costs the placement by path (b) alone, as the engine will run it."""
+    and holds the host tier compressed (path (b) decodes both tiers' misses on the device, the host's read from mapped
+    host memory), and costs the placement by path (b) alone, as the engine will run it; --host-compression none keeps
+    the host rows raw (gathered)."""
     import torch
 
     from pagedmoe.config import EngineConfig
@@ -160,7 +167,8 @@ def test_forced_uva_path_keeps_the_compressed_gpu_tier_and_a_raw_host_tier():
                                       budget=lambda: 24 * GiB, host_budget=lambda: None, eager=False)
 
     c, plan = resolve("uva")
-    assert plan.paged and min(plan.num_compressed) > 40 and plan.host_compression == "none"
+    assert plan.paged and min(plan.num_compressed) > 40 and plan.host_compression == "lossless"
+    assert resolve("uva", host_compression="none")[1].host_compression == "none"
     tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)
     shape = rank_shape(c, dims, spec, 2)
     assert settle_fetch_path("uva", "routed", shape, min(plan.num_gpu_experts), tiers, 8, 256, "cuda", True) == 8
@@ -171,5 +179,5 @@ def test_forced_uva_path_keeps_the_compressed_gpu_tier_and_a_raw_host_tier():
     pick = routed_plan.best_routed(inputs, R, CTX, "routed", "uva")
     costs = fetch_step_s(QWEN, H200, min(pick.plan.placement.num_gpu_experts), 8, CTX, pick.tiers())
     assert pick.step_s == pytest.approx(costs["routed_uva"]) and min(pick.plan.placement.num_compressed_experts) > 40
-    assert routed_plan.routed_host_modes(None, True, uva_forced=True) == ["none"]
-    assert routed_plan.routed_host_modes("lossless", True, uva_forced=True) == ["lossless"]   # refused later, by name
+    assert routed_plan.routed_host_modes(None, True) == ["none", "lossless"]   # path (b) decodes either host tier
+    assert routed_plan.routed_host_modes("lossless", True) == ["lossless"] and routed_plan.routed_host_modes(None, False) == ["none"]

@@ -142,14 +142,17 @@ class CompressedTensor:
                                 self.block_bit_offsets[blocks] - 32 * w0, self.lane_bits[blocks].clone(),
                                 self.raw[p0 * ps:p1 * ps].clone())
 
-    def decode_table(self, short_bits: int | None = None, dtype: torch.dtype = torch.int16) -> torch.Tensor:
-        """Decode table on this tensor's device (``huffman.decode_table``), built once, then cached."""
+    def decode_table(self, short_bits: int | None = None, dtype: torch.dtype = torch.int16,
+                     device: torch.device | None = None) -> torch.Tensor:
+        """Decode table (``huffman.decode_table``) on `device` (default: this tensor's; another where a GPU kernel
+        reads this tensor's arrays from mapped host memory), built once, then cached."""
         short_bits = self.layout.max_code_len if short_bits is None else short_bits
-        key = (short_bits, dtype)
+        device = self.device if device is None else torch.device(device)
+        key = (short_bits, dtype, device)
         if key not in self.cache:
             t = huffman.decode_table(self.code_lengths.numpy(), self.layout.max_code_len,
                                      short_bits, self.fill_exponent)
-            self.cache[key] = t.to(dtype).to(self.device)
+            self.cache[key] = t.to(dtype).to(device)
         return self.cache[key]
 
 

@@ -19,7 +19,6 @@ from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
 from pagedmoe.extras import require
-from pagedmoe.planning.fetch_cost import HOST_COMPRESSED_UVA
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +151,8 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     under --host-compression lossless), or the first C per layer in the compressed GPU tier
     (--num-compressed-experts C); a GPU expert cache (experts/cache.py) of `cache_slots` pages as the compute
     buffers, and the RoutedPager (experts/routed.py), which fills a page per routed miss (experts/routed_fill.py).
-    Fetch path (b) (`plan.sync_free_max_seqs`) reads the raw host rows (mapped) and decodes the compressed GPU
-    tier on the device; a compressed host tier is path (a)'s only."""
+    Fetch path (b) (`plan.sync_free_max_seqs`) reads the host tier from mapped host memory (raw rows gathered,
+    compressed ones decoded as they are read) and decodes the compressed GPU tier on the device."""
     comp = _per_layer(plan.num_compressed, num_layers, "compressed-expert")
     unsupported = [name for name, on in (("--expert-precision static-*", plan.quantized_precision is not None),
                                          ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
@@ -172,8 +171,6 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     if any(c < 0 or c > E for c in comp):
         raise ValueError(f"{max(comp)} compressed experts exceed the model's {E} experts per layer")
     sync_free = plan.sync_free_max_seqs
-    if sync_free and plan.host_compression != "none":
-        raise ValueError(HOST_COMPRESSED_UVA)
     table = ExpertTable(num_layers, E)
     # no resident experts: the cache holds what is routed; compressed: the first C ids (one decode run a layer)
     table.place([()] * num_layers, [range(c) for c in comp])

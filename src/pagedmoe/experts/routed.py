@@ -20,9 +20,9 @@ waits for those copies and fetches what the prediction missed on demand.
 The per-layer sync rules out CUDA graphs. Forwards of at most `graph_max_seqs` tokens (the decode buckets the
 cost model gives to it, `--expert-fetch-path`) take fetch path (b) instead (experts/routed_uva.py): the misses
 are planned on the device and gathered from mapped pinned host memory by a GPU kernel, no sync, so the model
-runner captures those buckets' decode steps in CUDA graphs and runs the rest eager (`syncs_host`). Path (b) takes
-the raw host tier and the compressed GPU tier (its misses decoded on the device); a compressed host tier is path
-(a)'s only (experts/build.py refuses it with `--expert-fetch-path uva`).
+runner captures those buckets' decode steps in CUDA graphs and runs the rest eager (`syncs_host`). Path (b) reads
+the raw host tier (gathered) or the compressed host tier (decoded from mapped host memory), and the compressed GPU
+tier (decoded on the device).
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ class RoutedPager(ExpertPager):
             self.prefetch_done = [torch.cuda.Event() for _ in range(self.num_layers)]
             self._prefetch_fork = torch.cuda.Event()
         # fetch path (b), for forwards of at most sync_free_max_tokens tokens; None: path (a) only
-        self.sync_free = (SyncFreeFetch(self.cache, store.host, sync_free_max_tokens, store.compressed)
+        self.sync_free = (SyncFreeFetch(self.cache, store.host, sync_free_max_tokens, store.compressed,
+                                        store.host_tier.uva if store.host_compression == "lossless" else None, self.expert_bytes)
                           if sync_free_max_tokens else None)
         self._sync_free_now = False     # this forward fetches by path (b)
         self.refreshed_pages = 0        # pages path (b)'s refresh filled between steps
@@ -175,11 +176,10 @@ class RoutedPager(ExpertPager):
         super().end_step()
         if self.sync_free is None:
             return
-        misses, routed, decoded = self.sync_free.collect()
+        misses, routed, decoded, moved = self.sync_free.collect()
         st = self.cache.stats
         st.misses += misses
         st.hits += routed - misses
-        moved = (misses - decoded) * self.expert_bytes   # gathered from the host; the others decoded on the device
         st.bytes_moved += moved
         st.bytes_decoded += decoded * self.expert_bytes
         st.bytes_routed += routed * self.expert_bytes

@@ -153,11 +153,12 @@ def _launch_info(ct: CompressedTensor) -> tuple[int, int]:
     return info
 
 
-def prepare_launch(ct: CompressedTensor) -> None:
-    """Check ct's arrays and build its default decode table now: both touch the host, which a decode
-    inside a CUDA-graph capture (or a forward) must not do."""
+def prepare_launch(ct: CompressedTensor, device: torch.device | None = None) -> None:
+    """Check ct's arrays and build its default decode table now (on `device`: default ct's; the GPU for a tensor in
+    mapped host memory, lossless_decode_indexed): both touch the host, which a decode inside a CUDA-graph capture
+    (or a forward) must not do."""
     _launch_info(ct)
-    ct.decode_table(None, torch.int32)
+    ct.decode_table(None, torch.int32, device)
 
 
 def decode_runs(ct: CompressedTensor, runs) -> None:
@@ -222,7 +223,9 @@ def lossless_decode_indexed(ct: CompressedTensor, out: torch.Tensor, part_ids: t
     (routed fetching's path (b), experts/routed_uva.py: the misses of a layer), so the launch (grid n x blocks per
     part, fixed) needs no host sync and a CUDA graph can capture it. `out` [S, row] bf16 with unit last stride and
     rows of at least part_size (the expert cache's pool); the rest of each row is left as it is. Decodes the bits
-    lossless_decode decodes (the same kernel, its INDEXED variant)."""
+    lossless_decode decodes (the same kernel, its INDEXED variant). ct may also live in pinned host memory mapped
+    into the device's address space (experts/tiers/host.py::mapped_layer) while `out` is on the GPU: the kernel then
+    reads the compressed arrays over PCIe, each byte once (the decode table on out's device: prepare_launch)."""
     part_size, bpp = _launch_info(ct)
     n = part_ids.shape[0]
     if part_ids.dim() != 1 or tuple(dst_rows.shape) != (n,):
@@ -235,13 +238,15 @@ def lossless_decode_indexed(ct: CompressedTensor, out: torch.Tensor, part_ids: t
         raise ValueError(f"out must be [rows, >= {part_size}] with unit last stride (one row per part); got "
                          f"{tuple(out.shape)} with strides {out.stride()}")
     devices = {out.device, part_ids.device, dst_rows.device}
-    if devices != {ct.raw.device}:
-        raise ValueError(f"out, part_ids and dst_rows must be on the compressed tensor's device {ct.raw.device}")
+    mapped = out.is_cuda and ct.raw.device.type == "cpu" and ct.raw.is_pinned()
+    if len(devices) != 1 or not (devices == {ct.raw.device} or mapped):
+        raise ValueError(f"out, part_ids and dst_rows must be on one device: the compressed tensor's "
+                         f"({ct.raw.device}), or a GPU reading it from pinned host memory")
     if n == 0:
         return out
     lay = ct.layout
     lossless_decode_kernel[(n * bpp,)](
-        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(None, torch.int32),
+        ct.stream, ct.block_bit_offsets, ct.lane_bits, ct.raw, ct.decode_table(None, torch.int32, out.device),
         out, part_ids, dst_rows, 0, 0, out.stride(0), part_size, bpp,
         LANES=lay.lanes, K=lay.elems_per_lane, MAX_LEN=lay.max_code_len, SHORT_BITS=lay.max_code_len,
         UNROLL=unroll, INDEXED=True, num_warps=num_warps,

@@ -14,9 +14,10 @@
             pays the sync and lookup (ROUTED_LAYER_SYNC_S), each miss its fill's launches (ROUTED_MISS_HOST_S),
             and the step runs without CUDA graphs (both fitted on the H200);
     uva     path (b) (experts/routed_uva.py): a GPU kernel reads the host misses from mapped pinned memory at
-            UVA_PCIE_SHARE of the copy engine's rate, the compressed GPU tier's misses are decoded (in the same
-            stream, after the gather: the decoder's rate), no sync (ROUTED_UVA_LAYER_S per layer for its small
-            kernels), in CUDA graphs; raw host rows only (a compressed host tier is path (a)'s).
+            UVA_PCIE_SHARE of the copy engine's rate (raw rows gathered; a compressed host tier decoded by the
+            indexed lossless decode as it reads, at UVA_DECODE_PCIE_SHARE of that rate or the decoder's, the
+            slower), the compressed GPU tier's misses are decoded (in the same stream, after the host's: the
+            decoder's rate), no sync (ROUTED_UVA_LAYER_S per layer for its small kernels), in CUDA graphs.
   resident  only when every expert fits (N = E): nothing moves.
 """
 from __future__ import annotations
@@ -41,16 +42,14 @@ ROUTED_MISS_HOST_S = 38e-6
 # launches, inside a graph: an estimate.
 UVA_PCIE_SHARE = 0.98
 ROUTED_UVA_LAYER_S = 15e-6
+# Path (b) over a compressed host tier: the lossless decoder reads its arrays from mapped host memory (coalesced
+# rows of raw bytes, lane words close together): an estimate of its share of the copy engine's rate, until fitted.
+UVA_DECODE_PCIE_SHARE = 0.9
 PLAN_BATCHES = (1, 8, 32)
 # Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
 # costs are estimates until measured, and stream-all is the measured pipeline (and keeps CUDA graphs).
 ROUTED_MARGIN = 0.10
 
-
-# Why path (b) refuses a compressed host tier (experts/build.py and settle_fetch_path say it the same way).
-HOST_COMPRESSED_UVA = ("--expert-fetch-path uva gathers raw host rows; it cannot take effect with a compressed host "
-                       "tier (--host-compression lossless: use --host-compression none, or --expert-fetch-path copy "
-                       "or auto); the compressed GPU tier (--num-compressed-experts) it decodes on the device")
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,8 @@ class FetchTiers:
 
     @property
     def host_compressed(self) -> bool:
-        """The host tier held compressed: fetched by path (a) only (copy into staging, then decode); the compressed
-        GPU tier both paths decode on the device."""
+        """The host tier held compressed: its misses are decoded on the device (path (a): after a copy into
+        staging; path (b): read from mapped host memory by the decoder)."""
         return self.host_ratio < 1.0
 
     @classmethod
@@ -107,10 +106,15 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
     eager = shape.num_layers * hw.layer_overhead_s
     out["routed"] = (base.total_s + moved / hw.pcie_h2d_bytes_per_s + decode + L * ROUTED_LAYER_SYNC_S
                      + misses * ROUTED_MISS_HOST_S + eager)
-    # path (b): raw host rows only (so `decode` is the compressed GPU tier's misses), decoded after the gather on the
-    # same stream
-    out["routed_uva"] = None if tiers.host_compressed else (
-        base.total_s + moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s) + decode + L * ROUTED_UVA_LAYER_S)
+    # path (b): the host misses read over PCIe (a compressed host tier's decoded as they are read: the slower of the
+    # two rates), then the compressed GPU tier's decoded, on the same stream
+    if tiers.host_compressed:
+        comp_decode = (misses - host_misses) * eb / hw.lossless_decode_bytes_per_s
+        host_s = max(moved / (UVA_DECODE_PCIE_SHARE * UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s),
+                     host_misses * eb / hw.lossless_decode_bytes_per_s)
+    else:
+        comp_decode, host_s = decode, moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s)
+    out["routed_uva"] = base.total_s + host_s + comp_decode + L * ROUTED_UVA_LAYER_S
     return out
 
 
@@ -183,19 +187,17 @@ def settle_fetch_path(requested: str, fetch: str, shape: ModelShape, num_gpu_exp
                       interpreter: bool = False, hw: Optional[HardwareProfile] = None) -> int:
     """--expert-fetch-path `requested` settled into ExpertPlan.sync_free_max_seqs: forwards of up to that many
     tokens fetch by path (b) and its decode buckets run in CUDA graphs; 0: path (a) everywhere. uva needs routed
-    fetching, raw host rows (the compressed GPU tier it decodes) and a GPU (or Triton's interpreter, for tests);
-    auto: the cost model per bucket on CUDA with graphs and raw host rows, else copy."""
+    fetching and a GPU (or Triton's interpreter, for tests); auto: the cost model per bucket on CUDA with graphs,
+    else copy."""
     if requested != "auto" and fetch != "routed":
         raise ValueError(f"--expert-fetch-path {requested} picks how routed fetching fetches; it cannot take effect "
                          f"with --expert-fetch {fetch}")
     if requested == "uva":
-        if tiers.host_compressed:
-            raise ValueError(HOST_COMPRESSED_UVA)
         if device_type != "cuda" and not interpreter:
             raise ValueError("--expert-fetch-path uva runs a Triton kernel on mapped host memory: it needs a CUDA "
                              "device")
         return max_num_seqs
-    if requested == "copy" or fetch != "routed" or device_type != "cuda" or not graphs or tiers.host_compressed:
+    if requested == "copy" or fetch != "routed" or device_type != "cuda" or not graphs:
         return 0
     return graph_fetch_max_seqs(shape, hw or HardwareProfile(), num_gpu_experts, max_num_seqs, context_len, tiers)
 

@@ -127,7 +127,7 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
                                "stream-optimised", path),
             [routed_plan.best_routed(inputs_of(mode), routed_plan.routed_compression_ratio(x.compression, is_bf16),
                                      max_model_len / 2, x.fetch, path)
-             for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16, x.fetch_path == "uva")], x.fetch)
+             for mode in routed_plan.routed_host_modes(x.host_compression, is_bf16)], x.fetch)
         if pick.origin == "routed-optimised":
             logger.info("placement for routed fetching: %s, modelled %.1f ms per decode step at %d sequences "
                         "(faster than the stream-all search's %s)", pick.label(), pick.step_s * 1e3, pick.num_seqs,
@@ -176,9 +176,7 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
         return None
     fused = c.compressed_gemm == "fused"  # the tier read by the GEMM (issue 23): no decode, its stored bytes read
     ratio = (FUSED_LOSSLESS_PLANNING_RATIO if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
-    # --expert-fetch-path uva gathers raw host rows: auto keeps the host tier raw (lossless given is refused later)
-    host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 and x.fetch_path != "uva" \
-        else [host_compression]
+    host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
 
     def kwargs(mode: str) -> dict:

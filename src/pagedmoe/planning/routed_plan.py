@@ -201,10 +201,9 @@ def routed_compression_ratio(flag: Optional[str], is_bf16: bool) -> Optional[flo
     return LOSSLESS_PLANNING_RATIO if is_bf16 and flag in (None, "lossless") else None
 
 
-def routed_host_modes(flag: Optional[str], is_bf16: bool, uva_forced: bool = False) -> list[str]:
+def routed_host_modes(flag: Optional[str], is_bf16: bool) -> list[str]:
     """The host-tier modes the routed search tries: --host-compression none or lossless as given; unset (the
-    default) or auto: both when bf16 (lossless is exact), else raw; raw only under --expert-fetch-path uva (path (b)
-    gathers raw host rows: a compressed host tier would be refused)."""
+    default) or auto: both when bf16 (lossless is exact; both fetch paths read it), else raw."""
     if flag in ("none", "lossless"):
         return [flag]
-    return ["none", "lossless"] if is_bf16 and not uva_forced else ["none"]
+    return ["none", "lossless"] if is_bf16 else ["none"]

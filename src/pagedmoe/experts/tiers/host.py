@@ -6,12 +6,14 @@ CompressedTensor (one part per expert) in pinned host memory, copied into one of
 device staging slots and decoded into its compute rows by the pager in one launch (experts/pager.py).
 The raw rows then only stage a layer until it is encoded. Routed fetching (experts/routed.py) fetches one
 expert at a time: its groups hold one expert each (`group_experts=1`), so a miss moves only that expert's
-compressed bytes.
+compressed bytes. With fetch path (b) (`mapped`) the layer's arrays are also mapped into the device's address
+space and `uva[l]` names them as one CompressedTensor of the layer's host experts (one part per host slot), which
+the indexed lossless decode reads straight from host memory (experts/routed_uva.py).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -53,17 +55,27 @@ def _unregister(ptr: int) -> None:
         pass
 
 
+class MappedLayer(NamedTuple):
+    """A compressed host layer as fetch path (b) reads it: `ct` its host experts, one part per host slot, arrays in
+    mapped pinned memory (the decode table on the device); `part_bytes` [parts] int64 on the device, each part's
+    stored bytes (what a miss moves over PCIe)."""
+    ct: CompressedTensor
+    part_bytes: torch.Tensor
+
+
 class HostTier:
     def __init__(self, table, stride: int, expert_numel: int, dtype: torch.dtype, device: torch.device,
                  paged: bool, compression: str = "none", group_experts: int = 0, mapped: bool = False) -> None:
         L = table.num_layers
         self.group_experts = group_experts   # experts per compressed group (0: host_group_experts' choice)
+        self.mapped = mapped                 # host memory mapped for fetch path (b) (GPU kernels read it)
         self.table, self.expert_numel, self.device, self.compression = table, expert_numel, device, compression
         self.rows: list[Optional[torch.Tensor]] = [None] * L
         self.staged_parts: list[set] = [set() for _ in range(L)]  # host rows written (compressed host tier)
         self.compressed: list = [None] * L      # per layer: a CompressedTensor per group (compressed host tier)
         self.groups: list = [None] * L          # per layer: (first expert id, experts) of each group
         self.staging: list = [None] * L         # per layer: the groups' device views into the slots
+        self.uva: list[Optional[MappedLayer]] = [None] * L   # per layer, when mapped: path (b)'s view of it
         self.staging_bytes = 0
         if not paged:
             return
@@ -95,7 +107,9 @@ class HostTier:
                                   self.group_experts or host_group_experts(2 * self.expert_numel))
         self.groups[layer] = [(e0, k) for _, e0, k in groups]
         self.compressed[layer] = to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
-                                               self.device.type == "cuda")
+                                         self.device.type == "cuda", self.mapped)
+        if self.mapped:
+            self.uva[layer] = mapped_layer(self.compressed[layer], self.device)
 
     def build_staging(self) -> None:
         """Once every host layer is encoded: the device staging slots and each group's views into its slot."""
@@ -140,16 +154,17 @@ class HostTier:
         return raw + sum(ct.nbytes for cts in self.compressed if cts for ct in cts)
 
 
-def to_host(parts: list, pin: bool) -> list:
+def to_host(parts: list, pin: bool, mapped: bool = False) -> list:
     """One layer's CompressedTensors (its host groups) with their arrays moved to host memory: one (pinned,
-    when `pin`) tensor per array kind for the whole layer, each group a view of it (a few registrations per
-    layer, not five per group)."""
+    when `pin`; also mapped for GPU kernels, when `mapped`) tensor per array kind for the whole layer, each group a
+    view of it (a few registrations per layer, not five per group), in the groups' order."""
     names = ARRAYS
     arrays: list[dict] = [{} for _ in parts]
     for name in names:
         src = [getattr(p, name) for p in parts]
         flat = torch.cat([a.reshape(-1) for a in src])
-        host = pinned_empty(tuple(flat.shape), flat.dtype) if pin else torch.empty(flat.shape, dtype=flat.dtype)
+        host = pinned_empty(tuple(flat.shape), flat.dtype, mapped) if pin else torch.empty(flat.shape,
+                                                                                             dtype=flat.dtype)
         host.copy_(flat)
         off = 0
         for d, a in zip(arrays, src):
@@ -157,3 +172,38 @@ def to_host(parts: list, pin: bool) -> list:
             off += a.numel()
     return [CompressedTensor(p.shape, p.num_parts, p.layout, p.code_lengths, p.fill_exponent, **d)
             for p, d in zip(parts, arrays)]
+
+
+def mapped_layer(groups: list, device: torch.device) -> MappedLayer:
+    """The groups of one layer (to_host's, views of one tensor per array kind) as one CompressedTensor of all their
+    parts, for the indexed decode of fetch path (b): the stream, lane bits and raw bytes are the groups' own host
+    memory (the groups follow each other in it); the block bit offsets, rebased per group by `parts`, are made
+    absolute again in a (mapped pinned, on CUDA) copy; the decode table is built on `device` now (host work:
+    never inside a CUDA-graph capture)."""
+    first = groups[0]
+    lay, bpp = first.layout, first.blocks_per_part
+
+    def whole(name):   # the one tensor the groups' `name` arrays are consecutive views of
+        t = getattr(first, name)
+        n = sum(getattr(g, name).numel() for g in groups)
+        return t.as_strided((n,), (1,), t.storage_offset())
+
+    word0 = [g.stream.storage_offset() - first.stream.storage_offset() for g in groups]
+    offsets = torch.cat([g.block_bit_offsets + 32 * w for g, w in zip(groups, word0)])
+    words = torch.cat([g.part_word_offsets[:-1] + w for g, w in zip(groups, word0)]
+                      + [groups[-1].part_word_offsets[-1:] + word0[-1]])
+    if device.type == "cuda":
+        pinned = pinned_empty(tuple(offsets.shape), offsets.dtype, mapped=True)
+        offsets = pinned.copy_(offsets)
+    parts = sum(g.num_parts for g in groups)
+    lane_bits = whole("lane_bits").view(parts * bpp, lay.lanes)
+    ct = CompressedTensor((parts * first.part_size,), parts, lay, first.code_lengths, first.fill_exponent,
+                          whole("stream"), words, offsets, lane_bits, whole("raw"))
+    # a part's stored words run to the next part's (or the stream's end: the pad words after each group are stored)
+    ends = torch.cat([words[1:-1], torch.tensor([ct.stream.numel()], dtype=words.dtype)])
+    stored = (ends - words[:-1]) * 4 + bpp * (8 + lay.lanes * first.lane_bits.element_size()) + first.part_size
+    if device.type == "cuda":
+        from pagedmoe.kernels.lossless_decode import prepare_launch  # triton: optional
+
+        prepare_launch(ct, device)
+    return MappedLayer(ct, stored.to(device))
