@@ -201,3 +201,21 @@ def test_routed_ids_dedup_on_host_or_device_alike():
     for rows in (1, 8, routed.HOST_UNIQUE_MAX_IDS // 8 + 1):   # the host path, and the device path past the limit
         ids = torch.randint(0, 128, (rows, 8), generator=g)
         assert routed.routed_ids(ids) == torch.unique(ids).tolist()
+
+
+def test_a_prefetch_takes_only_the_pages_it_may_evict():
+    """A prefetch for layer l+1 (protect=l) never evicts layer l's pages (its GEMMs may still be pending): where the
+    pages left are too few (a pool of fewer than 2 x E pages outside the miss area) it gets what there is and the
+    rest are fetched on demand, by a lookup without protection, which may take the protected layer's pages."""
+    from pagedmoe.experts.cache import ExpertCache
+    from pagedmoe.experts.table import ExpertTable
+
+    table = ExpertTable(3, 4)
+    table.place([()] * 3)
+    cache = ExpertCache(table, 6, 8, torch.float32, torch.device("cpu"))
+    cache.begin_step()
+    assert len(cache.lookup(0, [0, 1, 2, 3])[1]) == 4
+    _, got = cache.lookup(1, [0, 1, 2, 3], protect=0)
+    assert [e for e, _ in got] == [0, 1] and cache.cached(0) == [0, 1, 2, 3]   # two free pages, layer 0 untouched
+    hits, misses = cache.lookup(1, [0, 1, 2, 3])       # on demand: layer 0's pages may go now
+    assert hits == [0, 1] and [e for e, _ in misses] == [2, 3] and len(cache.cached(0)) == 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -76,7 +77,9 @@ class ExpertCache:
     def lookup(self, layer: int, ids, protect: int = -1) -> tuple[list[int], list[tuple[int, int]]]:
         """The distinct routed `ids` of `layer`: (hits, [(expert, slot to fill)]) — the misses get slots
         (evicting LRU pages of other layers, or older ones of this layer that were not routed now; never
-        pages of layer `protect`, whose GEMMs may still be pending: a prefetch for the next layer)."""
+        pages of layer `protect`, whose GEMMs may still be pending: a prefetch for the next layer). With a
+        `protect`ed layer a prefetch is best effort: the misses past the last page it may take get none (they are
+        fetched on demand)."""
         self.tick += 1
         hits, misses = [], []
         for e in ids:
@@ -90,6 +93,10 @@ class ExpertCache:
             if (layer, e) in self.lru:
                 continue
             slot = self.free.pop() if self.free else self._evict(layer, protect)
+            if slot is None:   # every page is the protected layer's or this one's (S - miss area < 2 x E)
+                if protect < 0:
+                    raise RuntimeError(f"the expert cache has no page for layer {layer}'s expert {e}")
+                break
             self.owner[slot] = (layer, e)
             self.lru[(layer, e)] = slot
             self.used_in[(layer, e)] = self.step
@@ -98,10 +105,13 @@ class ExpertCache:
             misses.append((e, slot))
         return hits, misses
 
-    def _evict(self, fetching: int, protect: int = -1) -> int:
+    def _evict(self, fetching: int, protect: int = -1) -> Optional[int]:
+        """The victim's slot, None when every page is the fetching or protected layer's."""
         key = next((k for k in self.lru if k[0] != protect), None)
         if key is None or self.used_in[key] == self.step:  # every page used this step: the newest of another layer
-            key = next(k for k in reversed(self.lru) if k[0] not in (fetching, protect))
+            key = next((k for k in reversed(self.lru) if k[0] not in (fetching, protect)), None)
+            if key is None:
+                return None
         slot = self.lru.pop(key)
         del self.used_in[key]
         layer, e = key

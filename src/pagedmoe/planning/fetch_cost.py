@@ -42,9 +42,10 @@ ROUTED_MISS_HOST_S = 38e-6
 # launches, inside a graph: an estimate.
 UVA_PCIE_SHARE = 0.98
 ROUTED_UVA_LAYER_S = 15e-6
-# Path (b) over a compressed host tier: the lossless decoder reads its arrays from mapped host memory (coalesced
-# rows of raw bytes, lane words close together): an estimate of its share of the copy engine's rate, until fitted.
-UVA_DECODE_PCIE_SHARE = 0.9
+# Path (b) over a compressed host tier: the lossless decoder reads its arrays from mapped host memory, 43.8 GB/s of
+# compressed bytes on the H200 with 16 warps a block against the gather's 49.6 in the same run
+# (benchmarks/bench_routed_fetch.py at 8ae7d4f): 0.88 of the gather's rate.
+UVA_DECODE_PCIE_SHARE = 0.88
 PLAN_BATCHES = (1, 8, 32)
 # Routed fetching is chosen only when modelled at least this much faster than stream-all: its sync and eager
 # costs are estimates until measured, and stream-all is the measured pipeline (and keeps CUDA graphs).
