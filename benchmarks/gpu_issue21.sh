@@ -3,6 +3,7 @@
 # what a real checkpoint's skewed routing gives). One part per device call (each < 10 min):
 #   run(command="bash benchmarks/gpu_issue21.sh qwen")      Qwen3-30B-A3B at 24 GiB: decode at batch 1/8/32/64,
 #                                                           --expert-fetch routed and stream, next to the floor
+#   run(command="bash benchmarks/gpu_issue21.sh large")     the same at batch 32 and 64 only
 #   run(command="bash benchmarks/gpu_issue21.sh mixtral")   Mixtral-8x7B at 24 GiB, batch 1, routed and stream
 #   run(command="bash benchmarks/gpu_issue21.sh serve")     serving, Qwen3 at 60 GiB paged N=64: routed vs stream,
 #                                                           256 and 4 clients (TPOT against today's 571 ms)
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-PART=${1:?usage: gpu_issue21.sh qwen|prefetch|mixtral|serve|micro|paths|uvac|uvacraw|lossless|placement}
+PART=${1:?usage: gpu_issue21.sh qwen|large|prefetch|mixtral|serve|micro|paths|uvac|uvacraw|lossless|placement}
 LOG="$OUT/issue21-$PART.log"
 Q=benchmarks/configs/qwen3-30b-a3b
 M=benchmarks/configs/mixtral-8x7b
@@ -58,6 +59,9 @@ case "$PART" in
     # stream-all's step does not depend on the batch (818 ms at batch 1, 8 and 32 at 449de78): batch 1 only
     latency qwen "$Q" 330 routed 1 8 32 64
     latency qwen "$Q" 150 stream 1 ;;
+  large)
+    # batch 32 and 64 alone (the qwen part's larger batches), sized for 64 sequences
+    latency qwen-large "$Q" 250 routed 32 64 ;;
   prefetch)
     EXTRA_FLAGS="--expert-prefetch" latency qwen-prefetch "$Q" 190 routed 1 8 ;;
   mixtral)
