@@ -150,6 +150,26 @@ def ckpt4(request, tmp_path_factory):
     return path
 
 
+def _uva_matches_resident(path, refs, lengths, **flags):
+    """Path (b) (max_num_seqs 4) over N=0, C=3 of 8 (bf16) and `flags`: its greedy logits equal resident placement's,
+    bit for bit; (engine, pager, what path (b) collected per step)."""
+    from pagedmoe import LLM
+
+    ref = _resident(refs, path, lengths, "bfloat16")
+    llm = LLM(str(path), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
+              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+              max_num_seqs=4, **flags)
+    pager = llm.engine.pager
+    collected = []
+    collect = pager.sync_free.collect
+    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
+    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
+    assert len(ref) == len(got) > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    return llm.engine, pager, collected
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("lengths", [(11,), (7, 19, 3, 30)], ids=["batch1", "mixed"])
@@ -159,21 +179,7 @@ def test_sync_free_uva_path_with_the_compressed_gpu_tier(ckpt4, resident_refs, l
     interpreter), the others gathered from the raw host rows (which hold only the 5 host experts); no host sync.
     The logits equal resident placement's, bit for bit (bf16); path (b)'s misses count as moved bytes (host) or
     decoded bytes (compressed tier), never both."""
-    ref = _resident(resident_refs, ckpt4, lengths, "bfloat16")
-    from pagedmoe import LLM
-
-    llm = LLM(str(ckpt4), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
-              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
-              max_num_seqs=4)
-    engine = llm.engine
-    pager = engine.pager
-    collected = []
-    collect = pager.sync_free.collect
-    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
-    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
-    assert len(ref) == len(got) > 0
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+    engine, pager, collected = _uva_matches_resident(ckpt4, resident_refs, lengths)
     num_moe = len(engine.model.moe_layers())
     assert engine.get_stats()["experts"] == {"compressed/bf16": 3 * num_moe, "host/bf16": 5 * num_moe}
     assert all(engine.expert_store.host[l].shape[0] == 5 for l in range(num_moe))   # host rows: host slots only
@@ -197,21 +203,8 @@ def test_sync_free_uva_path_decodes_a_compressed_host_tier(ckpt4, resident_refs)
     memory, read over PCIe) into their miss pages, the GPU tier's decoded as before; no host sync, no raw host rows.
     The logits equal resident placement's, bit for bit (bf16), in a mixed batch; every path (b) miss is a decode,
     and the bytes it moved are the compressed bytes of the host misses (below their bf16 bytes)."""
-    lengths = (7, 19, 3, 30)
-    ref = _resident(resident_refs, ckpt4, lengths, "bfloat16")
-    from pagedmoe import LLM
-
-    llm = LLM(str(ckpt4), device="cpu", max_model_len=96, dtype="bfloat16", expert_fetch="routed",
-              expert_fetch_path="uva", expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
-              host_compression="lossless", max_num_seqs=4)
-    engine, pager = llm.engine, llm.engine.pager
-    collected = []
-    collect = pager.sync_free.collect
-    pager.sync_free.collect = lambda: collected.append(collect()) or collected[-1]
-    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
-    assert len(ref) == len(got) > 0
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+    engine, pager, collected = _uva_matches_resident(ckpt4, resident_refs, (7, 19, 3, 30),
+                                                     host_compression="lossless")
     store = engine.expert_store
     assert all(rows is None for rows in store.host) and all(m is not None for m in store.host_tier.uva)
     assert pager.graph_max_seqs == 4 and pager.sync_free.num_steps > 0
