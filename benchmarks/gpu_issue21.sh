@@ -5,8 +5,9 @@
 #                                                           --expert-fetch routed and stream, next to the floor
 #   run(command="bash benchmarks/gpu_issue21.sh large")     the same at batch 32 and 64 only
 #   run(command="bash benchmarks/gpu_issue21.sh mixtral")   Mixtral-8x7B at 24 GiB, batch 1, routed and stream
-#   run(command="bash benchmarks/gpu_issue21.sh serve")     serving, Qwen3 at 60 GiB paged N=64: routed vs stream,
-#                                                           256 and 4 clients (TPOT against today's 571 ms)
+#   run(command="bash benchmarks/gpu_issue21.sh serve")     serving, Qwen3 at 60 GiB paged N=64, routed with the host
+#                                                           tier raw and compressed: 64 prompts at once and 4 clients
+#                                                           (TPOT against stream-all's 571 ms)
 #   run(command="bash benchmarks/gpu_issue21.sh micro")     per-layer sync cost, copy-engine vs UVA gather
 #   run(command="bash benchmarks/gpu_issue21.sh paths")     Qwen3 at 24 GiB routed: --expert-fetch-path uva (path (b),
 #                                                           CUDA graphs) against copy (path (a), eager); the qwen
@@ -68,12 +69,15 @@ case "$PART" in
     latency mixtral "$M" 280 routed 1
     latency mixtral "$M" 280 stream 1 ;;
   serve)
-    for fetch in routed stream; do
-      BUDGET_GB=60 NUM_PROMPTS=64 bash benchmarks/bench_serve.sh "qwen60-n64-$fetch" --expert-placement paged \
-        --num-gpu-experts 64 --expert-fetch "$fetch" 2>&1 | tail -25 | tee -a "$LOG"
+    # routed with the host tier raw and compressed (path (b) decodes it from mapped host memory), 64 prompts at
+    # once and 4 clients; stream-all's row (571 ms TPOT) is docs/benchmarks.md's
+    for host in none lossless; do
+      BUDGET_GB=60 NUM_PROMPTS=64 bash benchmarks/bench_serve.sh "qwen60-n64-routed-host-$host" --expert-placement \
+        paged --num-gpu-experts 64 --expert-fetch routed --host-compression "$host" 2>&1 | tail -25 | tee -a "$LOG"
     done
-    BUDGET_GB=60 NUM_PROMPTS=16 MAX_CONCURRENCY=4 bash benchmarks/bench_serve.sh "qwen60-n64-routed-c4" \
-      --expert-placement paged --num-gpu-experts 64 --expert-fetch routed 2>&1 | tail -25 | tee -a "$LOG" ;;
+    BUDGET_GB=60 NUM_PROMPTS=16 MAX_CONCURRENCY=4 PORT=8001 bash benchmarks/bench_serve.sh \
+      "qwen60-n64-routed-host-lossless-c4" --expert-placement paged --num-gpu-experts 64 --expert-fetch routed \
+      --host-compression lossless 2>&1 | tail -25 | tee -a "$LOG" ;;
   micro)
     python benchmarks/bench_routed_fetch.py 2>&1 | tee -a "$LOG" ;;
   paths)
