@@ -156,9 +156,12 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, layout: LosslessLayout = Loss
     if num_parts < 1 or x.numel() % num_parts:
         raise ValueError(f"numel {x.numel()} is not a multiple of num_parts {num_parts}")
     bits = x.contiguous().view(torch.int16).reshape(-1)
-    exps = torch.empty(bits.shape, dtype=torch.uint8, device=x.device)
-    raw = torch.empty_like(exps)
-    split_bf16_into(bits, exps, raw)
+    if bits.numel() <= SPLIT_ELEMS:
+        exps, raw = split_bf16(bits)
+    else:
+        exps = torch.empty(bits.shape, dtype=torch.uint8, device=x.device)
+        raw = torch.empty_like(exps)
+        split_bf16_into(bits, exps, raw)
     book = Codebook.of_histogram(exponent_histogram(exps).cpu().numpy(), layout.max_code_len)
     arrays = pack_exponents(exps, num_parts, book, layout, chunk_blocks)
     del exps
