@@ -123,8 +123,8 @@ class ExpertStore:
 
     # the tiers' encoders, called per layer once its rows are complete (or given `rows`, device, slot order; the
     # host tier: `read`, experts/tiers/host.py)
-    def _encode(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
-        self.compressed_tier.encode(layer, rows)
+    def _encode(self, layer: int, rows: Optional[torch.Tensor] = None, read=None) -> None:
+        self.compressed_tier.encode(layer, rows, read)
 
     def _quantize(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
         self.quantized_tier.quantize(layer, rows)
@@ -169,16 +169,22 @@ class ExpertStore:
                 else:
                     gen.fill(layer, e, self.row(layer, e)[:n])
             ids = {tier: [by_slot[k] for k in sorted(by_slot)] for tier, by_slot in encoded.items() if by_slot}
+            # the lossless tiers encode straight from the generator (codecs/lossless_groups.py); the quantizer
+            # (and the tiled format) take the layer's device rows at once
+            reader = {tier: lambda slot, a, b, ids=ids[tier], l=layer: gen.read(l, ids[slot], a, b, n) for tier in ids}
             for tier, encode in ((COMPRESSED, self._encode), (QUANTIZED, self._quantize)):
-                if tier in ids:   # these tiers encode a layer's device rows at once (their own transient)
-                    rows = torch.empty(len(ids[tier]), n, dtype=self.dtype, device=self.device)
-                    for row, e in zip(rows, ids[tier]):
-                        gen.fill(layer, e, row)
-                    encode(layer, rows)
-                    del rows
-            if HOST in ids:   # encoded a group at a time, straight from the generator
-                host_ids = ids[HOST]
-                self._compress_host_layer(layer, lambda slot, a, b, l=layer: gen.read(l, host_ids[slot], a, b, n))
+                if tier not in ids:
+                    continue
+                if tier == COMPRESSED and not self.fused_compressed:
+                    encode(layer, None, reader[tier])
+                    continue
+                rows = torch.empty(len(ids[tier]), n, dtype=self.dtype, device=self.device)
+                for row, e in zip(rows, ids[tier]):
+                    gen.fill(layer, e, row)
+                encode(layer, rows)
+                del rows
+            if HOST in ids:
+                self._compress_host_layer(layer, reader[HOST])
         self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The compressed host tier is encoded a group of experts at a time (codecs/lossless_groups.py): the arrays are
+"""The lossless tiers are encoded a group of experts at a time (codecs/lossless_groups.py): the arrays are
 those of the whole-layer encode, and loading holds no more than one group's worth on the device (the whole
 layer at once put Mixtral-8x7B's start-up 8 GiB over --gpu-memory-gb 24)."""
 from __future__ import annotations
@@ -93,3 +93,30 @@ def test_dummy_load_holds_one_experts_encoding_at_a_time(monkeypatch):
     assert probe.peak <= bound, (probe.peak, bound)
     assert whole.peak > bound and probe.peak + 2 * rows.nbytes > bound
     assert all(h is None for h in store.host) and store.host_bytes < rows.nbytes * 2
+
+
+def test_compressed_gpu_tier_encodes_as_the_whole_layer():
+    """The compressed GPU tier (one tensor per layer, experts 1-4 of 6) is encoded as one group: from the
+    loader's staged rows, and from the dummy generator, its arrays are those of encode(rows)."""
+    table = ExpertTable(2, 6)
+    table.place([(0,)] * 2, [range(1, 5)] * 2)
+    loaded = ExpertStore(table, H, I, torch.bfloat16, torch.device("cpu"), True)
+    g = torch.Generator().manual_seed(8)
+    n = H * I
+    written = (torch.randn(2, 6, 3 * n, generator=g) * 0.05).to(torch.bfloat16)
+    for layer in range(2):
+        for e in range(6):
+            loaded.write(layer, e, "w13", written[layer, e, :2 * n].view(2 * I, H))
+            loaded.write(layer, e, "w2", written[layer, e, 2 * n:].view(H, I))
+    dummy = ExpertStore(table, H, I, torch.bfloat16, torch.device("cpu"), True)
+    dummy.init_random(seed=6)
+    gen = DummyExperts(6 + 1, 0.02, torch.bfloat16, torch.device("cpu"))
+    for store, rows in ((loaded, written[:, 1:5]),
+                        (dummy, torch.stack([torch.stack([gen.read(l, e, 0, 3 * n, 3 * n) for e in range(1, 5)])
+                                             for l in range(2)]))):
+        for layer in range(2):
+            got, want = store.compressed[layer], encode(rows[layer].contiguous(), num_parts=4, checksum=False)
+            for name in ARRAYS:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (layer, name)
+            assert got.shape == want.shape == (4, 3 * n) and torch.equal(got.code_lengths, want.code_lengths)
+            assert got.fill_exponent == want.fill_exponent and store.compressed_tier.staging[layer] is None
