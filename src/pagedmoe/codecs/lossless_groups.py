@@ -1,12 +1,13 @@
 """A stacked tensor (one part per expert) encoded a group of parts at a time, in bounded device memory, into
-host arrays: exactly the arrays `encode(whole).parts(s0, s0 + k)` gives each group, without the whole tensor
-(nor its exponents) ever on the device.
+arrays the caller allocates (pinned host memory for the host tier, device memory for the compressed GPU tier):
+exactly the arrays `encode(whole).parts(s0, s0 + k)` gives each group, without the whole tensor ever on the
+device (nor, with groups smaller than it, its exponents).
 
 Why: the compressed host tier encoded a whole layer on the device at once. For Mixtral-8x7B a layer's host
-rows are N = 1.41e9 weights (8 experts of 176M): the bf16 copy (2N bytes, 2.63 GiB), split_bf16's int16
-temporaries (up to 4 of 2N live while it formed the raw bytes: 10.5 GiB), the exponents and raw bytes (N each)
-and the bincount's int32 copy (4N): ~12 GiB above the 15.5 GiB expert cache and the backbone, a start-up peak
-of 32 GiB under --gpu-memory-gb 24. Here:
+rows are N = 1.41e9 weights (8 experts of 176M): its bf16 copy on the device (2N bytes, 2.63 GiB), then, at
+encode's peak (split_bf16 forming the raw bytes), three int16 temporaries and the exponents (7N bytes, measured
+with tests/peak_memory.py): 9 bytes per weight, 11.8 GiB above the routed expert cache (15.5 GiB) and the
+backbone (3 GiB): a start-up peak of 32.00 GiB under --gpu-memory-gb 24 (d4a254d). Here:
 
 - pass 1 reads the parts a chunk at a time (`read(part, a, b)`: elements [a, b) of one part, as a bf16 tensor
   on the encoding device) for their exponent histograms, one row per part: the layer's codebook is their sum
@@ -74,8 +75,8 @@ def encode_groups(read: Reader, num_parts: int, part_size: int, groups: list[tup
     bpp, pad = -(-part_size // layout.block_elems), layout.pad_words
     words = [int(part_words[s0:s0 + k].sum()) for s0, k in groups]
     sizes = {"stream": [w + pad for w in words], "part_word_offsets": [k + 1 for _, k in groups],
-             "block_bit_offsets": [k * bpp for _, k in groups], "lane_bits": [k * bpp * layout.lanes for _, k in groups],
-             "raw": [k * part_size for _, k in groups]}
+             "block_bit_offsets": [k * bpp for _, k in groups],
+             "lane_bits": [k * bpp * layout.lanes for _, k in groups], "raw": [k * part_size for _, k in groups]}
     dtypes = {"stream": torch.int32, "part_word_offsets": torch.int64, "block_bit_offsets": torch.int64,
               "lane_bits": layout.lane_bits_dtype, "raw": torch.uint8}
     views = {}
