@@ -112,10 +112,11 @@ def test_device_memory_is_one_groups_worth():
 
 @pytest.mark.gpu
 def test_cuda_encode_is_bounded_and_bit_identical():
-    """On the GPU, from pageable host rows into pinned arrays (the host tier's path): torch's peak allocation
-    stays within one expert's exponents and stream plus the chunk temporaries (~0.35 GB here), where the
-    whole-layer encode of the same 8 experts of GLM-4.5-Air's size (17.3M weights each) takes several GB."""
-    from pagedmoe.codecs.lossless_groups import PACK_ELEMS, READ_ELEMS
+    """On the GPU, from pageable host rows (read through pinned buffers) into pinned arrays (the host tier's path):
+    torch's peak allocation stays within one expert's exponents and stream plus the chunk temporaries (~0.35 GB
+    here), where the whole-layer encode of the same 8 experts of GLM-4.5-Air's size (17.3M weights each) takes
+    several GB."""
+    from pagedmoe.codecs.lossless_groups import PACK_ELEMS, READ_ELEMS, rows_reader
 
     dev = torch.device("cuda")
     E, P = 8, 3 * 4096 * 1408
@@ -124,7 +125,7 @@ def test_cuda_encode_is_bounded_and_bit_identical():
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    got = encode_groups(lambda p, a, b: x[p, a:b].to(dev), E, P, [(p, 1) for p in range(E)], device=dev,
+    got = encode_groups(rows_reader(x, dev), E, P, [(p, 1) for p in range(E)], device=dev,   # via pinned buffers
                         alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.codecs import tiled
-from pagedmoe.codecs.lossless_groups import Reader, encode_groups
+from pagedmoe.codecs.lossless_groups import Reader, encode_groups, rows_reader
 from pagedmoe.experts.table import COMPRESSED
 
 
@@ -80,7 +80,7 @@ class CompressedTier:
         # whole-layer encode held them and ~7 bytes per weight more). Checksums guard files, not device memory.
         n, P = self.table.count(layer, COMPRESSED), self.expert_numel
         if read is None:
-            read = lambda slot, a, b: staged[slot, a:b].to(self.device)  # noqa: E731
+            read = rows_reader(staged, self.device)
         [ct] = encode_groups(read, n, P, [(0, n)], device=self.device,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.device))
         ct = self.layers[layer] = dataclasses.replace(ct, shape=(n, P))   # [n, 3*I*H] as encode(rows) gives

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.codecs.lossless import ARRAYS, CompressedTensor
-from pagedmoe.codecs.lossless_groups import Reader, encode_groups
+from pagedmoe.codecs.lossless_groups import Reader, encode_groups, rows_reader
 from pagedmoe.experts.layout import consecutive_runs
 from pagedmoe.experts.table import HOST
 from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
@@ -93,7 +93,7 @@ class HostTier:
         if read is None:
             if rows is None:
                 return
-            read = lambda slot, a, b: rows[slot, a:b].to(self.device)  # noqa: E731
+            read = rows_reader(rows, self.device)
         # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
         groups = consecutive_runs(self.table.ids(layer, HOST),
                                   self.group_experts or host_group_experts(2 * self.expert_numel))
