@@ -90,8 +90,8 @@ def encode_groups(read: Reader, num_parts: int, part_size: int, groups: list[tup
                   pack_elems: int = PACK_ELEMS) -> list[CompressedTensor]:
     """`groups` ((first part, parts) each, in order, covering every part once) of the tensor of `num_parts`
     parts of `part_size` bf16 elements that `read` gives, encoded with one codebook: a CompressedTensor per
-    group, its arrays views into one host tensor per array kind, made by `alloc(shape, dtype)` (pinned by the
-    host tier). Bit-identical to `encode(x, num_parts=num_parts, checksum=False).parts(s0, s0 + k)`, pad words
+    group, its arrays views into one tensor per array kind, made by `alloc(shape, dtype)` (pinned host memory
+    for the host tier, device memory for the compressed GPU tier). Bit-identical to `encode(x, num_parts=num_parts, checksum=False).parts(s0, s0 + k)`, pad words
     included (a group's pad words are the words that follow it)."""
     if [s0 for s0, _ in groups] != list(np.cumsum([0] + [k for _, k in groups[:-1]])) or \
             sum(k for _, k in groups) != num_parts or any(k < 1 for _, k in groups):
@@ -119,6 +119,9 @@ def encode_groups(read: Reader, num_parts: int, part_size: int, groups: list[tup
             for a, b in _chunks(part_size, read_elems):
                 bits = read(s0 + j, a, b).reshape(-1).view(torch.int16)
                 o = j * part_size
+                if raw.device.type == device.type:   # raw bytes straight into their array
+                    split_bf16_into(bits, exps[o + a:o + b], raw[o + a:o + b])
+                    continue
                 r = torch.empty(b - a, dtype=torch.uint8, device=device)
                 split_bf16_into(bits, exps[o + a:o + b], r)
                 raw[o + a:o + b].copy_(r)
