@@ -86,14 +86,14 @@ def decode_indexed(pool: torch.Tensor, stride: int, num_compressed: int = 56) ->
 
 def decode_mapped(pool: torch.Tensor, stride: int, gather_gbs: dict, num_host: int = 72) -> None:
     """Path (b) over a compressed host tier: n of the layer's host experts decoded from mapped pinned memory."""
-    from pagedmoe.codecs.lossless import encode
-    from pagedmoe.experts.tiers.host import mapped_layer, to_host
+    from pagedmoe.codecs.lossless_groups import encode_groups
+    from pagedmoe.experts.tiers.host import mapped_layer, pinned_empty
     from pagedmoe.kernels.lossless_decode import lossless_decode_indexed
 
     rows = (torch.randn(num_host, stride, device="cuda") * 0.02).bfloat16()
-    ct = encode(rows, num_parts=num_host, checksum=False)
-    groups = to_host([ct.parts(i, i + 1) for i in range(num_host)], pin=True, mapped=True)
-    del ct
+    # as the host tier holds it with path (b): one expert per group, the arrays in mapped pinned memory
+    groups = encode_groups(lambda p, a, b: rows[p, a:b], num_host, stride, [(i, 1) for i in range(num_host)],
+                           device=torch.device("cuda"), alloc=lambda shape, dtype: pinned_empty(shape, dtype, True))
     mapped = mapped_layer(groups, torch.device("cuda"))
     parts = torch.arange(num_host, dtype=torch.int32, device="cuda")
     for n in (1, 8, 32):

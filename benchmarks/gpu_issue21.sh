@@ -43,7 +43,8 @@ latency() {  # name model limit_s fetch batches...
     --gpu-memory-gb 24 --expert-fetch "$fetch" --batch-size "$@" --input-len 128 --output-len 32 \
     --max-model-len 512 --max-num-seqs 64 ${EXTRA_FLAGS:-} --output-json "$OUT/$name-$fetch.json" 2>&1 \
     | tee "$OUT/$name-$fetch.out" | tail -20 | tee -a "$LOG"
-  grep -h "placement for routed fetching\|placement plan:\|routed expert fetching" "$OUT/$name-$fetch.out" | tee -a "$LOG"
+  grep -h "placement for routed fetching\|placement plan:\|routed expert fetching\|INFO pagedmoe: loaded \|device memory after start-up" \
+    "$OUT/$name-$fetch.out" | tee -a "$LOG"   # start-up: load time and its peak (before any step)
   python - "$OUT/$name-$fetch.json" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:

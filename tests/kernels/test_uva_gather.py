@@ -193,16 +193,18 @@ def test_sync_free_fetch_decodes_the_compressed_tier_and_reads_host_rows_by_host
 
 
 def _host_layer(weights, ids, group_sizes, layout):
-    """One layer's host experts `ids` as experts/tiers/host.py holds a compressed host tier: encoded once (one part
-    per host slot), split into groups of `group_sizes` parts, the groups' arrays moved into one host tensor per kind
-    (to_host), and path (b)'s view of them all (mapped_layer)."""
-    from pagedmoe.codecs.lossless import encode
-    from pagedmoe.experts.tiers.host import mapped_layer, to_host
+    """One layer's host experts `ids` as experts/tiers/host.py holds a compressed host tier: encoded with one codebook
+    in groups of `group_sizes` parts (one part per host slot), each group's arrays views of one host tensor per kind
+    (codecs/lossless_groups.py), and path (b)'s view of them all (mapped_layer)."""
+    from pagedmoe.codecs.lossless_groups import encode_groups, rows_reader
+    from pagedmoe.experts.tiers.host import mapped_layer
 
-    ct = encode(weights[ids].contiguous(), num_parts=len(ids), layout=layout)
+    cpu = torch.device("cpu")
     starts = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
-    groups = to_host([ct.parts(s, s + k) for s, k in zip(starts, group_sizes)], pin=False)
-    return groups, mapped_layer(groups, torch.device("cpu"))
+    groups = encode_groups(rows_reader(weights[ids].contiguous(), cpu), len(ids), weights.shape[1],
+                           list(zip(starts, group_sizes)), device=cpu,
+                           alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype), layout=layout)
+    return groups, mapped_layer(groups, cpu)
 
 
 @pytest.mark.skipif(not CAN_RUN or torch.cuda.is_available(), reason="the interpreter run (CPU)")

@@ -507,6 +507,7 @@ def test_init_random_encodes_each_layer_as_it_is_staged(monkeypatch):
     next layer is written, never staging them in host memory (only resident and host experts are written
     through row()), with the same result as staging every layer first."""
     from pagedmoe.codecs.lossless import decode_reference
+    from pagedmoe.experts.dummy import DummyExperts
     from pagedmoe.experts.store import ExpertStore
     from pagedmoe.experts.table import ExpertTable
 
@@ -531,12 +532,11 @@ def test_init_random_encodes_each_layer_as_it_is_staged(monkeypatch):
         assert all(ll <= l for _, ll in events[:events.index((kind, l))])
 
     old = store()  # the old order: every layer's rows first, finalize() encodes them all
-    gen = torch.Generator().manual_seed(9 + 1)
+    gen = DummyExperts(9 + 1, 0.02, torch.bfloat16, torch.device("cpu"))   # the weights init_random generates
     n = 3 * I * H
     for l in range(L):
-        rows = torch.empty(6, old.stride, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
         for e in range(6):
-            old.row(l, e)[:n].copy_(rows[e, :n])
+            gen.fill(l, e, old.row(l, e)[:n])
     old.finalize()
     for l in range(L):
         assert torch.equal(decode_reference(new.compressed[l]), decode_reference(old.compressed[l]))

@@ -23,6 +23,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["reserved"] // 2)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device=None: None)
     monkeypatch.setattr(dm, "_nvml_process_bytes", lambda idx: state["nvml"])
@@ -49,6 +50,13 @@ def test_monitor_counts_the_process_not_other_processes(fake_cuda):
     rec = mon.record(budget_bytes=20 * GiB)
     assert rec["peak_over_budget"] == pytest.approx((20 * GiB + m.CUDA_CONTEXT_BYTES) / (20 * GiB))
     assert rec["budget_gib"] == 20 and rec["stages_gib"]["after"] == pytest.approx(5 + m.CUDA_CONTEXT_BYTES / GiB)
+    fake_cuda["reserved"] = 3 * GiB        # torch's share of a stage, and its peak allocation, are recorded too
+    mon.mark("pool")
+    rec = mon.record()
+    assert rec["torch_reserved_stages_gib"] == {"after": 0, "pool": 3} and rec["torch_peak_allocated_gib"] == 1.5
+    from pagedmoe.bench.common import device_memory_line
+
+    assert device_memory_line(rec).endswith("torch's peak reservation 3.00 GiB (peak allocation 1.50 GiB)")
     mon.reset_peak()
     assert mon.peak_bytes == 5 * GiB + m.CUDA_CONTEXT_BYTES
 

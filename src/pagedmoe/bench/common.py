@@ -75,4 +75,7 @@ def device_memory_line(rec: dict) -> str:
     text = f"device memory: peak {rec['peak_gib']:.2f} GiB, {rec['used_gib']:.2f} GiB at the end"
     if rec.get("budget_gib"):
         text += f" (budget {rec['budget_gib']:.2f} GiB: peak {100 * rec['peak_over_budget']:.1f}% of it)"
-    return text + f"; torch's peak reservation {rec['torch_peak_reserved_gib']:.2f} GiB"
+    text += f"; torch's peak reservation {rec['torch_peak_reserved_gib']:.2f} GiB"
+    if "torch_peak_allocated_gib" in rec:   # far below the reservation: the pool is fragmented
+        text += f" (peak allocation {rec['torch_peak_allocated_gib']:.2f} GiB)"
+    return text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +32,8 @@ from pagedmoe.codecs.lossless_format import (ARRAYS, FORMAT_NAME, FORMAT_VERSION
                                              CorruptCheckpointError, LosslessLayout)
 
 __all__ = ["ARRAYS", "FORMAT_NAME", "FORMAT_VERSION", "PAD_SYMBOL", "CompressedTensor", "CorruptCheckpointError",
-           "LosslessLayout", "split_bf16", "encode", "crc32_parts", "compute_checksums", "verify", "decode_reference"]
+           "LosslessLayout", "Codebook", "split_bf16", "encode", "pack_exponents", "crc32_parts", "compute_checksums",
+           "verify", "decode_reference"]
 
 
 def split_bf16(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +41,41 @@ def split_bf16(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exps = ((bits >> 7) & 0xFF).to(torch.uint8)
     raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
     return exps, raw
+
+
+# Elements split at a time: the int16 temporaries of split_bf16 (~10 bytes per element) stay at ~160 MB
+# however large the tensor (a whole Mixtral-8x7B layer split at once held 4 of them, 10.5 GiB, on the device).
+SPLIT_ELEMS = 1 << 24
+
+
+def split_bf16_into(bits: torch.Tensor, exps: torch.Tensor, raw: torch.Tensor, split_elems: int = SPLIT_ELEMS) -> None:
+    """split_bf16 of the flat int16 `bits`, written into `exps` and `raw` (uint8, same numel) a slice at a time."""
+    for a in range(0, bits.numel(), split_elems):
+        e, r = split_bf16(bits[a:a + split_elems])
+        exps[a:a + e.numel()].copy_(e)
+        raw[a:a + r.numel()].copy_(r)
+
+
+def exponent_histogram(exps: torch.Tensor, split_elems: int = SPLIT_ELEMS) -> torch.Tensor:
+    """int64 [256] counts of the uint8 exponents (on their device), a slice at a time (bincount takes int32)."""
+    hist = torch.zeros(256, dtype=torch.int64, device=exps.device)
+    for a in range(0, exps.numel(), split_elems):
+        hist += torch.bincount(exps[a:a + split_elems].to(torch.int32), minlength=256)
+    return hist
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """One tensor's exponent code: canonical Huffman code lengths [256] (uint8), their codes, the fill
+    exponent (the most frequent; the only one when every length is 0)."""
+    lengths: np.ndarray
+    codes: np.ndarray
+    fill: int
+
+    @classmethod
+    def of_histogram(cls, hist: np.ndarray, max_code_len: int) -> "Codebook":
+        lengths = huffman.code_lengths_from_histogram(hist, max_code_len)
+        return cls(lengths, huffman.canonical_codes(lengths), int(np.argmax(hist)) if hist.any() else 0)
 
 
 def _block_chunks(num_parts: int, part_size: int, bpp: int, block_elems: int, chunk_blocks: int):
@@ -111,22 +148,39 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, layout: LosslessLayout = Loss
     num_parts: equal contiguous parts with their own checksum and independently decodable
     range (a stacked [E, ...] expert tensor: num_parts = E). chunk_blocks bounds the
     temporary memory of the packing pass (~80 bytes per element of a chunk).
+    Beside x and the result, the device holds its exponents (1 byte per weight) and chunk temporaries
+    (codecs/lossless_groups.py encodes a stacked tensor a group of parts at a time, in bounded memory).
     """
     if x.dtype != torch.bfloat16:
         raise TypeError(f"lossless encode takes bf16, got {x.dtype}")
     if num_parts < 1 or x.numel() % num_parts:
         raise ValueError(f"numel {x.numel()} is not a multiple of num_parts {num_parts}")
-    dev = x.device
     bits = x.contiguous().view(torch.int16).reshape(-1)
-    exps, raw = split_bf16(bits)
-    hist = torch.bincount(exps.to(torch.int32), minlength=256).cpu().numpy()
-    lengths = huffman.code_lengths_from_histogram(hist, layout.max_code_len)
-    codes = huffman.canonical_codes(lengths)
-    fill = int(np.argmax(hist)) if hist.any() else 0
-    len_t = torch.tensor(np.append(lengths, 0), dtype=torch.int64, device=dev)  # [257], pad = 0
-    code_t = torch.tensor(np.append(codes, 0), dtype=torch.int64, device=dev)
+    if bits.numel() <= SPLIT_ELEMS:
+        exps, raw = split_bf16(bits)
+    else:
+        exps = torch.empty(bits.shape, dtype=torch.uint8, device=x.device)
+        raw = torch.empty_like(exps)
+        split_bf16_into(bits, exps, raw)
+    book = Codebook.of_histogram(exponent_histogram(exps).cpu().numpy(), layout.max_code_len)
+    arrays = pack_exponents(exps, num_parts, book, layout, chunk_blocks)
+    del exps
+    ct = CompressedTensor(tuple(x.shape), num_parts, layout, torch.from_numpy(book.lengths), book.fill, *arrays, raw)
+    if checksum:
+        ct.checksums = compute_checksums(ct)
+    return ct
 
-    P = x.numel() // num_parts
+
+def pack_exponents(exps: torch.Tensor, num_parts: int, book: Codebook, layout: LosslessLayout,
+                   chunk_blocks: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The coded arrays of the flat uint8 exponents `exps` (num_parts equal parts) under `book`: (stream,
+    part_word_offsets, block_bit_offsets, lane_bits), on exps' device. Each part's words depend only on its
+    own exponents and the codebook (a part starts on a word): encoding parts [p0, p1) alone gives
+    the whole tensor's `parts(p0, p1)` arrays, bar the pad words."""
+    dev = exps.device
+    len_t = torch.tensor(np.append(book.lengths, 0), dtype=torch.int64, device=dev)  # [257], pad = 0
+    code_t = torch.tensor(np.append(book.codes, 0), dtype=torch.int64, device=dev)
+    P = exps.numel() // num_parts
     bpp = -(-P // layout.block_elems)
     nb = num_parts * bpp
     if chunk_blocks is None:
@@ -149,11 +203,7 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, layout: LosslessLayout = Loss
         cum = torch.cumsum(lens, 1) - lens  # exclusive, within each block
         pos = (block_bit_offsets[g0:g1, None] + cum).reshape(-1)
         _pack_words(code_t[sym].reshape(-1), lens.reshape(-1), pos, stream)
-    ct = CompressedTensor(tuple(x.shape), num_parts, layout, torch.from_numpy(lengths), fill, stream,
-                          part_word_offsets, block_bit_offsets, lane_bits.to(layout.lane_bits_dtype), raw)
-    if checksum:
-        ct.checksums = compute_checksums(ct)
-    return ct
+    return stream, part_word_offsets, block_bit_offsets, lane_bits.to(layout.lane_bits_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

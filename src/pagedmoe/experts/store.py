@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.experts.buffers import PlainDoubleBuffer
+from pagedmoe.experts.dummy import DummyExperts
 from pagedmoe.experts.dynamic.versions import DynamicExperts
 from pagedmoe.experts.layout import expert_stride, expert_views, row_part
 from pagedmoe.experts.table import COMPRESSED, HOST, QUANTIZED, RESIDENT, ExpertTable
@@ -120,15 +121,16 @@ class ExpertStore:
             if self.host_tier.stage(layer, entry.slot, _PARTS[kind]):
                 self._compress_host_layer(layer)
 
-    # the tiers' encoders, called per layer once its rows are complete (or given `rows`, device, slot order)
-    def _encode(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
-        self.compressed_tier.encode(layer, rows)
+    # the tiers' encoders, called per layer once its rows are complete (or given `rows`, device, slot order; the
+    # host tier: `read`, experts/tiers/host.py)
+    def _encode(self, layer: int, rows: Optional[torch.Tensor] = None, read=None) -> None:
+        self.compressed_tier.encode(layer, rows, read)
 
     def _quantize(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
         self.quantized_tier.quantize(layer, rows)
 
-    def _compress_host_layer(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
-        self.host_tier.compress_layer(layer, rows)
+    def _compress_host_layer(self, layer: int, read=None) -> None:
+        self.host_tier.compress_layer(layer, read)
 
     def finalize(self) -> None:
         """After loading or dummy init: encode (quantise) every layer whose compressed (quantized) experts
@@ -150,15 +152,14 @@ class ExpertStore:
             torch.cuda.empty_cache()
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
-        """N(0, std) weights, generated on the device (fast) and copied to their tier."""
-        gen = torch.Generator(device=self.device).manual_seed(seed + 1)
-        n = 3 * self.inter * self.hidden
+        """N(0, std) weights, generated on the device (fast) a chunk at a time (experts/dummy.py) and written
+        to their tier: never a whole layer on the device."""
+        gen = DummyExperts(seed + 1, std, self.dtype, self.device)
+        n = self.expert_numel
         for layer in range(self.table.num_layers):
-            rows = torch.empty(self.table.num_experts, self.stride, dtype=self.dtype, device=self.device)
-            rows.normal_(0.0, std, generator=gen)
-            # Experts whose tier encodes (quantises) them go to the encoder from the device rows, in slot
-            # order; the rest are copied to their rows. Staging them in host memory first would copy every
-            # compressed weight device -> host -> device, through pageable memory (GLM-4.5-Air: 95 GB).
+            # Experts whose tier encodes (quantises) them go to the encoder from the device, in slot order; the
+            # rest are written to their rows. Staging them in host memory first would copy every compressed
+            # weight device -> host -> device, through pageable memory (GLM-4.5-Air: 95 GB).
             encoded: dict[str, dict[int, int]] = {COMPRESSED: {}, QUANTIZED: {}, HOST: {}}
             for e in range(self.table.num_experts):
                 entry = self.table.lookup(layer, e) if self.paged and self.dynamic is None else None
@@ -166,15 +167,24 @@ class ExpertStore:
                                           or entry.tier == HOST and self.host_compression == "lossless"):
                     encoded[entry.tier][entry.slot] = e
                 else:
-                    self.row(layer, e)[:n].copy_(rows[e, :n])
-            by_slot = {tier: rows[[ids[k] for k in sorted(ids)], :n] for tier, ids in encoded.items() if ids}
-            del rows
-            if COMPRESSED in by_slot:
-                self._encode(layer, by_slot.pop(COMPRESSED))
-            if QUANTIZED in by_slot:
-                self._quantize(layer, by_slot.pop(QUANTIZED))
-            if HOST in by_slot:
-                self._compress_host_layer(layer, by_slot.pop(HOST))
+                    gen.fill(layer, e, self.row(layer, e)[:n])
+            ids = {tier: [by_slot[k] for k in sorted(by_slot)] for tier, by_slot in encoded.items() if by_slot}
+            # the lossless tiers encode straight from the generator (codecs/lossless_groups.py); the quantizer
+            # (and the tiled format) take the layer's device rows at once
+            reader = {tier: lambda slot, a, b, ids=ids[tier], l=layer: gen.read(l, ids[slot], a, b, n) for tier in ids}
+            for tier, encode in ((COMPRESSED, self._encode), (QUANTIZED, self._quantize)):
+                if tier not in ids:
+                    continue
+                if tier == COMPRESSED and not self.fused_compressed:
+                    encode(layer, None, reader[tier])
+                    continue
+                rows = torch.empty(len(ids[tier]), n, dtype=self.dtype, device=self.device)
+                for row, e in zip(rows, ids[tier]):
+                    gen.fill(layer, e, row)
+                encode(layer, rows)
+                del rows
+            if HOST in ids:
+                self._compress_host_layer(layer, reader[HOST])
         self.finalize()
 
     # -- what the GEMMs read --------------------------------------------------------------------

@@ -58,6 +58,7 @@ class DeviceMemoryMonitor:
         self.others_bytes = others_at_start(total, free, own)
         self.context_bytes = max(0, total - free - self.others_bytes - reserved)
         self.stages: dict[str, int] = {}
+        self.torch_stages: dict[str, int] = {}   # torch's reservation at each stage: growth outside it is not torch's
         self.peak_bytes = 0
         self.samples = 0
         self._lock = threading.Lock()
@@ -86,6 +87,7 @@ class DeviceMemoryMonitor:
             torch.cuda.synchronize(self.idx)
         used = self.used_bytes()
         self.stages[stage] = used
+        self.torch_stages[stage] = torch.cuda.memory_reserved(self.idx)
         return used
 
     # -- the polling thread ------------------------------------------------------------------------
@@ -118,9 +120,12 @@ class DeviceMemoryMonitor:
                "used_gib": used / GiB, "peak_gib": self.peak_bytes / GiB,
                "torch_reserved_gib": torch.cuda.memory_reserved(self.idx) / GiB,
                "torch_peak_reserved_gib": torch.cuda.max_memory_reserved(self.idx) / GiB,
+               # reserved far above allocated: torch's pool fragmented (or cached a transient)
+               "torch_peak_allocated_gib": torch.cuda.max_memory_allocated(self.idx) / GiB,
                "other_processes_gib": self.others_bytes / GiB, "context_gib": self.context_bytes / GiB,
                "context_source": self.context_source, "device_total_gib": self.total_bytes / GiB,
-               "samples": self.samples, "stages_gib": {k: v / GiB for k, v in self.stages.items()}}
+               "samples": self.samples, "stages_gib": {k: v / GiB for k, v in self.stages.items()},
+               "torch_reserved_stages_gib": {k: v / GiB for k, v in self.torch_stages.items()}}
         if budget_bytes:
             out["budget_gib"] = budget_bytes / GiB
             out["peak_over_budget"] = self.peak_bytes / budget_bytes

@@ -12,13 +12,14 @@ is written, then encoded on the device and the staging freed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from pagedmoe.codecs import tiled
-from pagedmoe.codecs.lossless import encode
+from pagedmoe.codecs.lossless_groups import Reader, encode_groups, rows_reader
 from pagedmoe.experts.table import COMPRESSED
 
 
@@ -37,7 +38,7 @@ class CompressedTier:
     def __init__(self, table, expert_numel: int, dtype: torch.dtype, device: torch.device, paged: bool,
                  hidden: int = 0, inter: int = 0, fused: bool = False) -> None:
         L = table.num_layers
-        self.device = device
+        self.table, self.expert_numel, self.device = table, expert_numel, device
         self.hidden, self.inter, self.fused = hidden, inter, fused
         self.layers: list = [None] * L          # CompressedTensor per layer
         self.staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
@@ -57,10 +58,13 @@ class CompressedTier:
         self.staged_parts[layer].update((slot, p) for p in parts)
         return len(self.staged_parts[layer]) == 3 * self.staging[layer].shape[0]
 
-    def encode(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
-        """Encode the layer's compressed experts: their staged rows, or `rows` (device, slot order) given."""
+    def encode(self, layer: int, rows: Optional[torch.Tensor] = None, read: Optional[Reader] = None) -> None:
+        """Encode the layer's compressed experts: their staged rows, `rows` (slot order) given, or (not fused)
+        what `read(slot, a, b)` gives: elements [a, b) of the expert in that slot, bf16 on the device."""
         staged = self.staging[layer] if rows is None else rows
         if self.fused:  # the GEMMs' weights as the rows hold them (experts/layout.py): w13 then w2
+            if read is not None:
+                raise ValueError("the tiled (fused) compressed tier encodes rows, not a reader")
             n, H, I = staged.shape[0], self.hidden, self.inter
             dev = staged.to(self.device)
             self.layers[layer] = TiledExperts(
@@ -70,9 +74,16 @@ class CompressedTier:
             self.staging[layer] = None
             self.staged_parts[layer] = set()
             return
-        # One tensor per layer, one part per expert: a shared codebook, and a run of experts decodes
-        # with one kernel launch. Checksums guard files, not device memory: skipped.
-        ct = self.layers[layer] = encode(staged.to(self.device), num_parts=staged.shape[0], checksum=False)
+        # One tensor per layer, one part per expert: a shared codebook, and a run of experts decodes with one
+        # kernel launch. Encoded as one group (codecs/lossless_groups.py): beside the tier's own arrays the device
+        # holds the layer's exponents (1 byte per weight) and chunk temporaries, never its bf16 rows (the
+        # whole-layer encode held them and ~7 bytes per weight more). Checksums guard files, not device memory.
+        n, P = self.table.count(layer, COMPRESSED), self.expert_numel
+        if read is None:
+            read = rows_reader(staged, self.device)
+        [ct] = encode_groups(read, n, P, [(0, n)], device=self.device,
+                             alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.device))
+        ct = self.layers[layer] = dataclasses.replace(ct, shape=(n, P))   # [n, 3*I*H] as encode(rows) gives
         if self.device.type == "cuda":
             from pagedmoe.kernels.lossless_decode import prepare_launch  # triton: optional
 

@@ -17,7 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from pagedmoe.codecs.lossless import ARRAYS, CompressedTensor, encode
+from pagedmoe.codecs.lossless import ARRAYS, CompressedTensor
+from pagedmoe.codecs.lossless_groups import Reader, encode_groups, rows_reader
 from pagedmoe.experts.layout import consecutive_runs
 from pagedmoe.experts.table import HOST
 from pagedmoe.planning.placement import HOST_STAGING_SLOTS, host_group_experts
@@ -92,24 +93,35 @@ class HostTier:
         self.staged_parts[layer].update((slot, p) for p in parts)
         return len(self.staged_parts[layer]) == 3 * self.rows[layer].shape[0]
 
-    def compress_layer(self, layer: int, rows: Optional[torch.Tensor] = None) -> None:
-        """Encode one layer's host rows (on the device: fast; one codebook per layer), or `rows` (device,
-        slot order) given; keep each expert's part in pinned host memory and free the raw rows."""
-        rows = self.rows[layer] if rows is None else rows
-        if rows is None or not rows.shape[0]:
+    def compress_layer(self, layer: int, read: Optional[Reader] = None) -> None:
+        """Encode one layer's host experts with one codebook, a group at a time on the device (bounded memory:
+        codecs/lossless_groups.py), from its raw host rows or from `read(slot, a, b)` (elements [a, b) of the
+        expert in that slot, bf16 on the device: --load-format dummy generates them there); keep each group in
+        pinned host memory and free the raw rows."""
+        rows = self.rows[layer]
+        n = self.table.count(layer, HOST)
+        if not n:
             return
-        self.rows[layer] = None
-        self.staged_parts[layer] = set()
-        ct = encode(rows[:, :self.expert_numel].to(self.device).contiguous(), num_parts=rows.shape[0],
-                    checksum=False)
+        if read is None:
+            if rows is None:
+                return
+            read = rows_reader(rows, self.device)
         # groups: runs of consecutive expert ids (slot order is id order), at most host_group_experts each
         groups = consecutive_runs(self.table.ids(layer, HOST),
                                   self.group_experts or host_group_experts(2 * self.expert_numel))
+        self.compressed[layer] = encode_groups(read, n, self.expert_numel, [(s0, k) for s0, _, k in groups],
+                                               device=self.device, alloc=self._host_array)
         self.groups[layer] = [(e0, k) for _, e0, k in groups]
-        self.compressed[layer] = to_host([ct.parts(s0, s0 + k) for s0, _, k in groups],
-                                         self.device.type == "cuda", self.mapped)
+        self.rows[layer] = None
+        self.staged_parts[layer] = set()
         if self.mapped:
             self.uva[layer] = mapped_layer(self.compressed[layer], self.device)
+
+    def _host_array(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One array kind of a layer's compressed groups: pinned on CUDA (exact size; also mapped for fetch path
+        (b))."""
+        return pinned_empty(shape, dtype, self.mapped) if self.device.type == "cuda" else torch.empty(shape,
+                                                                                                      dtype=dtype)
 
     def build_staging(self) -> None:
         """Once every host layer is encoded: the device staging slots and each group's views into its slot."""
@@ -154,28 +166,8 @@ class HostTier:
         return raw + sum(ct.nbytes for cts in self.compressed if cts for ct in cts)
 
 
-def to_host(parts: list, pin: bool, mapped: bool = False) -> list:
-    """One layer's CompressedTensors (its host groups) with their arrays moved to host memory: one (pinned,
-    when `pin`; also mapped for GPU kernels, when `mapped`) tensor per array kind for the whole layer, each group a
-    view of it (a few registrations per layer, not five per group), in the groups' order."""
-    names = ARRAYS
-    arrays: list[dict] = [{} for _ in parts]
-    for name in names:
-        src = [getattr(p, name) for p in parts]
-        flat = torch.cat([a.reshape(-1) for a in src])
-        host = pinned_empty(tuple(flat.shape), flat.dtype, mapped) if pin else torch.empty(flat.shape,
-                                                                                             dtype=flat.dtype)
-        host.copy_(flat)
-        off = 0
-        for d, a in zip(arrays, src):
-            d[name] = host[off:off + a.numel()].view(a.shape)
-            off += a.numel()
-    return [CompressedTensor(p.shape, p.num_parts, p.layout, p.code_lengths, p.fill_exponent, **d)
-            for p, d in zip(parts, arrays)]
-
-
 def mapped_layer(groups: list, device: torch.device) -> MappedLayer:
-    """The groups of one layer (to_host's, views of one tensor per array kind) as one CompressedTensor of all their
+    """The groups of one layer (compress_layer's, views of one tensor per array kind) as one CompressedTensor of all their
     parts, for the indexed decode of fetch path (b): the stream, lane bits and raw bytes are the groups' own host
     memory (the groups follow each other in it); the block bit offsets, rebased per group by `parts`, are made
     absolute again in a (mapped pinned, on CUDA) copy; the decode table is built on `device` now (host work:
