@@ -109,32 +109,25 @@ def _stream_order(exps: torch.Tensor, g0: int, g1: int, part_size: int, bpp: int
     return out.masked_fill_(~valid, PAD_SYMBOL)
 
 
-def _pack_words(codes: torch.Tensor, lens: torch.Tensor, pos: torch.Tensor, stream: torch.Tensor) -> None:
-    """ORs codes [n] (lengths lens, first bits pos, increasing) into the int32 stream, MSB-first.
+def _pack_words(codes: torch.Tensor, lens: torch.Tensor, pos: torch.Tensor, stream: torch.Tensor, w0: int,
+                num_words: int) -> None:
+    """ORs codes [n] (lengths lens, first bits pos) into the int32 stream, MSB-first; the codes lie in words
+    [w0, w0 + num_words) (known on the host: no sync here, so a chunk's packing queues behind the last one).
 
-    No atomics: codes that start in one word are summed with a cumulative sum (they cover
-    disjoint bits, so sum == OR), and the at most one code per word that spills into the next
-    word adds its low part there with a unique-index scatter.
+    Integer sums, so exact in any order: the high part of each code is added into the word it starts in (the
+    codes of a word cover disjoint bits, so sum == OR), the low part of a code that spills into the next word
+    into that word.
     """
     if codes.numel() == 0:
         return
     off = pos & 31
     end = off + lens  # <= 31 + 15
     hi = torch.where(end <= 32, codes << (32 - end).clamp(min=0), codes >> (end - 32).clamp(min=0))
-    word = pos >> 5
-    w0 = int(word[0])
-    wl = word - w0
-    num_words = int(wl[-1]) + 2
-    cum = torch.cumsum(hi, 0)
-    last = torch.ones_like(wl, dtype=torch.bool)
-    last[:-1] = wl[1:] != wl[:-1]
-    li = torch.nonzero(last).squeeze(1)
-    seg = torch.diff(cum[li], prepend=cum.new_zeros(1))
+    wl = (pos >> 5) - w0
     words = torch.zeros(num_words, dtype=torch.int64, device=codes.device)
-    words[wl[li]] = seg
-    si = torch.nonzero(end > 32).squeeze(1)
-    lo = (codes[si] << (64 - end[si])) & 0xFFFFFFFF
-    words[wl[si] + 1] += lo
+    words.index_add_(0, wl, hi)
+    lo = torch.where(end > 32, (codes << (64 - end).clamp(max=63)) & 0xFFFFFFFF, 0)
+    words.index_add_(0, wl + 1, lo)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     n = min(num_words, stream.numel() - w0)
     stream[w0 : w0 + n] |= words[:n]
@@ -195,14 +188,17 @@ def pack_exponents(exps: torch.Tensor, num_parts: int, book: Codebook, layout: L
     part_word_offsets = torch.zeros(num_parts + 1, dtype=torch.int64, device=dev)
     part_word_offsets[1:] = torch.cumsum(part_words, 0)
     block_bit_offsets = (part_word_offsets[:-1, None] * 32 + torch.cumsum(block_bits, 1) - block_bits).reshape(-1)
-    stream = torch.zeros(int(part_word_offsets[-1]) + layout.pad_words, dtype=torch.int32, device=dev)
+    # the one sync of the packing: the block offsets on the host name each chunk's words
+    starts = block_bit_offsets.cpu().tolist() + [32 * int(part_word_offsets[-1])]
+    stream = torch.zeros(starts[-1] // 32 + layout.pad_words, dtype=torch.int32, device=dev)
     # pass 2: codes -> words
     for g0, g1 in chunks:
         sym = _stream_order(exps, g0, g1, P, bpp, layout).reshape(g1 - g0, -1)
         lens = len_t[sym]
         cum = torch.cumsum(lens, 1) - lens  # exclusive, within each block
         pos = (block_bit_offsets[g0:g1, None] + cum).reshape(-1)
-        _pack_words(code_t[sym].reshape(-1), lens.reshape(-1), pos, stream)
+        w0 = starts[g0] >> 5
+        _pack_words(code_t[sym].reshape(-1), lens.reshape(-1), pos, stream, w0, (starts[g1] >> 5) - w0 + 2)
     return stream, part_word_offsets, block_bit_offsets, lane_bits.to(layout.lane_bits_dtype)
 
 

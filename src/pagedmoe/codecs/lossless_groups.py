@@ -124,17 +124,21 @@ def encode_groups(read: Reader, num_parts: int, part_size: int, groups: list[tup
                     continue
                 r = torch.empty(b - a, dtype=torch.uint8, device=device)
                 split_bf16_into(bits, exps[o + a:o + b], r)
-                raw[o + a:o + b].copy_(r)
+                # NOTE: into pinned memory, asynchronous (stream-ordered: r's block is reused only after the copy);
+                # the host reads the arrays after the synchronize below
+                raw[o + a:o + b].copy_(r, non_blocking=True)
         stream, pwo, bbo, lane_bits = pack_exponents(exps, k, book, layout, chunk_blocks)
         del exps
         if stream.numel() != words[g] + pad:   # NOTE: the host arrays were sized from the histograms
             raise RuntimeError(f"group {g}: {stream.numel() - pad} words packed, {words[g]} counted")
-        views["stream"][g][:words[g]].copy_(stream[:words[g]])
+        views["stream"][g][:words[g]].copy_(stream[:words[g]], non_blocking=True)
         for name, t in (("part_word_offsets", pwo), ("block_bit_offsets", bbo), ("lane_bits", lane_bits)):
-            views[name][g].copy_(t.reshape(-1))
+            views[name][g].copy_(t.reshape(-1), non_blocking=True)
         out.append(CompressedTensor((k * part_size,), k, layout, torch.from_numpy(book.lengths), book.fill,
                                     views["stream"][g], views["part_word_offsets"][g], views["block_bit_offsets"][g],
                                     views["lane_bits"][g].view(k * bpp, layout.lanes), raw))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)   # every asynchronous copy into the arrays has landed
     # pad words: the whole tensor's words after each group's (zeros past the last part), as parts() slices them
     tail = torch.zeros(pad, dtype=torch.int32)
     for g in reversed(range(len(groups))):
