@@ -57,10 +57,13 @@ def split_bf16_into(bits: torch.Tensor, exps: torch.Tensor, raw: torch.Tensor, s
 
 
 def exponent_histogram(exps: torch.Tensor, split_elems: int = SPLIT_ELEMS) -> torch.Tensor:
-    """int64 [256] counts of the uint8 exponents (on their device), a slice at a time (bincount takes int32)."""
+    """int64 [256] counts of the uint8 exponents (on their device), a slice at a time. An integer index_add_ (exact
+    in any order), not bincount, which syncs with the host on CUDA to size its output."""
     hist = torch.zeros(256, dtype=torch.int64, device=exps.device)
+    one = torch.ones(1, dtype=torch.int64, device=exps.device)
     for a in range(0, exps.numel(), split_elems):
-        hist += torch.bincount(exps[a:a + split_elems].to(torch.int32), minlength=256)
+        idx = exps[a:a + split_elems].to(torch.int64)
+        hist.index_add_(0, idx, one.expand(idx.numel()))
     return hist
 
 
