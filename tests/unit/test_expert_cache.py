@@ -179,6 +179,9 @@ def test_plan_prints_the_fetch_table(capsys, tmp_path):
     # both routed paths per bucket, and the one the bucket gets
     assert all(r["routed_path"] in ("copy", "uva") and r["routed_uva_s"] > 0 for r in fetch["batches"])
     assert "(uva)" in text and "(copy)" in text
+    # routed fetching's stream steps: the threshold the engine settles for this placement (a power of two)
+    t = fetch["stream_min_tokens"]
+    assert 1 < t <= 8192 and t & (t - 1) == 0 and f"forwards of {t}+ tokens" in text
 
 
 def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():

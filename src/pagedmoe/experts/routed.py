@@ -214,7 +214,7 @@ class RoutedPager(ExpertPager):
                 self.cache.stats.streamed += len(misses)
         if not self._skip_host:   # the distinct routed experts, counted on the device (read in end_step)
             self._routed_mask.zero_()
-            self._routed_mask.index_fill_(0, topk_ids.reshape(-1), 1)
+            self._routed_mask.index_fill_(0, topk_ids.reshape(-1).long(), 1)   # the fused router's ids are int32
             self._routed_total += self._routed_mask.sum()
             self._stream_pending = True
             self.stats.layers_loaded += 1
