@@ -67,8 +67,8 @@ def test_stream_steps_bit_identical_to_resident(ckpt, refs, lengths, threshold, 
 
 
 def test_stream_step_issues_no_host_sync_and_counts_its_fills(ckpt, refs, monkeypatch):
-    """Every forward a stream step, with 2 x E pages (each prefetch covers its layer): the routed ids never reach
-    the host (routed_ids fails if called); the bytes moved are the fills', and the routed bytes (a device counter
+    """Every forward a stream step, with 2 x E pages (each prefetch covers its layer), the router's ids int32: the
+    routed ids never reach the host (routed_ids fails if called); the bytes moved are the fills', and the routed bytes (a device counter
     read after each step) are the distinct routed (layer, expert) pairs of every step, as the activity table counts
     them."""
     from pagedmoe.experts import routed
@@ -84,7 +84,14 @@ def test_stream_step_issues_no_host_sync_and_counts_its_fills(ckpt, refs, monkey
     fill_pages = routed.RoutedPager._fill_pages
     monkeypatch.setattr(routed.RoutedPager, "_fill_pages",
                         lambda self, layer, misses: fills.append(len(misses)) or fill_pages(self, layer, misses))
-    got, engine = _run(ckpt, lengths, 1, expert_fetch="routed", cpu_moe=True)
+    from pagedmoe import LLM
+
+    llm = LLM(str(ckpt), device="cpu", max_model_len=96, expert_fetch="routed", cpu_moe=True)
+    engine = llm.engine
+    engine.pager.stream_min_tokens = 1
+    for moe in engine.model.moe_layers():   # as the fused router (kernels/router_topk.py) gives them on the GPU
+        moe.route = lambda x, route=moe.route: (lambda w, i: (w, i.to(torch.int32)))(*route(x))
+    got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
     assert len(ref) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(ref, got))
     pager, expert = engine.pager, engine.expert_store.expert_numel * 4
     st = pager.cache.stats
