@@ -130,7 +130,8 @@ def test_stream_step_falls_back_on_path_a_where_pages_run_short(tmp_path, monkey
 def test_stream_step_threshold_from_the_cost_model():
     """The smallest power of two at which path (a) models slower than a stream step: for Qwen3-30B-A3B at N=0 the
     prefill chunks (8192 tokens) and large decode batches stream, batch 1 does not; a threshold of 0 where every
-    expert is resident, off CUDA and under stream-all."""
+    expert is resident, where path (b)'s miss area leaves fewer than 2 x E LRU pages, off CUDA and under
+    stream-all."""
     from pagedmoe.planning.cost_model import H200
     from pagedmoe.planning.fetch_cost import (FetchTiers, fetch_step_s, settle_stream_steps, stream_step_min_tokens,
                                               stream_step_s)
@@ -147,6 +148,10 @@ def test_stream_step_threshold_from_the_cost_model():
         assert routed(8192) > stream_step_s(shape, H200, n, 8192, 1024, tiers)
     assert stream_step_min_tokens(shape, H200, 0, 1, 1024) == 0          # batch 1 keeps path (a)
     assert stream_step_min_tokens(shape, H200, 128, 8192, 1024) == 0     # every expert resident
+    # N=0: 2 x E pages; path (b)'s miss area (min(E, 16 x 8) pages) leaves only E, the computing layer's
+    assert stream_step_min_tokens(shape, H200, 0, 8192, 1024, sync_free_max_seqs=16) == 0
+    assert stream_step_min_tokens(shape, H200, 64, 8192, 1024, sync_free_max_seqs=16) == \
+        stream_step_min_tokens(shape, H200, 64, 8192, 1024) > 0
     n0 = stream_step_min_tokens(shape, H200, 0, 8192, 1024)
     assert settle_stream_steps("routed", shape, 0, FetchTiers(), 8192, 1024, "cuda") == n0
     assert settle_stream_steps("routed", shape, 0, FetchTiers(), 8192, 1024, "cpu") == 0

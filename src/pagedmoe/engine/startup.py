@@ -253,17 +253,17 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
     plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
                                max_model_len=max_model_len, budget=lambda: planning_budget(config, device, memory),
                                host_budget=lambda: host_budget(config), eager=eager)
-    x = config.experts
-    dynamic = x.precision == "dynamic"
+    x, dynamic = config.experts, config.experts.precision == "dynamic"
     plan = plan.replace(fetch=settle_fetch(config, plan, dims, spec, device, dtype, max_model_len))
     # routed: the decode buckets that fetch by the sync-free path (b) and run in CUDA graphs, and stream steps
     shape, n = rank_shape(config, dims, spec, dtype.itemsize), _min_count(plan.num_gpu_experts)
     tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)
     plan = plan.replace(sync_free_max_seqs=settle_fetch_path(
         x.fetch_path, plan.fetch, shape, n, tiers, config.max_num_seqs, max_model_len / 2, device.type,
-        graphs=not eager, interpreter=os.environ.get("TRITON_INTERPRET") == "1"),
-        stream_min_tokens=settle_stream_steps(plan.fetch, shape, n, tiers, config.max_num_batched_tokens,
-                                              max_model_len / 2, device.type))
+        graphs=not eager, interpreter=os.environ.get("TRITON_INTERPRET") == "1"))
+    plan = plan.replace(stream_min_tokens=settle_stream_steps(
+        plan.fetch, shape, n, tiers, config.max_num_batched_tokens, max_model_len / 2, device.type,
+        plan.sync_free_max_seqs))
     buffers = "plain" if dynamic or plan.fetch == "routed" else x.buffers
     return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),

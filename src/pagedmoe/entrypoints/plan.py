@@ -171,12 +171,12 @@ def format_table(rows) -> str:
 
 
 def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, host_ratios=None,
-                max_num_batched_tokens: int = 8192):
+                max_num_batched_tokens: int = 8192, max_num_seqs: int = 256):
     """--expert-fetch's modelled decode step at batch 1, 8, 32 for the selected placement (else the auto pick),
     when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table, the stream steps' threshold);
     None otherwise. `host_ratios`: the host ratio of rows that differ from `host_ratio` (routed fetching's
     placements), by label."""
-    from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table, stream_step_min_tokens
+    from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table, graph_fetch_max_seqs, stream_step_min_tokens
 
     pick = next((r for r in rows if r[3] and not isinstance(r[1], Exception)), None) or \
         next((r for r in rows if r[2] and not isinstance(r[1], Exception)), None)
@@ -188,7 +188,8 @@ def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, ho
     ratio = (host_ratios or {}).get(pick[0], host_ratio)
     tiers = FetchTiers(min(pick[1].placement.num_compressed_experts, default=0), ratio or 1.0)
     return (pick[0], n, fetch_table(shape, hw, n, context_len, tiers=tiers),
-            stream_step_min_tokens(shape, hw, n, max_num_batched_tokens, context_len, tiers))
+            stream_step_min_tokens(shape, hw, n, max_num_batched_tokens, context_len, tiers,
+                                   graph_fetch_max_seqs(shape, hw, n, max_num_seqs, context_len, tiers)))
 
 
 def format_fetch(label: str, n: int, table: list[dict], stream_min_tokens: int = 0) -> str:
@@ -203,7 +204,8 @@ def format_fetch(label: str, n: int, table: list[dict], stream_min_tokens: int =
                      f"{ms(r['resident_s']):>10}  {choice}")
     lines.append(f"  routed fetching's stream steps (every expert prefetched a layer ahead, no sync): forwards of "
                  f"{stream_min_tokens}+ tokens beyond the uva buckets" if stream_min_tokens else
-                 "  routed fetching's stream steps: none (path (a) models faster up to max_num_batched_tokens)")
+                 "  routed fetching's stream steps: none (path (a) models faster up to max_num_batched_tokens, or "
+                 "the cache leaves fewer than 2 x E pages beside path (b)'s miss area)")
     return "\n".join(lines)
 
 
@@ -314,7 +316,8 @@ def run_plan(args) -> int:
         print(format_table(rows))
         if routed is not None:
             print(format_routed(*routed, args.max_num_seqs, context_len))
-        fetch = _fetch_rows(gpu_shape, hw, rows, context_len, host_ratio, host_ratios, args.max_num_batched_tokens)
+        fetch = _fetch_rows(gpu_shape, hw, rows, context_len, host_ratio, host_ratios, args.max_num_batched_tokens,
+                            args.max_num_seqs)
         if fetch is not None:
             print(format_fetch(*fetch))
         selected = [r for r in rows if r[3]]

@@ -146,10 +146,15 @@ def stream_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, 
 
 
 def stream_step_min_tokens(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, max_num_batched_tokens: int,
-                           context_len: float, tiers: FetchTiers = FetchTiers()) -> int:
+                           context_len: float, tiers: FetchTiers = FetchTiers(), sync_free_max_seqs: int = 0) -> int:
     """ExpertPlan.stream_min_tokens: the smallest power of two T <= max_num_batched_tokens at which path (a)'s
-    modelled step (fetch_step_s's routed) is slower than a stream step's; 0 when none is (or N = E)."""
-    if num_gpu_experts >= shape.experts_per_gpu:
+    modelled step (fetch_step_s's routed) is slower than a stream step's; 0 when none is, when N = E, and when the
+    cache's LRU pages (less path (b)'s miss area, min(E, sync_free_max_seqs x A) pages) are fewer than 2 x E: a
+    layer's prefetch may not take the E pages of the layer computing, so it would get fewer than E and fall back
+    on path (a)."""
+    E = shape.experts_per_gpu
+    miss_area = min(E, sync_free_max_seqs * shape.top_k) if sync_free_max_seqs > 0 else 0
+    if num_gpu_experts >= E or max(E, cache_pages(shape, num_gpu_experts) - miss_area) < 2 * E:
         return 0
     t = 1
     while t <= max_num_batched_tokens:
@@ -162,14 +167,14 @@ def stream_step_min_tokens(shape: ModelShape, hw: HardwareProfile, num_gpu_exper
 
 def settle_stream_steps(fetch: str, shape: ModelShape, num_gpu_experts: int, tiers: FetchTiers,
                         max_num_batched_tokens: int, context_len: float, device_type: str,
-                        hw: Optional[HardwareProfile] = None) -> int:
-    """ExpertPlan.stream_min_tokens under routed fetching on CUDA (stream_step_min_tokens); 0 otherwise: off CUDA
-    there is no copy engine to model. --expert-prefetch does not change it: prediction serves the path (a)
-    forwards below it, stream steps the larger ones."""
+                        sync_free_max_seqs: int = 0, hw: Optional[HardwareProfile] = None) -> int:
+    """ExpertPlan.stream_min_tokens under routed fetching on CUDA (stream_step_min_tokens, with the settled
+    ExpertPlan.sync_free_max_seqs); 0 otherwise: off CUDA there is no copy engine to model. --expert-prefetch does
+    not change it: prediction serves the path (a) forwards below it, stream steps the larger ones."""
     if fetch != "routed" or device_type != "cuda":
         return 0
     return stream_step_min_tokens(shape, hw or HardwareProfile(), num_gpu_experts, max_num_batched_tokens,
-                                  context_len, tiers)
+                                  context_len, tiers, sync_free_max_seqs)
 
 
 def routed_path(costs: dict[str, Optional[float]]) -> str:
