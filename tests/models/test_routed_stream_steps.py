@@ -66,6 +66,23 @@ def test_stream_steps_bit_identical_to_resident(ckpt, refs, lengths, threshold, 
         assert syncs
 
 
+@pytest.mark.parametrize("threshold", [1, 8], ids=["every-forward", "prefills"])
+def test_stream_steps_with_the_lossless_tiers(tmp_path, threshold):
+    """Stream steps over a compressed host tier and the compressed GPU tier (bf16): each prefetched page is decoded
+    from its expert's compressed arrays (copied from the host, or the GPU tier's part); the logits equal resident
+    placement's, bit for bit; every fill decoded exactly one expert."""
+    make_tiny_checkpoint("qwen3_moe", tmp_path, seed=71, dtype=torch.bfloat16)
+    lengths = (7, 19, 3, 30)
+    ref, _ = _run(tmp_path, lengths, dtype="bfloat16")
+    got, engine = _run(tmp_path, lengths, threshold, dtype="bfloat16", expert_fetch="routed",
+                       expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
+                       host_compression="lossless")
+    assert len(ref) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(ref, got))
+    st = engine.pager.cache.stats
+    assert st.streamed > 0 and st.bytes_decoded == (st.misses + st.prefetched) * engine.expert_store.expert_numel * 2
+    assert 0 < st.bytes_moved < st.bytes_decoded   # compressed host bytes only; the GPU tier's move none
+
+
 def test_stream_step_issues_no_host_sync_and_counts_its_fills(ckpt, refs, monkeypatch):
     """Every forward a stream step, with 2 x E pages (each prefetch covers its layer), the router's ids int32: the
     routed ids never reach the host (routed_ids fails if called); the bytes moved are the fills', and the routed bytes (a device counter
