@@ -169,7 +169,7 @@ def test_plan_prints_the_fetch_table(capsys, tmp_path):
 
     cfg = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-30b-a3b"
     out = tmp_path / "p.json"
-    assert main(["plan", str(cfg), "--gpu-memory-gb", "24", "--json", str(out)]) == 0
+    assert main(["plan", str(cfg), "--gpu-memory-gb", "24", "60", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "expert fetch for" in text and "routed" in text
     fetch = json.loads(out.read_text())["budgets"][0]["fetch"]
@@ -179,6 +179,11 @@ def test_plan_prints_the_fetch_table(capsys, tmp_path):
     # both routed paths per bucket, and the one the bucket gets
     assert all(r["routed_path"] in ("copy", "uva") and r["routed_uva_s"] > 0 for r in fetch["batches"])
     assert "(uva)" in text and "(copy)" in text
+    # routed fetching's stream steps: at 24 GiB (N=0) the cache's 256 pages less path (b)'s miss area (128) leave
+    # no room to prefetch a layer beside the one computing; at 60 GiB the threshold the engine settles
+    assert fetch["stream_min_tokens"] == 0 and "stream steps: none" in text
+    t = json.loads(out.read_text())["budgets"][1]["fetch"]["stream_min_tokens"]
+    assert 1 < t <= 8192 and t & (t - 1) == 0 and f"forwards of {t}+ tokens" in text
 
 
 def test_a_step_larger_than_the_cache_evicts_the_newest_page_of_another_layer():

@@ -79,6 +79,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "expert_fetch": engine.expert_plan.fetch,
         # routed: decode batches up to this fetch by path (b) (UVA gather, CUDA graphs); 0: path (a) only
         "expert_fetch_sync_free_max_seqs": engine.expert_plan.sync_free_max_seqs,
+        # routed: forwards of at least this many tokens beyond path (b) are stream steps; 0: none
+        "expert_fetch_stream_min_tokens": engine.expert_plan.stream_min_tokens,
         "expert_bytes_moved_per_step": per_step["moved"],
         "expert_bytes_decoded_per_step": per_step["decoded"],
         "routed_expert_bytes_per_step": per_step["routed"] * engine.expert_store.expert_numel * engine.dtype.itemsize,

@@ -40,7 +40,7 @@ from pagedmoe.parallel.sharding import shard_arch
 from pagedmoe.parallel.state import all_reduce_min
 from pagedmoe.planning.kv_sizing import (GiB, KVSizing, detect_host_budget_bytes, estimate_activation_bytes,
                                          size_kv_cache, start_up_reserve_bytes)
-from pagedmoe.planning.fetch_cost import FetchTiers, settle_expert_fetch, settle_fetch_path
+from pagedmoe.planning.fetch_cost import FetchTiers, settle_expert_fetch, settle_fetch_path, settle_stream_steps
 from pagedmoe.planning.resolve import ExpertPlan, rank_shape, resolve_expert_plan
 from pagedmoe.worker.device_memory import process_monitor
 from pagedmoe.worker.model_runner import ModelRunner
@@ -140,10 +140,11 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                 store.resident_bytes / GiB, store.compressed_bytes / GiB, store.quantized_bytes / GiB,
                 config.expert_precision, store.host_bytes / GiB, store.buffer_bytes / GiB)
     if expert_plan.fetch == "routed":
-        top = expert_plan.sync_free_max_seqs
-        logger.info("routed expert fetching: %s", f"forwards of up to {top} tokens by the sync-free UVA gather (CUDA "
+        top, big = expert_plan.sync_free_max_seqs, expert_plan.stream_min_tokens
+        logger.info("routed expert fetching: %s%s", f"forwards of up to {top} tokens by the sync-free UVA gather (CUDA "
                     "graphs for those decode buckets), larger ones by the copy engine after a host sync per layer"
-                    if top else "the copy engine after a host sync per MoE layer (eager steps)")
+                    if top else "the copy engine after a host sync per MoE layer (eager steps)", f"; forwards of "
+                    f"{big} tokens or more prefetch every expert a layer ahead (stream steps)" if big else "")
     # dynamic precision on CUDA: the pool's withheld tail gives its memory back to the device
     backing = None
     if dynamic and cuda_vmm.available(device):
@@ -252,15 +253,17 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
     plan = resolve_expert_plan(config, dims, spec, device_type=device.type, dtype=dtype,
                                max_model_len=max_model_len, budget=lambda: planning_budget(config, device, memory),
                                host_budget=lambda: host_budget(config), eager=eager)
-    x = config.experts
-    dynamic = x.precision == "dynamic"
+    x, dynamic = config.experts, config.experts.precision == "dynamic"
     plan = plan.replace(fetch=settle_fetch(config, plan, dims, spec, device, dtype, max_model_len))
-    # routed: the decode buckets that fetch by the sync-free path (b) and run in CUDA graphs
-    shape = rank_shape(config, dims, spec, dtype.itemsize)
+    # routed: the decode buckets that fetch by the sync-free path (b) and run in CUDA graphs, and stream steps
+    shape, n = rank_shape(config, dims, spec, dtype.itemsize), _min_count(plan.num_gpu_experts)
+    tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)
     plan = plan.replace(sync_free_max_seqs=settle_fetch_path(
-        x.fetch_path, plan.fetch, shape, _min_count(plan.num_gpu_experts),
-        FetchTiers.of_plan(plan.num_compressed, plan.host_compression), config.max_num_seqs, max_model_len / 2,
-        device.type, graphs=not eager, interpreter=os.environ.get("TRITON_INTERPRET") == "1"))
+        x.fetch_path, plan.fetch, shape, n, tiers, config.max_num_seqs, max_model_len / 2, device.type,
+        graphs=not eager, interpreter=os.environ.get("TRITON_INTERPRET") == "1"))
+    plan = plan.replace(stream_min_tokens=settle_stream_steps(
+        plan.fetch, shape, n, tiers, config.max_num_batched_tokens, max_model_len / 2, device.type,
+        plan.sync_free_max_seqs))
     buffers = "plain" if dynamic or plan.fetch == "routed" else x.buffers
     return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),

@@ -170,11 +170,13 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, host_ratios=None):
+def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, host_ratios=None,
+                max_num_batched_tokens: int = 8192, max_num_seqs: int = 256):
     """--expert-fetch's modelled decode step at batch 1, 8, 32 for the selected placement (else the auto pick),
-    when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table); None otherwise. `host_ratios`:
-    the host ratio of rows that differ from `host_ratio` (routed fetching's placements), by label."""
-    from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table
+    when it is paged: (label, N, rows of planning/fetch_cost.py::fetch_table, the stream steps' threshold);
+    None otherwise. `host_ratios`: the host ratio of rows that differ from `host_ratio` (routed fetching's
+    placements), by label."""
+    from pagedmoe.planning.fetch_cost import FetchTiers, fetch_table, graph_fetch_max_seqs, stream_step_min_tokens
 
     pick = next((r for r in rows if r[3] and not isinstance(r[1], Exception)), None) or \
         next((r for r in rows if r[2] and not isinstance(r[1], Exception)), None)
@@ -185,10 +187,12 @@ def _fetch_rows(shape, hw, rows, context_len: float, host_ratio: float = 0.0, ho
         return None
     ratio = (host_ratios or {}).get(pick[0], host_ratio)
     tiers = FetchTiers(min(pick[1].placement.num_compressed_experts, default=0), ratio or 1.0)
-    return pick[0], n, fetch_table(shape, hw, n, context_len, tiers=tiers)
+    return (pick[0], n, fetch_table(shape, hw, n, context_len, tiers=tiers),
+            stream_step_min_tokens(shape, hw, n, max_num_batched_tokens, context_len, tiers,
+                                   graph_fetch_max_seqs(shape, hw, n, max_num_seqs, context_len, tiers)))
 
 
-def format_fetch(label: str, n: int, table: list[dict]) -> str:
+def format_fetch(label: str, n: int, table: list[dict], stream_min_tokens: int = 0) -> str:
     lines = [f"expert fetch for {label.strip()} (N={n}; planning/fetch_cost.py: --expert-fetch auto picks at "
              "max_num_seqs, --expert-fetch-path auto per CUDA-graph bucket): modelled decode step ms"]
     lines.append(f"  {'batch':>6}{'stream':>10}{'routed':>10}{'routed':>10}{'resident':>10}  choice")
@@ -198,6 +202,10 @@ def format_fetch(label: str, n: int, table: list[dict]) -> str:
         choice = r["choice"] + (f" ({r['routed_path']})" if r["choice"] == "routed" else "")
         lines.append(f"  {r['batch']:>6}{ms(r['stream_s']):>10}{ms(r['routed_s']):>10}{ms(r['routed_uva_s']):>10}"
                      f"{ms(r['resident_s']):>10}  {choice}")
+    lines.append(f"  routed fetching's stream steps (every expert prefetched a layer ahead, no sync): forwards of "
+                 f"{stream_min_tokens}+ tokens beyond the uva buckets" if stream_min_tokens else
+                 "  routed fetching's stream steps: none (path (a) models faster up to max_num_batched_tokens, or "
+                 "the cache leaves fewer than 2 x E pages beside path (b)'s miss area)")
     return "\n".join(lines)
 
 
@@ -308,7 +316,8 @@ def run_plan(args) -> int:
         print(format_table(rows))
         if routed is not None:
             print(format_routed(*routed, args.max_num_seqs, context_len))
-        fetch = _fetch_rows(gpu_shape, hw, rows, context_len, host_ratio, host_ratios)
+        fetch = _fetch_rows(gpu_shape, hw, rows, context_len, host_ratio, host_ratios, args.max_num_batched_tokens,
+                            args.max_num_seqs)
         if fetch is not None:
             print(format_fetch(*fetch))
         selected = [r for r in rows if r[3]]
@@ -317,7 +326,8 @@ def run_plan(args) -> int:
         report["budgets"].append({
             "num_gpus": num_gpus, "experts_per_gpu": gpu_shape.experts_per_gpu,
             "budget_bytes": budget, "budget_gib": budget / GiB, "budget_arg": text,
-            "fetch": None if fetch is None else {"label": fetch[0], "num_gpu_experts": fetch[1], "batches": fetch[2]},
+            "fetch": None if fetch is None else {"label": fetch[0], "num_gpu_experts": fetch[1], "batches": fetch[2],
+                                                 "stream_min_tokens": fetch[3]},
             "routed_search": None if routed is None else [
                 {"origin": p.origin, "label": p.label(), "fetch": p.fetch, "host_compression": p.host_compression,
                  "num_seqs": p.num_seqs, "step_ms": p.step_s * 1e3, "chosen": p is routed[1],

@@ -152,7 +152,8 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     (--num-compressed-experts C); a GPU expert cache (experts/cache.py) of `cache_slots` pages as the compute
     buffers, and the RoutedPager (experts/routed.py), which fills a page per routed miss (experts/routed_fill.py).
     Fetch path (b) (`plan.sync_free_max_seqs`) reads the host tier from mapped host memory (raw rows gathered,
-    compressed ones decoded as they are read) and decodes the compressed GPU tier on the device."""
+    compressed ones decoded as they are read) and decodes the compressed GPU tier on the device; forwards of at least
+    `plan.stream_min_tokens` tokens beyond it are stream steps."""
     comp = _per_layer(plan.num_compressed, num_layers, "compressed-expert")
     unsupported = [name for name, on in (("--expert-precision static-*", plan.quantized_precision is not None),
                                          ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
@@ -181,4 +182,5 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
                         stride_align_bytes=STRIDE_ALIGN_BYTES,
                         buffers_factory=lambda st: ExpertCache(table, slots, st.stride, dtype, device, misses),
                         host_compression=plan.host_compression, host_group_experts=1, host_mapped=bool(sync_free))
-    return RoutedPager(store, activity=activity, sync_free_max_tokens=sync_free)
+    return RoutedPager(store, activity=activity, sync_free_max_tokens=sync_free,
+                       stream_min_tokens=plan.stream_min_tokens)

@@ -29,13 +29,16 @@ import torch
 
 @dataclass
 class CacheStats:
-    hits: int = 0              # routed experts found in the cache (per layer and step)
-    misses: int = 0            # routed experts fetched
+    # paths (a) and (b) count the distinct routed experts of each layer and step; a stream step (experts/routed.py)
+    # looks up every expert of each layer: its hits are the pages it found, its misses the pages it filled
+    hits: int = 0              # routed experts found in the cache (per layer and step); stream steps: every expert
+    misses: int = 0            # routed experts fetched; stream steps: every page filled (prefetched or on demand)
     bytes_moved: int = 0       # host -> device bytes of the fetched experts (compressed bytes from a compressed tier)
     bytes_decoded: int = 0     # bf16 bytes decoded into pages (misses from a compressed host or GPU tier)
     bytes_routed: int = 0      # bytes of the distinct experts routed (per layer and step)
     prefetched: int = 0        # pages fetched by prediction (layer l+1's router on layer l's input)
     prefetch_hits: int = 0     # of those, routed by their layer in the same forward
+    streamed: int = 0          # pages filled by stream steps (counted in misses too)
 
 
 class ExpertCache:

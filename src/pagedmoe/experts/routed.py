@@ -17,6 +17,15 @@ are copied on the copy stream while layer l computes (after an event on the comp
 that read a victim page was issued before it; layer l's pages are never victims); layer l+1's `weights`
 waits for those copies and fetches what the prediction missed on demand.
 
+Stream steps (`stream_min_tokens`, settled by the cost model: planning/fetch_cost.py::stream_step_min_tokens):
+a forward of at least that many tokens that does not take path (b) (a prefill chunk, a large decode batch) routes
+to nearly every expert of every layer, so it prefetches like stream-all instead: `begin_forward` fills every expert
+of the first MoE layer that is not cached on the copy stream, and `weights(l)` waits for layer l's fills, then
+starts layer l+1's (never into layer l's pages) while layer l computes, and returns the slot map with no host sync.
+Under `protect` the cache may give layer l+1 fewer pages than it misses (fewer than 2 x E pages outside the miss
+area): such a layer fetches what it lacks by path (a) (one sync) before layer l+2's prefetch starts. The experts
+it routes to are counted on the device (a mask per layer, summed) and read in `end_step`.
+
 The per-layer sync rules out CUDA graphs. Forwards of at most `graph_max_seqs` tokens (the decode buckets the
 cost model gives to it, `--expert-fetch-path`) take fetch path (b) instead (experts/routed_uva.py): the misses
 are planned on the device and gathered from mapped pinned host memory by a GPU kernel, no sync, so the model
@@ -55,7 +64,7 @@ def routed_ids(topk_ids: torch.Tensor) -> list[int]:
 class RoutedPager(ExpertPager):
     syncs_host = True   # fetch path (a): one host sync per MoE layer (graphs only up to graph_max_seqs)
 
-    def __init__(self, store, activity=None, sync_free_max_tokens: int = 0) -> None:
+    def __init__(self, store, activity=None, sync_free_max_tokens: int = 0, stream_min_tokens: int = 0) -> None:
         super().__init__(store, timing=False, activity=activity)
         self.cache: ExpertCache = store.buffers
         self._w13, self._w2 = expert_views(self.cache.pool, store.hidden, store.inter)
@@ -72,6 +81,15 @@ class RoutedPager(ExpertPager):
                           if sync_free_max_tokens else None)
         self._sync_free_now = False     # this forward fetches by path (b)
         self.refreshed_pages = 0        # pages path (b)'s refresh filled between steps
+        # stream steps: forwards of at least this many tokens (not path (b)) prefetch every expert a layer ahead;
+        # 0: never (ExpertPlan.stream_min_tokens; tests set it directly)
+        self.stream_min_tokens = stream_min_tokens
+        self._stream_now = False        # this forward is a stream step
+        self._covered: list[bool] = [False] * self.num_layers   # stream step: the prefetch gave layer l all E
+        E = store.table.num_experts
+        self._routed_mask = torch.zeros(E, dtype=torch.int32, device=store.device)   # one layer's routed experts
+        self._routed_total = torch.zeros((), dtype=torch.int64, device=store.device)  # stream steps' routed pairs
+        self._stream_pending = False    # _routed_total holds counts end_step has not read
 
     @property
     def graph_max_seqs(self) -> int:
@@ -87,6 +105,10 @@ class RoutedPager(ExpertPager):
         self.cache.begin_step()
         self._sync_free_now = (self.sync_free is not None and num_tokens is not None
                                and num_tokens <= self.sync_free.max_tokens)
+        self._stream_now = (not self._sync_free_now and self.stream_min_tokens > 0 and num_tokens is not None
+                            and num_tokens >= self.stream_min_tokens)
+        if self._stream_now:   # NOTE: the fork follows every GEMM of the previous forward: any page may go
+            self._stream_prefetch(0, protect=-1)
 
     def before_layer(self, layer: int) -> None:
         pass
@@ -100,6 +122,8 @@ class RoutedPager(ExpertPager):
             if not (self._skip_host or self.cuda and torch.cuda.is_current_stream_capturing()):
                 self.stats.layers_loaded += 1
             return DenseOperand(self._w13, self._w2, self.sync_free.layer_slots(layer, topk_ids))
+        if self._stream_now:
+            return self._stream_weights(layer, topk_ids)
         ids = routed_ids(topk_ids)   # NOTE: the per-layer host sync of fetch path (a)
         predicted = self._prefetched.pop(layer, None)
         if predicted is not None and self.cuda:
@@ -137,26 +161,66 @@ class RoutedPager(ExpertPager):
 
     def predict(self, layer: int, x: torch.Tensor) -> None:
         """Prefetch for layer + 1 what its router picks for layer `layer`'s MoE input `x` (called after
-        weights(layer), before layer's GEMMs)."""
+        weights(layer), before layer's GEMMs). A stream step prefetches every expert already."""
         nxt = layer + 1
-        if nxt >= len(self.routers) or self._skip_host or self._sync_free_now:
+        if nxt >= len(self.routers) or self._skip_host or self._sync_free_now or self._stream_now:
             return
         _, ids = self.routers[nxt](x)
-        ids = routed_ids(ids)
-        _, misses = self.cache.lookup(nxt, ids, protect=layer)
+        _, misses = self._prefetch(nxt, routed_ids(ids), protect=layer)
         self._prefetched[nxt] = {e for e, _ in misses}
+        self.cache.stats.prefetched += len(misses)
+
+    def _prefetch(self, layer: int, ids, protect: int) -> tuple[list, list]:
+        """Look `ids` of `layer` up and fill the misses on the copy stream (after an event on the compute stream:
+        every GEMM that read a victim page was issued before it; layer `protect`'s pages are never victims), then
+        record prefetch_done[layer], which `weights(layer)` waits for. Returns the lookup's (hits, misses)."""
+        hits, misses = self.cache.lookup(layer, ids, protect=protect)
         ctx = contextlib.nullcontext()
         if self.cuda:
             self._prefetch_fork.record()
             self.copy_stream.wait_event(self._prefetch_fork)
             ctx = torch.cuda.stream(self.copy_stream)
         with ctx:
-            self._fill_pages(nxt, misses)
-            if misses:   # NOTE: weights(nxt) publishes only its own misses; a fully predicted layer has none
-                self.cache.publish(nxt)
+            self._fill_pages(layer, misses)
+            if misses:   # NOTE: weights(layer) publishes only its own misses; a fully prefetched layer has none
+                self.cache.publish(layer)
             if self.cuda:
-                self.prefetch_done[nxt].record()
-        self.cache.stats.prefetched += len(misses)
+                self.prefetch_done[layer].record()
+        return hits, misses
+
+    def _stream_prefetch(self, layer: int, protect: int) -> None:
+        """A stream step's prefetch of every expert of `layer` not cached (best effort under `protect`)."""
+        E = self.cache.num_experts
+        hits, misses = self._prefetch(layer, range(E), protect)
+        self._covered[layer] = len(hits) + len(misses) == E
+        if not self._skip_host:
+            st = self.cache.stats
+            st.hits += len(hits)
+            st.misses += len(misses)
+            st.streamed += len(misses)
+
+    def _stream_weights(self, layer: int, topk_ids: torch.Tensor) -> ExpertOperand:
+        """weights(layer) in a stream step: wait for the layer's prefetch, fetch by path (a) what it could not
+        cover, then start the next layer's prefetch; no host sync when the prefetch covered the layer."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.prefetch_done[layer])
+        if not self._covered[layer]:   # NOTE: before the next prefetch, whose pages it could otherwise evict
+            _, misses = self.cache.lookup(layer, routed_ids(topk_ids))
+            self._fill_pages(layer, misses)
+            if misses:
+                self.cache.publish(layer)
+            if not self._skip_host:
+                self.cache.stats.misses += len(misses)
+                self.cache.stats.streamed += len(misses)
+        if not self._skip_host:   # the distinct routed experts, counted on the device (read in end_step)
+            self._routed_mask.zero_()
+            self._routed_mask.index_fill_(0, topk_ids.reshape(-1).long(), 1)   # the fused router's ids are int32
+            self._routed_total += self._routed_mask.sum()
+            self._stream_pending = True
+            self.stats.layers_loaded += 1
+        if layer + 1 < self.num_layers:
+            self._stream_prefetch(layer + 1, protect=layer)
+        return DenseOperand(self._w13, self._w2, self.cache.slot_maps[layer])
 
     def done(self, layer: int) -> None:
         pass
@@ -172,8 +236,13 @@ class RoutedPager(ExpertPager):
 
     def end_step(self) -> None:
         """After the step's results reached the host: fold path (b)'s device counters into the stats; every
-        REFRESH_STEPS steps page the experts it kept missing into the cache (copy engine, between steps)."""
+        REFRESH_STEPS steps page the experts it kept missing into the cache (copy engine, between steps); fold the
+        stream steps' routed experts (a device counter) into bytes_routed."""
         super().end_step()
+        if self._stream_pending:   # the step's results reached the host: this read waits for nothing
+            self.cache.stats.bytes_routed += int(self._routed_total) * self.expert_bytes
+            self._routed_total.zero_()
+            self._stream_pending = False
         if self.sync_free is None:
             return
         misses, routed, decoded, moved = self.sync_free.collect()
@@ -208,6 +277,8 @@ class RoutedPager(ExpertPager):
     def reset_stats(self) -> None:
         super().reset_stats()
         self.cache.stats = type(self.cache.stats)()
+        self._routed_total.zero_()
+        self._stream_pending = False
         if self.sync_free is not None:
             self.sync_free.reset()
 

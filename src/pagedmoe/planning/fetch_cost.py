@@ -19,6 +19,9 @@
             slower), the compressed GPU tier's misses are decoded (in the same stream, after the host's: the
             decoder's rate), no sync (ROUTED_UVA_LAYER_S per layer for its small kernels), in CUDA graphs.
   resident  only when every expert fits (N = E): nothing moves.
+Stream steps (routed fetching's forwards of T >= stream_min_tokens tokens beyond path (b)): every expert of every
+layer is looked up, its misses at the cache's hit rate filled one layer ahead behind compute, as stream overlaps
+(`stream_step_s`); no sync. `stream_step_min_tokens` is the smallest T at which path (a) models slower.
 """
 from __future__ import annotations
 
@@ -117,6 +120,61 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
         comp_decode, host_s = decode, moved / (UVA_PCIE_SHARE * hw.pcie_h2d_bytes_per_s)
     out["routed_uva"] = base.total_s + host_s + comp_decode + L * ROUTED_UVA_LAYER_S
     return out
+
+
+def stream_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_tokens: int,
+                  context_len: float, tiers: FetchTiers = FetchTiers()) -> float:
+    """Modelled seconds of a stream step of routed fetching (experts/routed.py) at `num_tokens` tokens, on the
+    same footing as fetch_step_s's routed (path (a)): every expert of every MoE layer looked up in the cache, the
+    misses (all E at its hit rate) copied and decoded one layer ahead on the copy stream, overlapped with compute
+    as stream is (decode_step_cost with that traffic); no per-layer sync; eager (no CUDA graphs) like path (a).
+    The fills' host launches (ROUTED_MISS_HOST_S each) run ahead of the copies: they count where they outlast
+    the copy side."""
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
+    n = max(0, min(num_gpu_experts, E))
+    comp = max(0, min(tiers.num_compressed, E - n))
+    eb = shape.expert_bytes
+    hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
+    misses = L * E * (1.0 - hit)
+    host_misses = misses * (E - comp) / E
+    decoded = misses - (0.0 if tiers.host_compressed else host_misses)
+    traffic = StepTraffic(h2d_bytes=int(host_misses * eb * tiers.host_ratio), decode_out_bytes=int(decoded * eb),
+                          decode_in_bytes=int(decoded * eb * LOSSLESS_PLANNING_RATIO))
+    cost = decode_step_cost(shape, hw, traffic, num_tokens, context_len)
+    host_s = misses * ROUTED_MISS_HOST_S
+    return cost.total_s + max(0.0, host_s - max(cost.pcie_s, cost.decode_s)) + shape.num_layers * hw.layer_overhead_s
+
+
+def stream_step_min_tokens(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, max_num_batched_tokens: int,
+                           context_len: float, tiers: FetchTiers = FetchTiers(), sync_free_max_seqs: int = 0) -> int:
+    """ExpertPlan.stream_min_tokens: the smallest power of two T <= max_num_batched_tokens at which path (a)'s
+    modelled step (fetch_step_s's routed) is slower than a stream step's; 0 when none is, when N = E, and when the
+    cache's LRU pages (less path (b)'s miss area, min(E, sync_free_max_seqs x A) pages) are fewer than 2 x E: a
+    layer's prefetch may not take the E pages of the layer computing, so it would get fewer than E and fall back
+    on path (a)."""
+    E = shape.experts_per_gpu
+    miss_area = min(E, sync_free_max_seqs * shape.top_k) if sync_free_max_seqs > 0 else 0
+    if num_gpu_experts >= E or max(E, cache_pages(shape, num_gpu_experts) - miss_area) < 2 * E:
+        return 0
+    t = 1
+    while t <= max_num_batched_tokens:
+        routed = fetch_step_s(shape, hw, num_gpu_experts, t, context_len, tiers)["routed"]
+        if routed > stream_step_s(shape, hw, num_gpu_experts, t, context_len, tiers):
+            return t
+        t *= 2
+    return 0
+
+
+def settle_stream_steps(fetch: str, shape: ModelShape, num_gpu_experts: int, tiers: FetchTiers,
+                        max_num_batched_tokens: int, context_len: float, device_type: str,
+                        sync_free_max_seqs: int = 0, hw: Optional[HardwareProfile] = None) -> int:
+    """ExpertPlan.stream_min_tokens under routed fetching on CUDA (stream_step_min_tokens, with the settled
+    ExpertPlan.sync_free_max_seqs); 0 otherwise: off CUDA there is no copy engine to model. --expert-prefetch does
+    not change it: prediction serves the path (a) forwards below it, stream steps the larger ones."""
+    if fetch != "routed" or device_type != "cuda":
+        return 0
+    return stream_step_min_tokens(shape, hw or HardwareProfile(), num_gpu_experts, max_num_batched_tokens,
+                                  context_len, tiers, sync_free_max_seqs)
 
 
 def routed_path(costs: dict[str, Optional[float]]) -> str:

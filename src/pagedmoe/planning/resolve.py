@@ -37,6 +37,9 @@ class ExpertPlan:
     # routed: forwards of up to this many tokens fetch by path (b), the sync-free UVA gather, and the decode
     # buckets up to it run in CUDA graphs (planning/fetch_cost.py::settle_fetch_path); 0: path (a) everywhere
     sync_free_max_seqs: int = 0
+    # routed: forwards of at least this many tokens that do not take path (b) are stream steps (every expert
+    # prefetched a layer ahead, no sync: planning/fetch_cost.py::settle_stream_steps); 0: never
+    stream_min_tokens: int = 0
     compressed_gemm: str = "decode"             # "fused": the MoE GEMMs read the compressed tier (format v2)
 
     @property

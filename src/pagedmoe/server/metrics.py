@@ -152,9 +152,10 @@ class EngineStatsCollector:
         yield experts
 
         yield counter("expert_cache_hits_total", "Routed experts found in the GPU expert cache (--expert-fetch "
-                      "routed; per layer and step).", s.get("expert_cache_hits", 0))
-        yield counter("expert_cache_misses_total", "Routed experts fetched into the GPU expert cache.",
-                      s.get("expert_cache_misses", 0))
+                      "routed; per layer and step; a stream step looks up every expert).",
+                      s.get("expert_cache_hits", 0))
+        yield counter("expert_cache_misses_total", "Experts fetched into the GPU expert cache (routed, or by a "
+                      "stream step).", s.get("expert_cache_misses", 0))
         yield counter("expert_wait_seconds_total", "Seconds the compute stream waited for experts.",
                       s.get("expert_wait_seconds_total", s.get("expert_wait_s", 0.0)))
 
