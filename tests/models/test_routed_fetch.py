@@ -322,7 +322,7 @@ def test_default_model_routed_hit_rate_and_bytes_per_token(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)   # issue 21: every family, on the GPU too
 @pytest.mark.parametrize("tiers", [dict(cpu_moe=True, expert_fetch_path="copy"),
                                    dict(expert_placement="paged", num_gpu_experts=0, num_compressed_experts=3,
                                         host_compression="lossless", expert_prefetch=True, max_num_seqs=4),
