@@ -23,3 +23,16 @@ def fix_interpreter(bf16_dot: bool = False) -> None:
     fix_interpreter_bf16()
     if bf16_dot:
         fix_interpreter_bf16_dot()
+
+
+def greedy_against_transformers(hf, prompt, step_logits, label: str, tol: float = 1e-4) -> list[int]:
+    """Each step's logits of the first sequence (`step_logits[i][0]`) against transformers' full forward on the
+    prompt and the tokens so far, greedy; returns the tokens transformers generated."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for i, logits in enumerate(step_logits):
+            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
+            diff = (logits[0] - ref).abs().max().item()
+            assert diff <= tol, f"{label} step {i}: max abs diff {diff} against transformers"
+            tokens.append(int(ref.argmax()))
+    return tokens[len(prompt):]

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from model_interp import fix_interpreter  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
+from model_interp import fix_interpreter, greedy_against_transformers  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
 
 import pytest  # noqa: E402
 
@@ -76,14 +76,7 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
         diff = (a - b).abs().max().item()
         assert diff <= 1e-4, f"{family} step {i}: triton vs torch max abs diff {diff}"
     prompt, generated = fast_tokens[0]
-    tokens = list(prompt)
-    with torch.no_grad():
-        for i in range(steps):
-            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
-            diff = (fast[i][0] - ref).abs().max().item()
-            assert diff <= 1e-4, f"{family} step {i}: triton vs transformers max abs diff {diff}"
-            tokens.append(int(ref.argmax()))
-    assert tokens[len(prompt):] == list(generated)
+    assert greedy_against_transformers(hf, prompt, fast, f"{family} (triton)") == list(generated)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from model_interp import fix_interpreter  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
+from model_interp import fix_interpreter, greedy_against_transformers  # noqa: E402  (first: sets TRITON_INTERPRET without CUDA)
 
 import pytest  # noqa: E402
 
@@ -80,13 +80,7 @@ def test_fused_matches_unfused_and_transformers(checkpoint):
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), f"{name} step {i}: fused vs unfused max abs diff {(a - b).abs().max().item()}"
     # the first prompt against transformers' full forward, greedy
-    tokens = list(prompts[0])
-    with torch.no_grad():
-        for i in range(steps):
-            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
-            diff = (fused[i][0] - ref).abs().max().item()
-            assert diff <= 1e-4, f"{name} step {i}: fused vs transformers max abs diff {diff}"
-            tokens.append(int(ref.argmax()))
+    greedy_against_transformers(hf, prompts[0], fused, f"{name} (fused)")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "glm4_moe"])
