@@ -108,6 +108,7 @@ class SyncFreeFetch:
                                             device=dev) if comp else None)
         # per layer: (misses, routed, decoded, bytes moved)
         self.counts = torch.zeros(cache.num_layers, 4, dtype=torch.int64, device=dev)
+        self._zero = torch.zeros((), dtype=torch.int64, device=dev)   # a count a layer's tiers leave at 0
         self.miss_counts = torch.zeros(cache.num_layers, E, dtype=torch.int32, device=dev)
         self.pending = False     # a forward counted on the device since the last collect
         self.steps = 0           # steps collected since the last refresh
@@ -124,8 +125,7 @@ class SyncFreeFetch:
         pool = self.cache.pool
         host, comp = self._host_sel[layer], self._comp_sel[layer]
         missed = fetch_dst >= 0
-        zero = torch.zeros((), dtype=torch.int64, device=pool.device)
-        moved, decoded = zero, zero
+        moved, decoded = self._zero, self._zero
         if host is not None:
             host_dst = fetch_dst[host]
             if self._host_parts[layer] is None:
