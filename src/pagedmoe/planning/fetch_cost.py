@@ -84,6 +84,16 @@ def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
     return max(E, shape.num_moe_layers * num_gpu_experts + 2 * (E - num_gpu_experts))
 
 
+def cache_misses(shape: ModelShape, num_gpu_experts: int, num_compressed: int, looked_up: float) -> tuple:
+    """(misses, those from the host tier) per step when each MoE layer looks `looked_up` distinct experts up in the
+    cache: with uniform routing a page hits with probability min(1, C / (L x E)); a miss is from the compressed GPU
+    tier with probability num_compressed / E."""
+    L, E = shape.num_moe_layers, shape.experts_per_gpu
+    hit = min(1.0, cache_pages(shape, num_gpu_experts) / max(1, L * E))
+    misses = L * looked_up * (1.0 - hit)
+    return misses, misses * (E - num_compressed) / E
+
+
 def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, num_seqs: int,
                  context_len: float, tiers: FetchTiers = FetchTiers()) -> dict[str, Optional[float]]:
     """Modelled decode step seconds of each fetch at `num_seqs` sequences (None: not possible): stream,
@@ -100,10 +110,7 @@ def fetch_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, n
         "stream": decode_step_cost(shape, hw, stream, num_seqs, context_len).total_s,
         "resident": decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len).total_s if n >= E else None}
     base = decode_step_cost(shape, hw, StepTraffic(), num_seqs, context_len)
-    distinct = shape.routed_experts(num_seqs)
-    hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
-    misses = L * distinct * (1.0 - hit)
-    host_misses = misses * (E - comp) / E
+    misses, host_misses = cache_misses(shape, n, comp, shape.routed_experts(num_seqs))
     moved = host_misses * eb * tiers.host_ratio
     decode = (misses - (host_misses if tiers.host_ratio >= 1.0 else 0.0)) * eb / hw.lossless_decode_bytes_per_s
     # no CUDA graphs: the per-layer launch overhead is paid on top of the fitted (graph) overhead once more
@@ -130,13 +137,10 @@ def stream_step_s(shape: ModelShape, hw: HardwareProfile, num_gpu_experts: int, 
     as stream is (decode_step_cost with that traffic); no per-layer sync; eager (no CUDA graphs) like path (a).
     The fills' host launches (ROUTED_MISS_HOST_S each) run ahead of the copies: they count where they outlast
     the copy side."""
-    L, E = shape.num_moe_layers, shape.experts_per_gpu
+    E = shape.experts_per_gpu
     n = max(0, min(num_gpu_experts, E))
-    comp = max(0, min(tiers.num_compressed, E - n))
     eb = shape.expert_bytes
-    hit = min(1.0, cache_pages(shape, n) / max(1, L * E))
-    misses = L * E * (1.0 - hit)
-    host_misses = misses * (E - comp) / E
+    misses, host_misses = cache_misses(shape, n, max(0, min(tiers.num_compressed, E - n)), E)
     decoded = misses - (0.0 if tiers.host_compressed else host_misses)
     traffic = StepTraffic(h2d_bytes=int(host_misses * eb * tiers.host_ratio), decode_out_bytes=int(decoded * eb),
                           decode_in_bytes=int(decoded * eb * LOSSLESS_PLANNING_RATIO))
