@@ -66,6 +66,12 @@ def tiny_hf_config(family: str, **overrides):
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    n, kinds = cfg.num_hidden_layers, getattr(cfg, "layer_types", None)
+    if kinds is not None and len(kinds) != n and "layer_types" not in overrides:
+        # some transformers versions fix layer_types at construction (one kind per layer)
+        if len(set(kinds)) != 1:
+            raise ValueError(f"{family}: num_hidden_layers={n} against layer_types {kinds}: pass layer_types too")
+        cfg.layer_types = [kinds[0]] * n
     return cfg
 
 
