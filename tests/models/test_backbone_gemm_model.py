@@ -70,7 +70,10 @@ def test_triton_matches_torch_and_transformers(family, tmp_path, kernel_calls):
             assert attn.q_proj.weight.data_ptr() == w.data_ptr() and w.shape[0] == sum(
                 p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             assert torch.equal(attn.v_proj.weight, w[-attn.v_proj.out_features:])
-    _, plain, plain_tokens = _run(tmp_path, "torch", (9, 4), steps)
+    plain_engine, plain, plain_tokens = _run(tmp_path, "torch", (9, 4), steps)
+    # torch too runs q/k/v as one GEMM (F.linear on the shared buffer)
+    assert all(attn.qkv_weight is not None for attn in plain_engine.runner.model.attention_layers()
+               if family != "deepseek_v2")
     assert fast_tokens == plain_tokens and len(fast) == len(plain) == steps
     for i, (a, b) in enumerate(zip(fast, plain)):
         diff = (a - b).abs().max().item()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedmoe.kernels.attention_ref import paged_attention_ref, write_kv_ref
@@ -116,14 +117,15 @@ class Attention(nn.Module):
         self.backend = None
         # --fused-ops (layers/fused_ops.py): q/k norm + RoPE + KV write in one kernel
         self.fused_qk_rope = False
-        # --backbone-gemm triton (fuse_qkv): the q/k/v weights' one buffer, read by one kernel launch
+        # fuse_qkv (the model runner, every backbone GEMM mode): the q/k/v weights' one buffer, one GEMM launch
         self.qkv_weight: Optional[torch.Tensor] = None
         self.qkv_bias: Optional[torch.Tensor] = None
 
     def fuse_qkv(self) -> None:
-        """Make the q/k/v weights (and biases) row slices of one [Nq + 2 Nkv, H] buffer, so a decode step's
-        three projections are one small_gemm launch (two fewer per layer; the k and v ones alone are too
-        small to fill the GPU). The parameters keep their names and values; idempotent."""
+        """Make the q/k/v weights (and biases) row slices of one [Nq + 2 Nkv, H] buffer, so a step's three
+        projections are one GEMM launch (two fewer per layer; the k and v ones alone are too small to fill the
+        GPU: on the H200 at batch 1 cuBLAS takes 8.2 µs for Qwen3's fused [5120, 2048] against 18.2 for the
+        three, benchmarks/bench_small_gemm.py). The parameters keep their names and values; idempotent."""
         if self.qkv_weight is not None:
             return
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -136,12 +138,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        if self.qkv_weight is not None and self.q_proj.small_gemm and 0 < T <= MAX_TOKENS:
-            from pagedmoe.kernels.small_gemm import small_gemm
+        if self.qkv_weight is not None:
+            if self.q_proj.small_gemm and 0 < T <= MAX_TOKENS:
+                from pagedmoe.kernels.small_gemm import small_gemm
 
+                qkv = small_gemm(x, self.qkv_weight, self.qkv_bias)
+            else:
+                qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
             # q, k, v: column slices of one [T, Nq + 2 Nkv] output (the kernels downstream take row strides)
-            q, k, v = small_gemm(x, self.qkv_weight, self.qkv_bias).split(
-                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+            q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features],
+                                dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":

@@ -5,8 +5,8 @@ can run kernels/small_gemm.py instead of cuBLAS: at decode sizes a linear layer 
 and cuBLAS's M=1 kernels read it at about 35% of the H200's HBM bandwidth (issue 25). The attention q/k/v/o
 projections (MLA's too, but kv_b_proj, whose weight its decode reads directly), the softmax router's gate
 and the lm_head are built from it; the float32 routers of layers/moe.py and the dense / shared-expert MLPs
-stay nn.Linear. Larger forwards (prefill) keep F.linear. With the kernel on, each attention layer's q/k/v
-weights become row slices of one buffer (Attention.fuse_qkv): one launch computes all three.
+stay nn.Linear. Larger forwards (prefill) keep F.linear. In every mode each attention layer's q/k/v weights
+become row slices of one buffer (Attention.fuse_qkv): one launch, cuBLAS's or the kernel's, computes all three.
 
 auto is torch for now: it switches to triton once benchmarks/bench_small_gemm.py has measured the kernel
 faster than F.linear on the H200 for the backbone shapes. triton fails loudly where Triton cannot run.
@@ -53,14 +53,15 @@ def resolve_backbone_gemm(mode: str, device: torch.device) -> bool:
 
 
 def apply_backbone_gemm(model: nn.Module, enabled: bool) -> int:
-    """Switch every backbone `Linear` of the model to the kernel (or back). Returns how many there are."""
+    """Switch every backbone `Linear` of the model to the kernel (or back), and fuse each attention layer's
+    q/k/v weights (one GEMM launch, either way; MLA's projections stay three). Returns how many linears there are."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.small_gemm = enabled
-    if enabled:  # q/k/v in one launch (layers/attention.py); MLA's projections stay three
-        for attn in model.attention_layers():
-            if hasattr(attn, "fuse_qkv"):
-                attn.fuse_qkv()
+    for attn in model.attention_layers():
+        if hasattr(attn, "fuse_qkv"):
+            attn.fuse_qkv()
+    if enabled:
         logger.info("backbone GEMM: %d linear layers run the Triton small-batch kernel at <= %d tokens",
                     len(layers), MAX_TOKENS)
     return len(layers)
