@@ -125,7 +125,14 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
     # at every bucket on raw host rows; with the estimates used before the fit (60 us per layer, nothing per miss,
     # reads at 0.86 of the copy engine's rate) copy wins where many bytes move, and only small buckets take uva
     assert all(routed_path(fetch_step_s(shape, hw, 25, b, 512)) == "uva" for b in (1, 8, 32, 64))
-    assert graph_fetch_max_seqs(shape, hw, 25, 64, 512) == 64
+    # ... but from 64 sequences a stream step (every missed expert copied a layer ahead, overlapped) models faster
+    # than path (b)'s unoverlapped reads, and those buckets leave path (b) (N=0: too few pages for stream steps)
+    from pagedmoe.planning.fetch_cost import stream_step_s
+
+    assert stream_step_s(shape, hw, 25, 64, 512) < fetch_step_s(shape, hw, 25, 64, 512)["routed_uva"]
+    assert stream_step_s(shape, hw, 25, 48, 512) > fetch_step_s(shape, hw, 25, 48, 512)["routed_uva"]
+    assert graph_fetch_max_seqs(shape, hw, 25, 64, 512) == 48
+    assert graph_fetch_max_seqs(shape, hw, 0, 64, 512) == 64
     saved = fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE
     fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE = 60e-6, 0.0, 0.86
     try:
@@ -137,9 +144,10 @@ def test_fetch_cost_per_bucket_path_and_lossless_tiers():
         fc.ROUTED_LAYER_SYNC_S, fc.ROUTED_MISS_HOST_S, fc.UVA_PCIE_SHARE = saved
     settle = lambda req, fetch="routed", dev="cuda", graphs=True, tiers=FetchTiers(), interp=False: \
         settle_fetch_path(req, fetch, shape, 25, tiers, 64, 512, dev, graphs, interp)  # noqa: E731
-    assert settle("auto") == 64 and settle("copy") == 0 and settle("uva") == 64
+    assert settle("auto") == 48 and settle("copy") == 0 and settle("uva") == 64
     assert settle("auto", graphs=False) == 0 and settle("auto", dev="cpu") == 0
-    assert settle("auto", tiers=FetchTiers(host_ratio=0.683)) == 64 and settle("auto", fetch="stream") == 0
+    assert settle("auto", tiers=FetchTiers(host_ratio=0.683)) == graph_fetch_max_seqs(
+        shape, hw, 25, 64, 512, FetchTiers(host_ratio=0.683)) > 0 and settle("auto", fetch="stream") == 0
     assert settle("uva", dev="cpu", interp=True) == 64
     with pytest.raises(ValueError, match="needs a CUDA device"):
         settle("uva", dev="cpu")
