@@ -43,6 +43,11 @@ def build_model(hf_config, max_position: int, device: torch.device, dtype: torch
     model = model.to(dtype=dtype)
     with naming_oom("allocating the backbone", sum(p.numel() * p.element_size() for p in model.parameters())):
         model = model.to_empty(device=device)
+    # q/k/v as row slices of one buffer per layer (one GEMM launch), before the weights load into them: each
+    # layer's buffer takes the room the layer before it freed, so the backbone's memory stays as planned
+    for attn in model.attention_layers():
+        if hasattr(attn, "fuse_qkv"):
+            attn.fuse_qkv()
     model.model.rotary.build(device)
     model.tie_weights()
     model.eval().requires_grad_(False)

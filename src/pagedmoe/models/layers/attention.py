@@ -117,7 +117,7 @@ class Attention(nn.Module):
         self.backend = None
         # --fused-ops (layers/fused_ops.py): q/k norm + RoPE + KV write in one kernel
         self.fused_qk_rope = False
-        # fuse_qkv (the model runner, every backbone GEMM mode): the q/k/v weights' one buffer, one GEMM launch
+        # fuse_qkv (models/loader.py::build_model, before loading): the q/k/v weights' one buffer, one GEMM launch
         self.qkv_weight: Optional[torch.Tensor] = None
         self.qkv_bias: Optional[torch.Tensor] = None
 

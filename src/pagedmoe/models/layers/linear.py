@@ -53,14 +53,12 @@ def resolve_backbone_gemm(mode: str, device: torch.device) -> bool:
 
 
 def apply_backbone_gemm(model: nn.Module, enabled: bool) -> int:
-    """Switch every backbone `Linear` of the model to the kernel (or back), and fuse each attention layer's
-    q/k/v weights (one GEMM launch, either way; MLA's projections stay three). Returns how many linears there are."""
+    """Switch every backbone `Linear` of the model to the kernel (or back); the q/k/v weights are one buffer
+    already (models/loader.py::build_model: Attention.fuse_qkv, one launch either way). Returns how many linears
+    there are."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.small_gemm = enabled
-    for attn in model.attention_layers():
-        if hasattr(attn, "fuse_qkv"):
-            attn.fuse_qkv()
     if enabled:
         logger.info("backbone GEMM: %d linear layers run the Triton small-batch kernel at <= %d tokens",
                     len(layers), MAX_TOKENS)
