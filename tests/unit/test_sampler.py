@@ -119,3 +119,23 @@ def test_logprobs_top_n_and_rank():
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_all_rows_from_the_engine_generator_draw_as_the_gathered_rows_did():
+    """A batch whose every row samples from the engine's generator takes one multinomial over the whole batch (no
+    argmax, no index gather/scatter): the same tokens as the general path, which gathers those rows (a mixed batch
+    with a greedy row still takes it); temperature 1 leaves the logits as they are (x / 1 is x)."""
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 2
+    for temp in (1.0, 0.7):
+        params = [SamplingParams(temperature=temp) for _ in range(6)]
+        fast = Sampler(11, torch.device("cpu")).sample(logits, params, [None] * 6).token_ids
+        probs = torch.softmax(logits / temp, dim=-1)
+        idx = torch.arange(6)
+        want = torch.multinomial(probs[idx], 1, generator=torch.Generator().manual_seed(11)).squeeze(-1)
+        assert fast == want.tolist()
+    params = [SamplingParams(temperature=1.0) for _ in range(6)]
+    assert processed_logits(logits, params) is logits
+    mixed = params[:5] + [SamplingParams(temperature=0.0)]
+    out = Sampler(11, torch.device("cpu")).sample(logits, mixed, [None] * 6).token_ids
+    want = torch.multinomial(torch.softmax(logits[:5], -1), 1, generator=torch.Generator().manual_seed(11))
+    assert out == want.squeeze(-1).tolist() + [int(logits[5].argmax())]

@@ -50,8 +50,9 @@ def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature then top-k, top-p, min-p, for rows that sample (greedy rows are left as they are)."""
     device = logits.device
-    temps = to_device([1.0 if p.greedy else p.temperature for p in params], device)
-    out = logits / temps.unsqueeze(-1)
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    # x / 1.0 is x: at temperature 1 (vLLM's default) no copy of the [N, V] logits and no host-to-device copy
+    out = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, device).unsqueeze(-1)
     if any(p.top_k > 0 for p in params):
         out = apply_top_k(out, to_device([p.top_k for p in params], device))
     if any(p.top_p < 1.0 for p in params):
@@ -134,14 +135,17 @@ class Sampler:
             tokens = adjusted.argmax(dim=-1)
         else:
             probs = torch.softmax(processed_logits(adjusted, params), dim=-1)
-            tokens = adjusted.argmax(dim=-1)
             shared_rows = [i for i in range(N) if not greedy[i] and generators[i] is None]
-            if shared_rows:
-                idx = to_device(shared_rows, logits.device)
-                tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(-1)
-            for i in range(N):
-                if not greedy[i] and generators[i] is not None:
-                    tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+            if len(shared_rows) == N:   # every row from the engine's generator: the same draw, no gather/scatter
+                tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            else:
+                tokens = adjusted.argmax(dim=-1)
+                if shared_rows:
+                    idx = to_device(shared_rows, logits.device)
+                    tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(-1)
+                for i in range(N):
+                    if not greedy[i] and generators[i] is not None:
+                        tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
         return DeviceSample(tokens, params, self._logprob_tensors(logits, tokens, params))
 
     @staticmethod
