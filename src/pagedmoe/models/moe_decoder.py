@@ -200,7 +200,10 @@ class MoEForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_indices: Optional[torch.Tensor] = None, logits_out: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """-> float32 logits [T (or len(logits_indices)), V], written into `logits_out` when given (the CUDA
+        graphs' one output buffer, worker/cuda_graph.py)."""
         h = self.model.embed_tokens(input_ids)
         experts = self.experts
         if experts is not None:
@@ -223,6 +226,8 @@ class MoEForCausalLM(nn.Module):
             h, _ = fused_add_rmsnorm(h, residual, self.model.norm.weight, self.model.norm.eps)
         else:
             h = self.model.norm(h)
+        if logits_out is not None:
+            return logits_out.copy_(self.lm_head(h))   # the same float32 values as .float()
         return self.lm_head(h).float()
 
     # -- weight loading ------------------------------------------------------------------------

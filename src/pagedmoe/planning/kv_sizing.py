@@ -88,15 +88,16 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 def graph_pool_bytes(buckets: list[int], hidden_size: int, moe_intermediate_size: int, top_k: int,
                      vocab_size: int, dtype_bytes: int) -> int:
-    """The CUDA-graph memory pool: one step's activations at the largest decode bucket (the graphs share
+    """The CUDA graphs' memory: one step's activations at the largest decode bucket (the graphs share
     the pool, largest first; no sampler copies: sampling runs outside the graph) with its logits in the model
-    dtype, plus every bucket's float32 logits, which stay allocated as the graphs' outputs (measured on the
-    H200: 0.91 GiB for Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it float32 logits)."""
+    dtype, plus the one float32 logits buffer of the largest bucket every graph writes into
+    (worker/cuda_graph.py). Measured on the H200 when each bucket kept its own float32 logits: 0.91 GiB for
+    Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it those logits (sum(buckets) x V x 4 bytes)."""
     if not buckets:
         return 0
     top = max(buckets)
     act = estimate_activation_bytes(top, 0, hidden_size, moe_intermediate_size, top_k, vocab_size, dtype_bytes)
-    return act + top * vocab_size * dtype_bytes + sum(buckets) * vocab_size * 4
+    return act + top * vocab_size * dtype_bytes + top * vocab_size * 4
 
 
 def start_up_reserve_bytes(activation_bytes: int, max_num_seqs: int, hidden_size: int, moe_intermediate_size: int,

@@ -3,7 +3,10 @@
 A decode step launches a few hundred small kernels; on the H200 their launch gaps are a large part
 of a step at small batch. Each bucket's graph reads its inputs from static buffers; a step of B
 sequences copies its inputs into the first B rows of the smallest bucket >= B and pads the rest
-(slot -1: no KV write; context length 1 over block 0: harmless, discarded).
+(slot -1: no KV write; context length 1 over block 0: harmless, discarded). Every graph writes its float32
+logits into the first rows of one buffer [largest bucket, V] (allocated outside the graphs' pool): one
+bucket's logits at a time, read (gathered by the runner) before the next replay on the same stream. Each
+graph keeping its own, as the graphs' outputs, held 0.71 GiB for Qwen3-30B-A3B's 15 buckets up to 256.
 
 # NOTE: the attention grid is sized by max_model_len (an upper bound of every context) so one
 # graph stays valid as contexts grow; the MoE path must be free of host syncs (grouped_mm).
@@ -39,6 +42,7 @@ class DecodeCudaGraphs:
         self.block_tables = torch.zeros(B, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.logits_buf: torch.Tensor | None = None   # [largest bucket, V] float32, every graph's output
         self.pool = None
 
     def _meta(self, B: int) -> AttentionMetadata:
@@ -56,11 +60,15 @@ class DecodeCudaGraphs:
             pager = getattr(self.model, "pager", None)
             with pager.no_host_copies() if pager is not None else contextlib.nullcontext():
                 for _ in range(2):  # compile kernels and settle the allocator outside capture
-                    self.model(self.input_ids[:B], self.positions[:B], meta)
+                    out = self.model(self.input_ids[:B], self.positions[:B], meta)
+            if self.logits_buf is None:   # the largest bucket comes first
+                self.logits_buf = torch.empty_like(out)
+            del out
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with polling_paused(), torch.cuda.graph(graph, pool=self.pool):
-                self.logits[B] = self.model(self.input_ids[:B], self.positions[:B], meta)
+                self.logits[B] = self.model(self.input_ids[:B], self.positions[:B], meta,
+                                            logits_out=self.logits_buf[:B])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[B] = graph
