@@ -209,6 +209,24 @@ def test_router_ties_pick_the_lower_id():
     torch.testing.assert_close(w[0], torch.full((3,), 1 / 6, device=DEVICE))
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_router_counts_the_routed_ids(scoring):
+    """With `counts` the kernel adds 1 per routed (token, expert) to it, as the activity table's index_add
+    would (experts/activity.py), on top of what it holds; the routing itself is unchanged."""
+    T, E, A = 37, 60, 4
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    logits = torch.randn(T, E, generator=g, device=DEVICE)
+    extra = () if scoring == "softmax" else ("sigmoid", torch.randn(E, generator=g, device=DEVICE) * 0.1, 2.5)
+    counts = torch.full((E,), 2.0, device=DEVICE)
+    w, ids = router_topk(logits, A, True, *extra, counts=counts)
+    ref_w, ref_ids = router_topk(logits, A, True, *extra)
+    assert torch.equal(w, ref_w) and torch.equal(ids, ref_ids)
+    want = torch.full((E,), 2.0, device=DEVICE).index_add_(0, ids.reshape(-1), torch.ones(T * A, device=DEVICE))
+    assert torch.equal(counts, want) and counts.sum() == 2 * E + T * A
+    with pytest.raises(ValueError, match="counts"):
+        router_topk(logits, A, True, *extra, counts=torch.zeros(E, dtype=torch.float64, device=DEVICE))
+
+
 def test_router_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="experts"):
         router_topk(torch.zeros(2, 300, device=DEVICE), 2, True)

@@ -75,7 +75,9 @@ def test_fused_matches_unfused_and_transformers(checkpoint):
     got += ["qk_rope_kv"] if any(getattr(a, "fused_qk_rope", False) for a in model.attention_layers()) else []
     got += ["router"] if any(m.fused_router for m in model.moe_layers()) else []
     assert got == expected
-    _, plain = _run(path, "off", prompts, steps)
+    plain_engine, plain = _run(path, "off", prompts, steps)
+    # the fused router counts the routed ids into the activity table itself: the same counts
+    assert engine.activity.total.sum() > 0 and torch.equal(engine.activity.total, plain_engine.activity.total)
     assert len(fused) == len(plain) == steps
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), f"{name} step {i}: fused vs unfused max abs diff {(a - b).abs().max().item()}"

@@ -25,7 +25,8 @@ class SpyExperts:
     def before_layer(self, layer):
         self.calls.append(("before", layer))
 
-    def weights(self, layer, topk_ids):
+    def weights(self, layer, topk_ids, counted=False):
+        assert not counted   # no activity table here: the layer counts nothing itself
         self.calls.append(("weights", layer, topk_ids))
         return DenseOperand(self.w13, self.w2)
 

@@ -7,12 +7,12 @@ experts/pager.py); per forward the model and its MoE layers call, in order:
 
     begin_forward(num_tokens)             the forward starts (the pager forks its side streams)
     before_layer(layer)                   decoder layer `layer` starts, before its attention (prefetch)
-    weights(layer, topk_ids) -> operand   after routing: what the expert GEMMs read
+    weights(layer, topk_ids, counted) -> operand   after routing: what the expert GEMMs read
     done(layer)                           the GEMMs reading the operand are issued (buffers may be reused)
 
 `topk_ids` [T, A] are the router's expert ids as a device tensor: never read on the host (no sync), so
-the experts object can act on them (the activity table counts them; a routing-aware pager can fetch
-what is routed). `layer` is the MoE layer index (the expert table's), not the decoder layer index.
+the experts object can act on them (the activity table counts them, unless `counted`: the fused router
+kernel added them to the table's row itself; a routing-aware pager can fetch what is routed). `layer` is the MoE layer index (the expert table's), not the decoder layer index.
 
 An ExpertOperand is a tagged type; the MoE layer dispatches on `kind`:
 - "dense":     w13 [E, 2I, H], w2 [E, H, I] tensors of the model dtype (grouped_mm / Triton / loop); or,
@@ -71,6 +71,6 @@ class ExpertsProvider(Protocol):
 
     def before_layer(self, layer: int) -> None: ...
 
-    def weights(self, layer: int, topk_ids: torch.Tensor) -> ExpertOperand: ...
+    def weights(self, layer: int, topk_ids: torch.Tensor, counted: bool = False) -> ExpertOperand: ...
 
     def done(self, layer: int) -> None: ...

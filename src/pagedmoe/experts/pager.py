@@ -152,10 +152,11 @@ class ExpertPager:
         if not self.ring and layer + 1 < self.num_layers:
             self._issue(layer + 1)
 
-    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> ExpertOperand:
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None, counted: bool = False) -> ExpertOperand:
         """The layer's expert operand, once its experts are in place (the compute stream waits). `topk_ids`
-        [T, A] (the router's ids, a device tensor: never read on the host) go to the activity table."""
-        if self.activity is not None and topk_ids is not None:
+        [T, A] (the router's ids, a device tensor: never read on the host) go to the activity table (unless
+        the router `counted` them there)."""
+        if self.activity is not None and topk_ids is not None and not counted:
             self.activity.record(layer, topk_ids)
         if not self._issued[layer]:
             self._issue(layer)

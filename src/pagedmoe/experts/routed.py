@@ -113,10 +113,10 @@ class RoutedPager(ExpertPager):
     def before_layer(self, layer: int) -> None:
         pass
 
-    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> ExpertOperand:
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None, counted: bool = False) -> ExpertOperand:
         if topk_ids is None:
             raise ValueError("routed fetching needs the router's ids")
-        if self.activity is not None:
+        if self.activity is not None and not counted:
             self.activity.record(layer, topk_ids)
         if self._sync_free_now:   # fetch path (b): planned and gathered on the device (counted in end_step)
             if not (self._skip_host or self.cuda and torch.cuda.is_current_stream_capturing()):

@@ -11,7 +11,9 @@ weight, and the same choice of experts):
            bias, weights = the plain sigmoid scores, optionally divided by (their sum + 1e-20), then in
            float32 times the routed scaling factor.
 Ids come out in descending order of the choice score, ties the lower id first (layers/moe.py's
-topk_lower_id_first). Every op is correctly rounded (float64 division is div.rn.f64 on the GPU) except
+topk_lower_id_first). With `counts` (the activity table's row of this layer, experts/activity.py) the kernel
+also adds 1 per routed (token, expert) there (float32 atomics of whole numbers: exact in any order), in place
+of the index_add launch per MoE layer that would count them. Every op is correctly rounded (float64 division is div.rn.f64 on the GPU) except
 exp, which is libdevice's __nv_exp there, the function torch's CUDA exp calls. Reference: the functions in layers/moe.py.
 """
 from __future__ import annotations
@@ -30,10 +32,10 @@ MAX_TOP_K = 8
 
 @triton.jit
 def router_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
     num_experts, stride_l, scaling,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
@@ -69,15 +71,19 @@ def router_topk_kernel(
     kmask = offs_k < TOP_K
     tl.store(weights_ptr + t * TOP_K + offs_k, w, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=kmask)
+    if COUNT:
+        tl.atomic_add(counts_ptr + ids, tl.full([K_PAD], 1.0, tl.float32), mask=kmask)
 
 
 def router_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
     correction_bias: Optional[torch.Tensor] = None, routed_scaling_factor: float = 1.0,
+    counts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k]); E <= 256, top_k <= 8.
 
-    scoring "softmax" (no bias, no scaling) or "sigmoid" (correction_bias [E], routed_scaling_factor)."""
+    scoring "softmax" (no bias, no scaling) or "sigmoid" (correction_bias [E], routed_scaling_factor).
+    counts: a contiguous float32 [E] tensor on the logits' device that each routed id adds 1 to."""
     if router_logits.dim() != 2 or router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"router_logits must be a float [T, E] tensor, got {tuple(router_logits.shape)} "
                          f"{router_logits.dtype}")
@@ -98,15 +104,20 @@ def router_topk(
                              f"{router_logits.device}")
     elif correction_bias is not None or routed_scaling_factor != 1.0:
         raise ValueError("softmax scoring takes no correction_bias and no routed_scaling_factor")
+    if counts is not None and (counts.shape != (E,) or counts.dtype != torch.float32 or not counts.is_contiguous()
+                               or counts.device != router_logits.device):
+        raise ValueError(f"counts must be a contiguous float32 [{E}] tensor on {router_logits.device}, got "
+                         f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:
         return weights, ids
     router_topk_kernel[(T,)](
         router_logits, correction_bias if sigmoid else router_logits, weights, ids,
+        counts if counts is not None else weights,
         E, router_logits.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=max(16, next_pow2(E)),
-        SIGMOID=sigmoid, RENORMALIZE=bool(renormalize),
+        SIGMOID=sigmoid, RENORMALIZE=bool(renormalize), COUNT=counts is not None,
         num_warps=1 if E <= 64 else 2, enable_fp_fusion=False,
     )
     return weights, ids

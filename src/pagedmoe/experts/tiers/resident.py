@@ -24,8 +24,8 @@ class ResidentExperts:
     def before_layer(self, layer: int) -> None:
         pass
 
-    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None) -> DenseOperand:
-        if self.activity is not None and topk_ids is not None:
+    def weights(self, layer: int, topk_ids: Optional[torch.Tensor] = None, counted: bool = False) -> DenseOperand:
+        if self.activity is not None and topk_ids is not None and not counted:
             self.activity.record(layer, topk_ids)
         return DenseOperand(*self.store.views(layer))
 

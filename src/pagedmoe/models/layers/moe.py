@@ -274,15 +274,16 @@ class FusedMoE(nn.Module):
     def shared_mlp(self) -> Optional[GatedMLP]:
         return None if self.shared_expert_name is None else self._modules[self.shared_expert_name]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights f32 [T, A], ids [T, A])."""
+    def route(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights f32 [T, A], ids [T, A]). `counts` (fused router only): the activity table's
+        row of this layer, which the kernel adds the routed ids to."""
         if self.fused_router:  # --fused-ops: one Triton kernel (kernels/router_topk.py, layers/fused_ops.py)
             from pagedmoe.kernels.router_topk import router_topk
 
             if self.router == "softmax":
-                return router_topk(self.gate(x), self.top_k, self.renormalize)
+                return router_topk(self.gate(x), self.top_k, self.renormalize, counts=counts)
             return router_topk(self.gate(x), self.top_k, self.renormalize, "sigmoid",
-                               self.gate.e_score_correction_bias, self.routed_scaling_factor)
+                               self.gate.e_score_correction_bias, self.routed_scaling_factor, counts=counts)
         if self.router == "softmax":
             return route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         if self.router == "softmax_grouped":
@@ -327,11 +328,16 @@ class FusedMoE(nn.Module):
         experts = self.experts
         if experts is None:
             raise RuntimeError("this model was built without experts (engine/startup.py builds them)")
-        topk_weights, topk_ids = self.route(x)
+        # the fused router counts the routed ids into the activity table itself (one launch a layer fewer);
+        # with expert parallelism the table counts this rank's local ids, which only local_routes gives
+        activity = getattr(experts, "activity", None)
+        counts = (activity.step_counts[self.moe_idx] if self.fused_router and self.ep_size == 1
+                  and activity is not None else None)
+        topk_weights, topk_ids = self.route(x, counts)
         if self.ep_size > 1:
             topk_weights, topk_ids = self.local_routes(topk_weights, topk_ids)
         # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
-        operand = experts.weights(self.moe_idx, topk_ids)
+        operand = experts.weights(self.moe_idx, topk_ids, counted=counts is not None)
         predict = getattr(experts, "predict", None)   # routed fetching: prefetch the next layer's experts
         if predict is not None:
             predict(self.moe_idx, x)
