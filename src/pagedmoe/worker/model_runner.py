@@ -21,6 +21,7 @@ from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.oom import naming_oom
 from pagedmoe.worker.block_tables import BlockTables
 from pagedmoe.worker.cuda_graph import DecodeCudaGraphs
+from pagedmoe.worker.host_copy import to_device_async
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +146,10 @@ class ModelRunner:
         dev = self.device
         qsl_cpu, seq_lens_cpu = host["qsl"], host["seq_lens"]
         meta = AttentionMetadata(
-            slot_mapping=host["slots"].to(dev, non_blocking=True),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_tables=host["block_tables"].to(dev, non_blocking=True),
+            slot_mapping=to_device_async(host["slots"], dev),
+            query_start_loc=to_device_async(qsl_cpu, dev),
+            seq_lens=to_device_async(seq_lens_cpu, dev),
+            block_tables=to_device_async(host["block_tables"], dev),
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
             is_decode_only=host["is_decode_only"],
@@ -156,10 +157,10 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
         )
         return StepInputs(
-            input_ids=host["input_ids"].to(dev, non_blocking=True),
-            positions=host["positions"].to(dev, non_blocking=True),
+            input_ids=to_device_async(host["input_ids"], dev),
+            positions=to_device_async(host["positions"], dev),
             meta=meta,
-            logits_indices=host["logits_indices"].to(dev, non_blocking=True),
+            logits_indices=to_device_async(host["logits_indices"], dev),
             sampling_rows=host["sampling_rows"],
         )
 
@@ -184,10 +185,10 @@ class ModelRunner:
         placeholders = host.get("pending_ids")
         if placeholders:
             tokens, index_of = pending
-            dst = torch.tensor(list(placeholders), dtype=torch.int64).to(self.device, non_blocking=True)
+            dst = to_device_async(torch.tensor(list(placeholders), dtype=torch.int64), self.device)
             src = torch.tensor([index_of[r] for r in placeholders.values()], dtype=torch.int64)
             # NOTE: queued behind the step that sampled `tokens` (one stream): no host sync
-            inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, src.to(self.device, non_blocking=True)))
+            inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, to_device_async(src, self.device)))
         if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(host["seq_lens"])):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if self.model.pager is not None:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedmoe.sampling_params import SamplingParams
+from pagedmoe.worker.host_copy import to_device_async
 
 
 def _counts(seqs: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -28,7 +29,7 @@ def _counts(seqs: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
             ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.int64).clamp(max=vocab)
     counts = torch.zeros((len(seqs), vocab + 1), dtype=torch.float32)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab].to(device, non_blocking=True)
+    return to_device_async(counts[:, :vocab], torch.device(device))
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

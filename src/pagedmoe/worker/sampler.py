@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.sampling_params import Logprob, SamplingParams
+from pagedmoe.worker.host_copy import to_device_async
 from pagedmoe.worker.penalties import apply_penalties
 
 
@@ -44,7 +45,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
     """A host list as a device tensor without waiting for the GPU: torch.tensor(..., device=cuda) copies
     and then synchronises the stream, which under --async-scheduling would wait for the step in flight."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device_async(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
