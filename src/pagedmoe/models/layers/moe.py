@@ -15,6 +15,7 @@ from torch import nn
 from pagedmoe.experts.interface import TRITON_MAX_TOKENS, ExpertOperand, ExpertsProvider
 from pagedmoe.models.layers.linear import Linear
 from pagedmoe.models.layers.mlp import GatedMLP
+from pagedmoe.planning.kv_sizing import grouped_mm_chunk_tokens
 
 
 def topk_lower_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +152,20 @@ def _grouped_mm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool
 
 
 def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """All experts in two grouped GEMMs over tokens sorted by expert. No host sync."""
+    """All experts in two grouped GEMMs over tokens sorted by expert, a chunk of tokens at a time
+    (planning/kv_sizing.py::grouped_mm_chunk_tokens: whole, 8192 tokens' transients were the step's activation
+    peak, which the budget holds out of the KV cache). No host sync."""
+    T, A = topk_ids.shape
+    step = grouped_mm_chunk_tokens(A, x.shape[1], w2.shape[-1], x.element_size())
+    if T <= step:
+        return _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids)
+    out = torch.empty_like(x)
+    for s in range(0, T, step):
+        out[s:s + step] = _grouped_mm_chunk(x[s:s + step], w13, w2, topk_weights[s:s + step], topk_ids[s:s + step])
+    return out
+
+
+def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     T, A = topk_ids.shape
     E = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -162,12 +176,14 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     counts = torch.zeros(E, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    xs = x[token_idx]                                                  # [T*A, H]
-    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)          # [T*A, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    h = (F.silu(gate) * up).contiguous()                                # [T*A, I]
+    # NOTE: each transient is dropped as soon as the next is made (grouped_mm_row_bytes counts what overlaps)
+    gate_up = torch._grouped_mm(x[token_idx], w13.transpose(1, 2), offs=offs)   # [T*A, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate) * up                                               # [T*A, I]
+    del gate_up, gate, up
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # [T*A, H]
-    y = y.float() * topk_weights.reshape(-1)[order, None]
+    del h
+    y = y.float().mul_(topk_weights.reshape(-1)[order, None])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_idx, y)
     return out.to(x.dtype)
