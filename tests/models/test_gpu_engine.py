@@ -60,3 +60,27 @@ def test_bf16_prefill_logits_close_to_transformers(checkpoint):
     ours = captured[0][0].cpu()
     rel = ((ours - ref).norm() / ref.norm()).item()
     assert rel < 3e-2, rel
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bf16_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduling):
+    """Sequences that finish at different steps take the decode batch through the buckets 8, 4, 2, 1: every
+    bucket's graph writes its logits into the first rows of one shared buffer (worker/cuda_graph.py), read
+    before the next replay; the tokens equal eager steps', with --async-scheduling too (step N + 1 is launched
+    before step N's tokens are read)."""
+    from pagedmoe import LLM, SamplingParams
+
+    path, _, prompts = checkpoint
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 5, 20, 1, 9, 16, 7)]
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
+                  enforce_eager=eager, async_scheduling=async_scheduling and not eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        if not eager:
+            assert llm.engine.runner.graphs.buckets == [1, 2, 4, 8]
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [3, 12, 5, 20, 1, 9, 16, 7]
