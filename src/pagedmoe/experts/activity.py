@@ -23,6 +23,7 @@ class ActivityTable:
         # (layer, expert) pairs routed to at least once in a step, summed over the steps: the distinct experts
         # a step needs (bytes routed per step = this x expert bytes / steps; bench latency reports it)
         self.distinct_routed = torch.zeros((), dtype=torch.int64, device=device)
+        self.step_distinct = torch.zeros((), dtype=torch.int64, device=device)   # the last ended step's pairs
         self._ones = torch.ones(4096, dtype=torch.float32, device=device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -33,14 +34,16 @@ class ActivityTable:
         self.step_counts[layer].index_add_(0, flat, ones)
 
     def reset(self) -> None:
-        for t in (self.step_counts, self.total, self.ema, self.distinct_routed):
+        for t in (self.step_counts, self.total, self.ema, self.distinct_routed, self.step_distinct):
             t.zero_()
         self.last_step.fill_(-1)
         self.num_steps = 0
 
     def end_step(self) -> None:
-        self.last_step.masked_fill_(self.step_counts > 0, self.num_steps)  # LRU: the last step routed to
-        self.distinct_routed += (self.step_counts > 0).sum()
+        routed = self.step_counts > 0
+        self.last_step.masked_fill_(routed, self.num_steps)  # LRU: the last step routed to
+        self.step_distinct = routed.sum()
+        self.distinct_routed += self.step_distinct
         self.num_steps += 1
         self.total += self.step_counts
         self.ema.mul_(self.decay).add_(self.step_counts, alpha=1.0 - self.decay)

@@ -14,11 +14,11 @@ from pagedmoe.experts.buffers import VmmExpertBuffers
 from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
 from pagedmoe.experts.routed import RoutedPager
-from pagedmoe.experts.routed_uva import miss_rows
 from pagedmoe.experts.store import ExpertStore
 from pagedmoe.experts.table import ExpertTable
 from pagedmoe.experts.tiers.resident import ResidentExperts
 from pagedmoe.extras import require
+from pagedmoe.planning.fetch_cost import miss_rows
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ of the first MoE layer that is not cached on the copy stream, and `weights(l)` w
 starts layer l+1's (never into layer l's pages) while layer l computes, and returns the slot map with no host sync.
 Under `protect` the cache may give layer l+1 fewer pages than it misses (fewer than 2 x E pages outside the miss
 area): such a layer fetches what it lacks by path (a) (one sync) before layer l+2's prefetch starts. The experts
-it routes to are counted on the device (a mask per layer, summed) and read in `end_step`.
+it routes to are the activity table's count of the step (experts/activity.py::step_distinct), read in `end_step`.
 
 The per-layer sync rules out CUDA graphs. Forwards of at most `graph_max_seqs` tokens (the decode buckets the
 cost model gives to it, `--expert-fetch-path`) take fetch path (b) instead (experts/routed_uva.py): the misses
@@ -86,10 +86,7 @@ class RoutedPager(ExpertPager):
         self.stream_min_tokens = stream_min_tokens
         self._stream_now = False        # this forward is a stream step
         self._covered: list[bool] = [False] * self.num_layers   # stream step: the prefetch gave layer l all E
-        E = store.table.num_experts
-        self._routed_mask = torch.zeros(E, dtype=torch.int32, device=store.device)   # one layer's routed experts
-        self._routed_total = torch.zeros((), dtype=torch.int64, device=store.device)  # stream steps' routed pairs
-        self._stream_pending = False    # _routed_total holds counts end_step has not read
+        self._stream_pending = False    # a stream step ran whose routed experts end_step has not counted
 
     @property
     def graph_max_seqs(self) -> int:
@@ -212,10 +209,7 @@ class RoutedPager(ExpertPager):
             if not self._skip_host:
                 self.cache.stats.misses += len(misses)
                 self.cache.stats.streamed += len(misses)
-        if not self._skip_host:   # the distinct routed experts, counted on the device (read in end_step)
-            self._routed_mask.zero_()
-            self._routed_mask.index_fill_(0, topk_ids.reshape(-1).long(), 1)   # the fused router's ids are int32
-            self._routed_total += self._routed_mask.sum()
+        if not self._skip_host:   # the distinct routed experts: the activity table's count (read in end_step)
             self._stream_pending = True
             self.stats.layers_loaded += 1
         if layer + 1 < self.num_layers:
@@ -237,11 +231,11 @@ class RoutedPager(ExpertPager):
     def end_step(self) -> None:
         """After the step's results reached the host: fold path (b)'s device counters into the stats; every
         REFRESH_STEPS steps page the experts it kept missing into the cache (copy engine, between steps); fold the
-        stream steps' routed experts (a device counter) into bytes_routed."""
+        stream step's routed experts (the activity table's count of the step, ended before this) into bytes_routed."""
         super().end_step()
         if self._stream_pending:   # the step's results reached the host: this read waits for nothing
-            self.cache.stats.bytes_routed += int(self._routed_total) * self.expert_bytes
-            self._routed_total.zero_()
+            if self.activity is not None:
+                self.cache.stats.bytes_routed += int(self.activity.step_distinct) * self.expert_bytes
             self._stream_pending = False
         if self.sync_free is None:
             return
@@ -277,7 +271,6 @@ class RoutedPager(ExpertPager):
     def reset_stats(self) -> None:
         super().reset_stats()
         self.cache.stats = type(self.cache.stats)()
-        self._routed_total.zero_()
         self._stream_pending = False
         if self.sync_free is not None:
             self.sync_free.reset()

@@ -42,6 +42,7 @@ from typing import NamedTuple, Union
 import torch
 
 from pagedmoe.experts.table import COMPRESSED, HOST
+from pagedmoe.planning.fetch_cost import miss_rows
 
 REFRESH_STEPS = 8      # steps between two reads of the per-expert miss counts (one small device -> host read)
 REFRESH_MIN_MISSES = 2  # an expert missed in at least this many forwards of the window is paged in
@@ -49,11 +50,6 @@ REFRESH_MIN_MISSES = 2  # an expert missed in at least this many forwards of the
 # the H200 against 37.9 with the 4 the device decode is fastest with (benchmarks/bench_routed_fetch.py, 8ae7d4f);
 # any value decodes the same bits.
 MAPPED_DECODE_WARPS = 16
-
-
-def miss_rows(num_experts: int, top_k: int, max_tokens: int) -> int:
-    """Pages of the miss area: one per distinct expert a forward of `max_tokens` tokens can route to a layer."""
-    return min(num_experts, max_tokens * top_k) if max_tokens > 0 else 0
 
 
 class Collected(NamedTuple):

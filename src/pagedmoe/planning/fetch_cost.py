@@ -84,6 +84,12 @@ def cache_pages(shape: ModelShape, num_gpu_experts: int) -> int:
     return max(E, shape.num_moe_layers * num_gpu_experts + 2 * (E - num_gpu_experts))
 
 
+def miss_rows(num_experts: int, top_k: int, max_tokens: int) -> int:
+    """Pages of path (b)'s miss area (experts/cache.py, experts/routed_uva.py): one per distinct expert a forward
+    of `max_tokens` tokens can route to a layer; 0 without path (b)."""
+    return min(num_experts, max_tokens * top_k) if max_tokens > 0 else 0
+
+
 def cache_misses(shape: ModelShape, num_gpu_experts: int, num_compressed: int, looked_up: float) -> tuple:
     """(misses, those from the host tier) per step when each MoE layer looks `looked_up` distinct experts up in the
     cache: with uniform routing a page hits with probability min(1, C / (L x E)); a miss is from the compressed GPU
@@ -157,7 +163,7 @@ def stream_step_min_tokens(shape: ModelShape, hw: HardwareProfile, num_gpu_exper
     layer's prefetch may not take the E pages of the layer computing, so it would get fewer than E and fall back
     on path (a)."""
     E = shape.experts_per_gpu
-    miss_area = min(E, sync_free_max_seqs * shape.top_k) if sync_free_max_seqs > 0 else 0
+    miss_area = miss_rows(E, shape.top_k, sync_free_max_seqs)
     if num_gpu_experts >= E or max(E, cache_pages(shape, num_gpu_experts) - miss_area) < 2 * E:
         return 0
     t = 1
