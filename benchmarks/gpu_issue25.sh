@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 25's GPU figures that are not side by side with vLLM (benchmarks/vs_vllm.sh runs those), on one H200.
+# One device call can take several parts (each is cut at RUN_TIMEOUT):
+#   tests   the GPU tests of the resident step's recent changes (fused q/k/v, the shared logits buffer across the
+#           decode buckets, the counting router, pinned step inputs, async scheduling)        ~2.5 min
+#   gemm    benchmarks/bench_small_gemm.py: the backbone's linears at M = 1..16, torch against kernels/small_gemm.py
+#   prof    benchmarks/profile_step.py, Qwen3-30B-A3B resident, fused ops on, batch 1 and 256, with
+#           --async-scheduling; then batch 1 with --backbone-gemm triton                        ~2 min
+# Results under $OUT/issue25/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
+OUT=${OUT:-out}
+D=$OUT/issue25
+RUN_TIMEOUT=${RUN_TIMEOUT:-300}
+mkdir -p "$D"
+Q=benchmarks/configs/qwen3-30b-a3b
+PROF=(--load-format dummy --expert-placement resident --input-len 512 --max-model-len 2048 --fused-ops on --num-steps 10)
+t() { timeout --kill-after=15 "$RUN_TIMEOUT" "$@"; }
+
+for part in "$@"; do
+  SECONDS=0
+  echo "=== $part"
+  case $part in
+    tests)
+      t python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_host_copy.py tests/e2e/test_async_scheduling.py \
+        tests/models/test_fused_ops_model.py tests/models/test_backbone_gemm_model.py tests/models/test_gpu_engine.py \
+        tests/kernels/test_fused_ops.py tests/models/test_routed_stream_steps.py tests/unit/test_grouped_mm_chunks.py \
+        -k "not variants" > "$D/tests.log" 2>&1
+      tail -15 "$D/tests.log" ;;
+    gemm)
+      t python3 benchmarks/bench_small_gemm.py --out "$D/bench_small_gemm.json" --max-s 60 > "$D/gemm.log" 2>&1
+      tail -30 "$D/gemm.log" ;;
+    prof)
+      t python3 benchmarks/profile_step.py "$Q" "${PROF[@]}" --batch-size 1 256 --async-scheduling \
+        --out "$D/prof-async" > "$D/prof-async.txt" 2>&1
+      grep -A14 "=== batch" "$D/prof-async.txt" | head -36
+      t python3 benchmarks/profile_step.py "$Q" "${PROF[@]}" --batch-size 1 --backbone-gemm triton \
+        --out "$D/prof-triton" > "$D/prof-triton.txt" 2>&1
+      grep -A14 "=== batch" "$D/prof-triton.txt" | head -18 ;;
+    *) echo "unknown part $part (tests, gemm, prof)" >&2 ;;
+  esac
+  echo "=== $part took ${SECONDS} s"
+done
