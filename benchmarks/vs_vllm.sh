@@ -11,10 +11,11 @@
 #         resident at the same memory (--gpu-memory-gb = 0.97 x the device); random 1024 in / 1024 out,
 #         512 prompts, --max-num-seqs 256 --max-num-batched-tokens 8192, full runs (no steady-state projection)
 #   w4    weights + 4 GiB: vLLM at --gpu-memory-utilization = budget / device memory vs pagedmoe at
-#         --gpu-memory-gb budget: resident, paged + lossless GPU tier, and the planner's auto choice;
-#         W4_PROMPTS prompts (default 40: what fits in flight, so the run stays short)
+#         --gpu-memory-gb budget: resident (part w4), paged + lossless GPU tier and the planner's auto choice
+#         (part w4p); W4_PROMPTS prompts (default 96: more than either engine holds at once, about 20k KV tokens
+#         for vLLM, 82 sequences for paged + lossless; 40, the issue's count, favoured the engine that holds fewer)
 #   lat   batch 1, 512 in + 64 out: `vllm bench latency` (Avg latency) vs `pagedmoe bench latency --batch-size 1`
-#         (prefill + every decode step), pagedmoe with --fused-ops off and on (PM_FUSED); then
+#         (prefill + every decode step), pagedmoe with --fused-ops PM_FUSED (default on; "off on" for both); then
 #         benchmarks/profile_step.py at batch 1 and 256 for the per-kernel-class breakdown, each PM_FUSED value
 # Every vLLM run of one model uses the same engine flags (--max-model-len 3072 --max-num-seqs 256
 # --max-num-batched-tokens 8192; only the memory fraction differs), so after the model's first start the
@@ -31,8 +32,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 D=$OUT/vs_vllm
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
-W4_PROMPTS=${W4_PROMPTS:-40}
-PM_FUSED=${PM_FUSED:-off on}
+W4_PROMPTS=${W4_PROMPTS:-96}
+PM_FUSED=${PM_FUSED:-on}
 TPUT_PROMPTS=${TPUT_PROMPTS:-512} TPUT_LEN=${TPUT_LEN:-1024} LAT_IN=${LAT_IN:-512} LAT_OUT=${LAT_OUT:-64}
 PROF_BATCHES=${PROF_BATCHES:-1 256} PROF_LEN=${PROF_LEN:-512}
 read -r -a PM_EXTRA <<< "${PM_EXTRA:-}"
@@ -52,15 +53,17 @@ declare -A PARTS=(
   [tput-mixtral]="~8 min | the same for Mixtral-8x7B (vLLM ~3 + ~1.7, pagedmoe 1 + ~2.1 at ~4400 tok/s)"
   [lat-qwen3]="~4 min | batch 1: vLLM latency (0.7 + 0.3), pagedmoe latency x PM_FUSED (2 x 0.8), profile_step B=1,256 x PM_FUSED (2 x 0.8)"
   [lat-mixtral]="~4.5 min | the same for Mixtral-8x7B"
-  [w4-qwen3]="~5 min | weights + 4 GiB (60.87 GiB): vLLM (0.7 + ~0.9 at ~770 tok/s) + pagedmoe resident (0.7 + 1.1), paged+lossless (0.7 + 0.5), auto (0.7 + 0.5)"
-  [w4-mixtral]="~6 min | the same for Mixtral-8x7B (weights + 4 = 91 GiB; few sequences fit, so slower per prompt)"
+  [w4-qwen3]="~7 min | weights + 4 GiB (60.87 GiB), 96 prompts: vLLM (0.7 + ~1.8 at ~900 tok/s) + pagedmoe resident (0.7 + ~3.2 at ~510)"
+  [w4p-qwen3]="~4.5 min | the same budget and prompts: pagedmoe paged+lossless (0.7 + ~1.3 at ~1300 tok/s), auto (0.7 + ~1.3)"
+  [w4-mixtral]="~8 min | the same for Mixtral-8x7B (weights + 4 = 91 GiB; few sequences fit, so slower per prompt)"
+  [w4p-mixtral]="~4.5 min | the same for Mixtral-8x7B (paged+lossless ~880 tok/s in the sweep)"
 )
-ORDER=(tput-qwen3 lat-qwen3 w4-qwen3 tput-mixtral lat-mixtral w4-mixtral)
+ORDER=(tput-qwen3 lat-qwen3 w4-qwen3 w4p-qwen3 tput-mixtral lat-mixtral w4-mixtral w4p-mixtral)
 # Calls of <= 10 min (the device tool's limit; each part is cut at RUN_TIMEOUT per run), ~34 min in all, more
 # than one session's 30 min of device time with the wheels' staging (~1.5 min): session 1 runs calls 1-2 (Qwen3,
 # ~15.5 min: the issue's headline shape), session 2 calls 3-5 (Mixtral, ~18.5 min). A part's vLLM runs after
 # the first of its model on the same warm machine reuse the compile cache, so keep a model's calls together.
-CALLS=("tput-qwen3" "lat-qwen3 w4-qwen3" "tput-mixtral" "lat-mixtral" "w4-mixtral")
+CALLS=("tput-qwen3" "lat-qwen3 w4p-qwen3" "w4-qwen3" "tput-mixtral" "lat-mixtral w4p-mixtral" "w4-mixtral")
 
 vllm() {  # the vLLM CLI on the carried wheels
   env PYTHONPATH="$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 \
@@ -127,15 +130,20 @@ run_part() {  # $1 = part
       pm bench throughput "$m" "${COMMON_PM[@]}" "${TPUT[@]}" --expert-placement resident --gpu-memory-gb "$gib" \
         --output-json "$D/$name.tput.pagedmoe.json" > "$D/$name.tput.pagedmoe.log" 2>&1
       tail -3 "$D/$name.tput.pagedmoe.log" ;;
-    w4)
-      local util gib; util=$(meta "$key" w4_utilization); gib=$(meta "$key" w4_budget_gib)
-      echo "--- $name w4 vllm (utilization $util = $gib GiB)"
-      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
-        --random-output-len "$TPUT_LEN" --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
-        --output-json "$D/$name.w4.vllm.json" > "$D/$name.w4.vllm.log" 2>&1
-      tail -3 "$D/$name.w4.vllm.log"
+    w4|w4p)
+      local util gib variants; util=$(meta "$key" w4_utilization); gib=$(meta "$key" w4_budget_gib)
+      if [ "$regime" = w4 ]; then
+        echo "--- $name w4 vllm (utilization $util = $gib GiB)"
+        vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
+          --random-output-len "$TPUT_LEN" --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
+          --output-json "$D/$name.w4.vllm.json" > "$D/$name.w4.vllm.log" 2>&1
+        tail -3 "$D/$name.w4.vllm.log"
+        variants="resident"
+      else
+        variants="paged-lossless auto"
+      fi
       local variant flags
-      for variant in resident paged-lossless auto; do
+      for variant in $variants; do
         case $variant in
           resident) flags=(--expert-placement resident) ;;
           paged-lossless) flags=(--expert-placement paged --expert-compression lossless) ;;

@@ -53,10 +53,13 @@ class EngineConfig:
     max_num_seqs: int = _flag(256, "most sequences in one step", type_=int)
     max_num_batched_tokens: int = _flag(8192, "most tokens in one step (prefill is chunked to fit)",
                                         type_=int)
-    async_scheduling: bool = _flag(False, "prepare the next step (schedule, inputs) and process the previous "
-                                          "one's tokens (detokenise, stop checks) while the GPU runs a step, "
-                                          "as vLLM's --async-scheduling; stops are seen one step late (that "
-                                          "step's token is dropped). Resident experts, one GPU", type_=bool)
+    async_scheduling: Optional[bool] = _flag(None, "prepare the next step (schedule, inputs) and process the "
+                                                   "previous one's tokens (detokenise, stop checks) while the GPU "
+                                                   "runs a step, as vLLM's --async-scheduling; stops are seen one "
+                                                   "step late (that step's token is dropped). Default: on where it "
+                                                   "can take effect (CUDA, resident experts, one GPU, fixed "
+                                                   "precision), as vLLM's default since 0.14; "
+                                                   "--no-async-scheduling turns it off", type_=bool)
     gpu_memory_gb: Optional[float] = _flag(None, "whole device memory budget in GiB (weights + KV cache "
                                                  "+ activations); on CPU it bounds the simulated pool",
                                            type_=float)

@@ -36,7 +36,7 @@ class ModelConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    async_scheduling: bool
+    async_scheduling: Optional[bool]  # None: on where it can take effect (engine/async_step.py)
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,37 @@ def test_the_flag_refuses_what_it_cannot_take(ckpt):
         LLM(ckpt, device="cpu", max_model_len=64, async_scheduling=True, cpu_moe=True)
 
 
+def test_default_is_on_where_it_can_take_effect(ckpt):
+    """No flag: on for a CUDA engine that supports it (vLLM's default), off on CPU and where it cannot take
+    effect (no error there: only an explicit --async-scheduling must take effect); --no-async-scheduling: off."""
+    from types import SimpleNamespace
+
+    from pagedmoe import LLM
+    from pagedmoe.config import EngineConfig, add_engine_args
+    from pagedmoe.engine.async_step import async_scheduling_applies
+    import argparse
+
+    def engine(device="cuda", pager=None, precision=None, control=None):
+        return SimpleNamespace(device=torch.device(device), pager=pager, precision=precision,
+                               runner=SimpleNamespace(control=control))
+
+    assert async_scheduling_applies(engine(), None) is True
+    assert async_scheduling_applies(engine(), False) is False
+    assert async_scheduling_applies(engine("cpu"), None) is False
+    assert async_scheduling_applies(engine("cpu"), True) is True
+    for blocker in ({"pager": object()}, {"precision": object()}, {"control": object()}):
+        assert async_scheduling_applies(engine(**blocker), None) is False
+    assert EngineConfig().async_scheduling is None
+    assert EngineConfig(tensor_parallel_size=2).async_scheduling is None   # the default does not refuse TP
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).async_scheduling is None
+    assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False
+    assert p.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert LLM(ckpt, device="cpu", max_model_len=64).engine._async is None
+    assert LLM(ckpt, device="cpu", max_model_len=64, cpu_moe=True).engine._async is None
+
+
 @pytest.mark.gpu
 def test_gpu_graphs_same_tokens_and_decode_launch_does_not_sync(tmp_path):
     """bf16 with CUDA graphs: the same tokens as plain steps (greedy, seeded sampling, min_tokens; every

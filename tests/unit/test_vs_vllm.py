@@ -71,8 +71,8 @@ elif sys.argv[1:3] == ["bench", "latency"]:
 def test_list_and_calls():
     out = subprocess.run(["bash", str(ROOT / "benchmarks" / "vs_vllm.sh"), "list"], capture_output=True, text=True,
                          check=True).stdout
-    parts = [line.split()[0] for line in out.splitlines() if line.startswith(("tput-", "w4-", "lat-"))]
-    assert sorted(parts) == sorted(f"{r}-{m}" for r in ("tput", "w4", "lat") for m in ("qwen3", "mixtral"))
+    parts = [line.split()[0] for line in out.splitlines() if line.startswith(("tput-", "w4-", "w4p-", "lat-"))]
+    assert sorted(parts) == sorted(f"{r}-{m}" for r in ("tput", "w4", "w4p", "lat") for m in ("qwen3", "mixtral"))
     calls = subprocess.run(["bash", str(ROOT / "benchmarks" / "vs_vllm.sh"), "calls"], capture_output=True,
                            text=True, check=True, cwd=ROOT).stdout
     planned = [line.split("vs_vllm.sh ")[1].split('"')[0].split() for line in calls.splitlines()

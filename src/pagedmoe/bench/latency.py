@@ -46,20 +46,23 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     for i, p in enumerate(prompts[:batch_size]):
         engine.add_request(f"lat-{i}", None, params, prompt_token_ids=p)
     prefill_s, decode = 0.0, []
-    totals = dict.fromkeys(_expert_counters(engine), 0)   # summed over the decode steps
+    # The counters are cumulative and reading one waits for the device, so they are read only before the first
+    # decode step and after the last: a read between decode steps would absorb the GPU work still queued (with
+    # --async-scheduling, the step in flight) outside the timer, and the step would time only its host work.
+    start = None
     while engine.has_unfinished_requests():
+        if not decode:
+            start = _expert_counters(engine)
         decode_steps_before = engine.step_time["decode_steps"]
-        before = _expert_counters(engine)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         if engine.step_time["decode_steps"] > decode_steps_before:
             decode.append(dt)
-            for k, v in _expert_counters(engine).items():
-                totals[k] += v - before[k]
         else:
             prefill_s += dt
-    per_step = {k: v / max(1, len(decode)) for k, v in totals.items()}
+    end = _expert_counters(engine)
+    per_step = {k: (end[k] - start[k]) / max(1, len(decode)) for k in end}
     dims = engine.model.dims
     num_moe = len(engine.model.moe_layers())
     context = input_len + output_len // 2

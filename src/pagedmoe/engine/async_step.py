@@ -21,7 +21,8 @@ min_tokens (counted with the pending token). Steps with penalties need the previ
 when step N samples a penalised request, N completes before N + 1 is scheduled (a plain step). Batches
 can differ from a plain run (a request stopping at N still takes a row of N + 1), so unseeded sampling
 draws differently. Not with paged experts, dynamic precision or tensor parallelism (their per-step
-host work assumes the plain order): the engine refuses the flag there.
+host work assumes the plain order): the engine refuses the flag there. Without the flag it is on wherever it
+can take effect on CUDA (vLLM's default since 0.14); --no-async-scheduling turns it off.
 """
 from __future__ import annotations
 
@@ -49,15 +50,28 @@ class InFlightStep:
         return {r.request_id: i for i, r in enumerate(self.sampling)}
 
 
+def _unsupported(engine) -> Optional[str]:
+    """Why the engine (the LLMEngine; not imported: it imports this module) cannot schedule asynchronously."""
+    return ("paged experts (their pager ends each step after its tokens reach the host)" if engine.pager is not None
+            else "--expert-precision dynamic (it moves experts between steps)" if engine.precision is not None
+            else "--tensor-parallel-size > 1 (the workers get host inputs only)" if engine.runner.control is not None
+            else None)
+
+
 def check_async_scheduling(engine) -> None:
-    """The flag fails loudly where it cannot take effect (engine: the LLMEngine; not imported: it imports
-    this module)."""
-    why = ("paged experts (their pager ends each step after its tokens reach the host)" if engine.pager is not None
-           else "--expert-precision dynamic (it moves experts between steps)" if engine.precision is not None
-           else "--tensor-parallel-size > 1 (the workers get host inputs only)" if engine.runner.control is not None
-           else None)
+    """The flag fails loudly where it cannot take effect."""
+    why = _unsupported(engine)
     if why is not None:
         raise ValueError(f"--async-scheduling does not support {why} yet; run without it")
+
+
+def async_scheduling_applies(engine, flag: Optional[bool]) -> bool:
+    """--async-scheduling: True (asked: it must take effect), False (off) or None (the default: on for a CUDA
+    engine that supports it, as vLLM, which leaves it off on its CPU backend; on CPU the step's tokens are on
+    the host when it returns, so there is nothing to overlap)."""
+    if flag is None:
+        return engine.device.type == "cuda" and _unsupported(engine) is None
+    return flag
 
 
 class AsyncScheduling:

@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 from pagedmoe.config import EngineConfig
-from pagedmoe.engine.async_step import AsyncScheduling
+from pagedmoe.engine.async_step import AsyncScheduling, async_scheduling_applies
 from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
@@ -84,8 +84,11 @@ class LLMEngine:
                           "decode_tokens": 0, "prefill_tokens": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # --async-scheduling (engine/async_step.py): the next step is prepared while this one runs
-        self._async = AsyncScheduling(self) if config.async_scheduling else None
+        # --async-scheduling (engine/async_step.py): the next step is prepared while this one runs; by default
+        # wherever it can take effect (asked for explicitly where it cannot, it fails loudly)
+        self._async = AsyncScheduling(self) if async_scheduling_applies(self, config.async_scheduling) else None
+        logger.info("async scheduling %s", "on" if self._async is not None else
+                    "off" + (" (--no-async-scheduling)" if config.async_scheduling is False else ""))
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
