@@ -6,6 +6,9 @@
 #   gemm    benchmarks/bench_small_gemm.py: the backbone's linears at M = 1..16, torch against kernels/small_gemm.py
 #   prof    benchmarks/profile_step.py, Qwen3-30B-A3B resident, fused ops on, batch 1 and 256, with
 #           --async-scheduling; then batch 1 with --backbone-gemm triton                        ~2 min
+#   prefill profile_step.py --prefill: 8 prompts x 1024 tokens a step (8192), Qwen3-30B-A3B and Mixtral-8x7B,
+#           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
+#   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
 # Results under $OUT/issue25/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +41,17 @@ for part in "$@"; do
       t python3 benchmarks/profile_step.py "$Q" "${PROF[@]}" --batch-size 1 --backbone-gemm triton \
         --out "$D/prof-triton" > "$D/prof-triton.txt" 2>&1
       grep -A14 "=== batch" "$D/prof-triton.txt" | head -18 ;;
-    *) echo "unknown part $part (tests, gemm, prof)" >&2 ;;
+    prefill)
+      for m in "$Q" benchmarks/configs/mixtral-8x7b; do
+        t python3 benchmarks/profile_step.py "$m" --load-format dummy --expert-placement resident --prefill \
+          --input-len 1024 --max-model-len 2048 --num-steps 5 --out "$D/prefill-$(basename "$m")" \
+          > "$D/prefill-$(basename "$m").txt" 2>&1
+        grep -A14 "=== prefill" "$D/prefill-$(basename "$m").txt" | head -16
+      done ;;
+    tune)
+      t python3 benchmarks/tune_fused_moe.py --models qwen3-30b-a3b mixtral-8x7b --max-s $((RUN_TIMEOUT - 40)) --out "$D/tune" > "$D/tune.log" 2>&1
+      tail -20 "$D/tune.log" ;;
+    *) echo "unknown part $part (tests, gemm, prof, prefill, tune)" >&2 ;;
   esac
   echo "=== $part took ${SECONDS} s"
 done

@@ -12,6 +12,13 @@ GPU there, so it approaches the kernels' sum). One JSON per batch size under --o
 
 Engine flags are pagedmoe's own (`pagedmoe bench latency --help`). Issue 25 uses this for the step-time
 breakdown before and after.
+
+`--prefill`: the same breakdown for prefill steps instead: each profiled step prefills fresh prompts of
+--input-len tokens filling --max-num-batched-tokens, and the step's time is set against its compute floor
+(FLOPs of the active weights and the causal attention, planning/model_shape.py, at --gemm-tflops):
+
+    python benchmarks/profile_step.py benchmarks/configs/qwen3-30b-a3b --load-format dummy \
+        --expert-placement resident --prefill --input-len 1024 --max-model-len 2048 --out $OUT/prof
 """
 from __future__ import annotations
 
@@ -77,6 +84,11 @@ def pipelined_step_s(engine, num_steps: int) -> float:
 
 
 def profile_steps(engine, num_steps: int) -> tuple[list[float], dict]:
+    return profile_steps_of(engine.step, num_steps)
+
+
+def profile_steps_of(step, num_steps: int) -> tuple[list[float], dict]:
+    """Wall time of each of num_steps calls of step() (synchronised) and the kernels' time per class."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -87,7 +99,7 @@ def profile_steps(engine, num_steps: int) -> tuple[list[float], dict]:
     with profile(activities=activities) as prof:
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            engine.step()
+            step()
             sync()
             walls.append(time.perf_counter() - t0)
     per_class = defaultdict(lambda: {"us": 0.0, "launches": 0, "kernels": defaultdict(float)})
@@ -103,6 +115,45 @@ def profile_steps(engine, num_steps: int) -> tuple[list[float], dict]:
         c["launches"] += 1
         c["kernels"][evt.name[:90]] += us
     return walls, per_class
+
+
+def prefill_profile(engine, args) -> int:
+    """Profile --num-steps prefill steps of fresh prompts (max_tokens 1: each request ends with its prefill)."""
+    from pagedmoe.config import default_model_path
+    from pagedmoe.planning.model_shape import ModelShape
+
+    per_step = max(1, engine.config.max_num_batched_tokens // args.input_len)
+    tokens = per_step * args.input_len
+    vocab = engine.model.dims.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seq = iter(range(10 ** 9))
+
+    def one_step() -> None:
+        for p in random_prompts(per_step, args.input_len, vocab, args.seed + next(seq)):
+            engine.add_request(f"prefill-{next(seq)}", None, params, prompt_token_ids=p)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    one_step()  # warm-up (Triton compiles)
+    walls, per_class = profile_steps_of(one_step, args.num_steps)
+    shape = ModelShape.from_hf_config(engine.config.model or default_model_path())
+    flops = tokens * shape.flops_per_token(args.input_len / 2)  # causal: the mean context is half the prompt
+    floor = flops / (args.gemm_tflops * 1e12)
+    wall = sorted(walls)[len(walls) // 2]
+    gpu_us = sum(c["us"] for c in per_class.values()) / args.num_steps
+    print(f"\n=== prefill {per_step} x {args.input_len} = {tokens} tokens: wall {wall * 1e3:.3f} ms per step "
+          f"(median), kernels {gpu_us / 1e3:.3f} ms; compute floor {floor * 1e3:.3f} ms ({flops / 1e12:.2f} TFLOP "
+          f"at {args.gemm_tflops:g} TFLOP/s): floor / wall = {floor / wall:.2f}, {tokens / wall:,.0f} tokens/s")
+    print_classes(per_class, args.num_steps, wall * 1e6)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile_prefill_{tokens}.json").write_text(json.dumps({
+            "prefill_tokens": tokens, "prompts_per_step": per_step, "input_len": args.input_len,
+            "wall_ms": [1e3 * w for w in walls], "kernel_ms_per_step": gpu_us / 1e3, "floor_ms": floor * 1e3,
+            "tflop_per_step": flops / 1e12, "gemm_tflops": args.gemm_tflops, "classes": class_record(per_class, args.num_steps)},
+            indent=1, default=str))
+    return 0
 
 
 def host_profile(engine, num_steps: int, path) -> None:
@@ -127,6 +178,21 @@ def host_profile(engine, num_steps: int, path) -> None:
         path.write_text(buf.getvalue())
 
 
+def print_classes(per_class: dict, num_steps: int, wall_us: float) -> None:
+    print(f"{'class':<12} {'ms/step':>9} {'launches/step':>14} {'share':>7}  top kernel")
+    for cls, c in sorted(per_class.items(), key=lambda kv: -kv[1]["us"]):
+        top = max(c["kernels"].items(), key=lambda kv: kv[1])[0]
+        print(f"{cls:<12} {c['us'] / num_steps / 1e3:9.3f} {c['launches'] / num_steps:14.1f} "
+              f"{c['us'] / num_steps / wall_us:7.1%}  {top[:60]}")
+
+
+def class_record(per_class: dict, num_steps: int) -> dict:
+    return {cls: {"ms_per_step": c["us"] / num_steps / 1e3, "launches_per_step": c["launches"] / num_steps,
+                  "kernels_ms_per_step": {k: v / num_steps / 1e3 for k, v in
+                                          sorted(c["kernels"].items(), key=lambda kv: -kv[1])}}
+            for cls, c in sorted(per_class.items(), key=lambda kv: -kv[1]["us"])}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_offline_bench_args(p)
@@ -135,8 +201,13 @@ def main() -> int:
     p.add_argument("--out", default=None, help="folder for one JSON per batch size")
     p.add_argument("--host-profile", action="store_true",
                    help="also run --num-steps steps under cProfile and print the host functions by own time")
+    p.add_argument("--prefill", action="store_true", help="profile prefill steps instead of decode steps")
+    p.add_argument("--gemm-tflops", type=float, default=753.0,
+                   help="the compute floor's rate (../shared/H200.md: bf16 GEMM 8192^3, 753 TFLOP/s)")
     args = p.parse_args()
     engine, config = make_engine(args)
+    if args.prefill:
+        return prefill_profile(engine, args)
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -156,21 +227,12 @@ def main() -> int:
               f"{1e3 * sorted(walls)[len(walls) // 2]:.3f}), kernels {gpu_us / 1e3:.3f} ms, gap "
               f"{(wall_us - gpu_us) / 1e3:.3f} ms; steps back to back (one sync at the end, as a throughput "
               f"run; --async-scheduling overlaps host and GPU there): {pipelined * 1e3:.3f} ms per step")
-        print(f"{'class':<12} {'ms/step':>9} {'launches/step':>14} {'share':>7}  top kernel")
-        rows = sorted(per_class.items(), key=lambda kv: -kv[1]["us"])
-        for cls, c in rows:
-            top = max(c["kernels"].items(), key=lambda kv: kv[1])[0]
-            print(f"{cls:<12} {c['us'] / args.num_steps / 1e3:9.3f} {c['launches'] / args.num_steps:14.1f} "
-                  f"{c['us'] / args.num_steps / wall_us:7.1%}  {top[:60]}")
+        print_classes(per_class, args.num_steps, wall_us)
         if out:
             record = {"batch_size": batch, "num_steps": args.num_steps, "wall_ms": [1e3 * w for w in walls],
                       "pipelined_ms_per_step": 1e3 * pipelined,
                       "kernel_ms_per_step": gpu_us / 1e3, "config": config,
-                      "classes": {cls: {"ms_per_step": c["us"] / args.num_steps / 1e3,
-                                        "launches_per_step": c["launches"] / args.num_steps,
-                                        "kernels_ms_per_step": {k: v / args.num_steps / 1e3 for k, v in
-                                                                sorted(c["kernels"].items(), key=lambda kv: -kv[1])}}
-                                  for cls, c in rows}}
+                      "classes": class_record(per_class, args.num_steps)}
             (out / f"profile_b{batch}.json").write_text(json.dumps(record, indent=1, default=str))
     return 0
 

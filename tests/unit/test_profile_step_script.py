@@ -1,0 +1,32 @@
+"""benchmarks/profile_step.py on CPU (the CPU ops stand in for kernels): decode and --prefill records."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, *flags):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PAGEDMOE_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu",
+                           "--num-steps", "2", "--out", str(tmp_path), *flags], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_prefill_profile_against_its_compute_floor(tmp_path):
+    out = _run(tmp_path, "--prefill", "--input-len", "16", "--max-num-batched-tokens", "64")
+    assert "=== prefill 4 x 16 = 64 tokens" in out and "compute floor" in out
+    r = json.loads((tmp_path / "profile_prefill_64.json").read_text())
+    assert r["prompts_per_step"] == 4 and len(r["wall_ms"]) == 2
+    assert r["floor_ms"] > 0 and r["tflop_per_step"] > 0 and r["classes"]["moe"]["launches_per_step"] > 0
+
+
+def test_decode_profile_per_batch(tmp_path):
+    out = _run(tmp_path, "--batch-size", "2", "--input-len", "8")
+    assert "=== batch 2" in out
+    r = json.loads((tmp_path / "profile_b2.json").read_text())
+    assert r["batch_size"] == 2 and r["kernel_ms_per_step"] > 0 and "moe" in r["classes"]
