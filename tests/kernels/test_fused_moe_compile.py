@@ -44,3 +44,20 @@ def test_every_fused_moe_variant_compiles_for_sm90(tmp_path):
     checked = [r for r in gemms if r["weights"] == "lossless"]
     assert len(checked) >= 20 and all(r["same_mma_operands_as_bf16"] for r in checked)
     assert sum(r["kernel"] == "moe_sum_kernel" for r in rows) == 2
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend / ptxas is not installed")
+def test_lossless_sass_counts_the_mma_loop(tmp_path):
+    """benchmarks/lossless_sass.py finds the K loop in the SASS of both kernels: the lossless one decodes in it, so
+    its loop is longer than bf16's at the same tiles, and escape patches lengthen it again."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/lossless_sass.py", "--tokens", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "lossless_sass.json").read_text())["rows"]
+    for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        got = {r["kernel"]: r for r in rows if r["model"] == model}
+        assert all(r["opcodes"].get("HMMA", 0) > 0 for r in got.values())
+        assert got["bf16"]["loop_instructions"] < got["lossless esc 0"]["loop_instructions"] \
+            < got["lossless esc 8"]["loop_instructions"]
