@@ -19,8 +19,8 @@ import torch
 
 from tiny_models import greedy_logits, make_tiny_checkpoint
 
-# DeepSeek-V2/V3 (MLA) are refused under tensor parallelism (test_split_that_cannot_take_effect)
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
+# DeepSeek-V2/V3: multi-head latent attention, the latent replicated and the heads split (parallel/sharding.py)
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 LENGTHS, MAX_TOKENS = (7, 19, 3, 30), 5
 
 
@@ -79,7 +79,7 @@ def test_two_ranks_match_one_process(ckpts, family, flags):
         assert dims.num_experts == 4 and engine.expert_store.table.num_experts == 4  # this rank's share
     else:
         assert dims.num_experts == 8 and dims.moe_intermediate_size == 16  # each expert split in two
-    assert dims.num_heads == 2 and dims.num_kv_heads == 1
+    assert dims.num_heads == 2 and (dims.mla is not None or dims.num_kv_heads == 1)
     # `pagedmoe plan --tensor-parallel-size 2` plans the shape this rank was built and planned with
     from pagedmoe.planning.model_shape import ModelShape
     ep = bool(flags.get("enable_expert_parallel"))
@@ -112,8 +112,8 @@ def test_split_that_cannot_take_effect(ckpts, tmp_path):
     with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
         LLM(str(ckpts["mixtral"]), device="cpu", enable_expert_parallel=True)
     path = tmp_path / "dsv3"
-    make_tiny_checkpoint("deepseek_v3", path, seed=1)
-    with pytest.raises(ValueError, match="multi-head latent attention"):
+    make_tiny_checkpoint("deepseek_v3", path, seed=1, attention_bias=True)
+    with pytest.raises(ValueError, match="multi-head latent attention with biases"):
         LLM(str(path), device="cpu", tensor_parallel_size=2)
     path = tmp_path / "few"
     make_tiny_checkpoint("mixtral", path, seed=1, num_local_experts=3, num_experts_per_tok=1)

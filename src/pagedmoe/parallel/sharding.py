@@ -3,6 +3,9 @@
 Tensor parallelism over N ranks (Megatron's split, as vLLM does it):
 - attention: q/k/v column-parallel (each rank its Hq/N query heads and their KV heads), o_proj row-parallel;
   with fewer KV heads than ranks each KV head is replicated on N/Hkv ranks (rank r holds head r*Hkv//N);
+  multi-head latent attention (DeepSeek-V2/V3): the latent projection (kv_a_proj_with_mqa, q_a_proj and their
+  norms) and so the latent KV cache replicated, the per-head q_b_proj / kv_b_proj rows column-parallel, o_proj
+  row-parallel (each rank attends with its H/N heads over the whole latent, as vLLM splits MLA);
 - dense MLPs and shared experts: gate/up column-parallel, down row-parallel;
 - routed experts: each expert split along its intermediate dim (w13 rows, w2 columns), or with
   `--enable-expert-parallel` whole experts, E/N per rank (rank r owns experts [r*E/N, (r+1)*E/N));
@@ -27,9 +30,9 @@ def shard_arch(dims, spec, world_size: int, expert_parallel: bool = False):
                              "the tensor-parallel ranks)")
         return dims, spec
     n = world_size
-    if dims.mla is not None:
-        raise ValueError("--tensor-parallel-size > 1 does not support multi-head latent attention models "
-                         "(DeepSeek-V2/V3) yet")
+    if dims.mla is not None and dims.mla.attention_bias:
+        raise ValueError("--tensor-parallel-size > 1 does not support multi-head latent attention with biases "
+                         "yet (o_proj's bias would be added on every rank)")
     if dims.num_heads % n:
         raise ValueError(f"--tensor-parallel-size {n} does not divide the model's {dims.num_heads} attention heads")
     hkv = dims.num_kv_heads
