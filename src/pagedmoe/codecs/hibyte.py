@@ -1,0 +1,148 @@
+"""Lossless bf16, candidate version 3 ("hibyte"): the low byte verbatim, the high byte in 4 bits, raw tiles.
+
+Why (issue 23, docs/benchmarks.md "The fused lossless GEMM on the H200"): version 2 costs a GEMM ~17 integer
+instructions per weight to decode (nibble interleave, exponent add, sign and mantissa assembly, escape patches),
+over the issue rate an SM has at HBM speed (~0.375 warp instructions per weight at the compressed floor). This
+layout is chosen for the fewest instructions:
+
+  lo[r, c]     the bf16's low byte verbatim (exponent bit 0 and the 7 mantissa bits): no arithmetic at all
+  code[r, j]   4 bits per weight for the high byte (sign and exponent bits 7..1): bit 3 the sign, bits 0..2
+               (e >> 1) - base[r]; byte j of each 64-column slice holds column j (low nibble) and column
+               j + 32 (high nibble), so a GEMM splits a loaded byte into its two K halves with one AND and one
+               shift, with no interleave (it multiplies the halves as two K = 32 steps, in K order)
+  base[r]      the row's window of the high byte's exponent bits: (e >> 1) in [base, base + 7] (16 exponents)
+  raw tiles    a tile of 16 rows x 64 columns with any weight outside its row's window keeps its high bytes
+               whole: code holds their low nibbles and high[tile_raw[t]] (same packing) their high nibbles
+               (tile_raw[t] = -1 for a coded tile), so a GEMM never patches single weights: it selects whole
+               rows of a weight tile between the two ways of making the high byte
+
+Decoding a weight: in a coded tile hi = code + base + 120 * (code >> 3) (the sign bit moves from bit 3 to bit
+7), in a raw tile hi = code | high << 4; then bits = hi << 8 | lo. On N(0, 0.02) bf16 about 7.5% of 16 x 64
+tiles are raw (a 16-exponent window leaves 28% of 4096-long rows with an outlier): 0.77 of bf16's bytes,
+against 0.752 for version 2 and 0.683 for version 1.
+This module is the reference (encode, decode, sizes) to measure the candidate; the container, checksums and the
+GEMM follow once it measures well (benchmarks/lossless_formats.py compares the candidates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE_ROWS = 16
+TILE_COLS = 64
+HALF = TILE_COLS // 2
+WINDOW = 8          # values of e >> 1 a row codes in place (16 exponents)
+MAX_BASE = 127 - (WINDOW - 1)
+
+
+@dataclass
+class HiByteTensor:
+    shape: tuple[int, ...]
+    num_parts: int
+    base: torch.Tensor       # uint8 [R]
+    lo: torch.Tensor         # uint8 [R, C]
+    code: torch.Tensor       # uint8 [R, C / 2]
+    tile_raw: torch.Tensor   # int32 [num_tiles]: index into high, or -1
+    high: torch.Tensor       # uint8 [num_raw, TILE_ROWS, HALF]: the raw tiles' high-byte high nibbles
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.base, self.lo, self.code, self.tile_raw, self.high))
+
+    @property
+    def ratio(self) -> float:
+        """Stored bytes / bf16 bytes."""
+        return self.nbytes / (2 * self.lo.numel())
+
+    @property
+    def raw_tile_share(self) -> float:
+        return self.high.shape[0] / max(1, self.tile_raw.numel())
+
+
+def _geometry(x: torch.Tensor, num_parts: int) -> tuple[int, int, int]:
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the hibyte format stores bfloat16 tensors, got {x.dtype}")
+    C = x.shape[-1] if x.dim() else 1
+    R = x.numel() // max(1, C)
+    if C % TILE_COLS:
+        raise ValueError(f"the hibyte format needs a multiple of {TILE_COLS} columns, got {C}")
+    if num_parts < 1 or R % num_parts or (R // num_parts) % TILE_ROWS:
+        raise ValueError(f"{R} rows do not split into {num_parts} parts of a multiple of {TILE_ROWS} rows")
+    return R, C, R // num_parts
+
+
+def choose_base(hi7: torch.Tensor) -> torch.Tensor:
+    """Per row [R, C] of e >> 1 values (0..127): the lowest b whose window [b, b + WINDOW) holds the most."""
+    R = hi7.shape[0]
+    counts = torch.zeros(R, 128 + WINDOW, dtype=torch.int32)
+    counts.scatter_add_(1, hi7.long(), torch.ones_like(hi7, dtype=torch.int32))
+    csum = torch.cat([torch.zeros(R, 1, dtype=torch.int32), counts.cumsum(1, dtype=torch.int32)], 1)
+    cover = csum[:, WINDOW:WINDOW + MAX_BASE + 1] - csum[:, :MAX_BASE + 1]
+    return cover.argmax(1).to(torch.uint8)  # argmax: the first maximum, the lowest base on ties
+
+
+def encode(x: torch.Tensor, *, num_parts: int = 1) -> HiByteTensor:
+    R, C, Rp = _geometry(x, num_parts)
+    bits = x.detach().reshape(R, C).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    lo = (bits & 0xFF).to(torch.uint8)
+    sign, hi7 = bits >> 15, (bits >> 8) & 0x7F
+    base = choose_base(hi7)
+    off = hi7 - base.to(torch.int32)[:, None]
+    fits = (off >= 0) & (off < WINDOW)
+    tiles = (~fits).view(num_parts, Rp // TILE_ROWS, TILE_ROWS, C // TILE_COLS, TILE_COLS).any(4).any(2)
+    tiles = tiles.transpose(1, 2).reshape(-1)  # tile order: part, tile column, tile row (as version 2)
+    tile_raw = torch.full((tiles.numel(),), -1, dtype=torch.int32)
+    idx = tiles.nonzero().flatten()
+    tile_raw[idx] = torch.arange(idx.numel(), dtype=torch.int32)
+    hi = bits >> 8
+    raw_rows = _tile_rows_mask(tiles, num_parts, Rp, C)  # [R, C] True inside raw tiles
+    code = torch.where(raw_rows, hi & 0xF, torch.where(fits, (sign << 3) | off.clamp(0, WINDOW - 1), 0))
+    high = _tiles_of(_pack(hi >> 4), idx, num_parts, Rp, C // 2)
+    return HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
+
+
+def _pack(nib: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> [R, C / 2] bytes: byte j of each 64-column slice = column j | column j + 32 << 4."""
+    R, C = nib.shape
+    c = nib.view(R, C // TILE_COLS, 2, HALF)
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(R, C // 2).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    R, C2 = packed.shape
+    p = packed.view(R, C2 // HALF, HALF).to(torch.int32)
+    return torch.stack([p & 0xF, p >> 4], 2).reshape(R, 2 * C2)
+
+
+def _tile_rows_mask(tiles: torch.Tensor, num_parts: int, Rp: int, C: int) -> torch.Tensor:
+    t = tiles.view(num_parts, C // TILE_COLS, Rp // TILE_ROWS).transpose(1, 2)  # part, tile row, tile column
+    m = t[:, :, None, :, None].expand(num_parts, Rp // TILE_ROWS, TILE_ROWS, C // TILE_COLS, TILE_COLS)
+    return m.reshape(num_parts * Rp, C)
+
+
+def _tile_view(a: torch.Tensor, num_parts: int, Rp: int) -> torch.Tensor:
+    """[R, 32 * n] packed nibbles as [num_tiles, 16, 32] in flat tile order (part, tile column, tile row)."""
+    v = a.view(num_parts, Rp // TILE_ROWS, TILE_ROWS, a.shape[1] // HALF, HALF).permute(0, 3, 1, 2, 4)
+    return v.reshape(-1, TILE_ROWS, HALF)
+
+
+def _tiles_of(a: torch.Tensor, idx: torch.Tensor, num_parts: int, Rp: int, width: int) -> torch.Tensor:
+    return _tile_view(a, num_parts, Rp)[idx].clone()
+
+
+def decode_reference(h: HiByteTensor) -> torch.Tensor:
+    """The bf16 tensor, bit for bit (vectorised PyTorch; the GEMM does the same per weight tile)."""
+    R = h.lo.shape[0]
+    Rp = R // h.num_parts
+    code = _unpack(h.code)
+    hi = code + h.base.to(torch.int32)[:, None] + 120 * (code >> 3)
+    if h.high.shape[0]:
+        P, C2 = h.num_parts, h.code.shape[1]
+        tiles = torch.zeros(h.tile_raw.numel(), TILE_ROWS, HALF, dtype=torch.uint8)
+        tiles[h.tile_raw >= 0] = h.high
+        high = tiles.view(P, C2 // HALF, Rp // TILE_ROWS, TILE_ROWS, HALF).permute(0, 2, 3, 1, 4).reshape(R, C2)
+        raw_rows = _tile_rows_mask(h.tile_raw >= 0, h.num_parts, Rp, h.lo.shape[1])
+        hi = torch.where(raw_rows, code | (_unpack(high) << 4), hi)
+    bits = (hi << 8) | h.lo.to(torch.int32)
+    return bits.to(torch.int16).view(torch.bfloat16).reshape(h.shape)
