@@ -30,9 +30,10 @@ QUICK = "--quick" in sys.argv
 if QUICK and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' import
 
-from pagedmoe.codecs import tiled  # noqa: E402
+from pagedmoe.codecs import hibyte, tiled  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
 from pagedmoe.kernels.device_info import sm_count  # noqa: E402
+from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte  # noqa: E402
 from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless, lossless_config, prepare_lossless  # noqa: E402
 
 HBM_BYTES_PER_S = 4.19e12
@@ -61,8 +62,10 @@ def make_copies(m: dict, T: int, n: int, dev, dtype, seed: int):
         logits = torch.randn(T, E, device=dev, generator=g)
         weights, ids = torch.topk(torch.softmax(logits, -1), A, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        copies.append(dict(w13=w13.to(dtype), w2=w2.to(dtype), t13=t13, t2=t2, x=x, weights=weights, ids=ids,
-                           out=torch.empty_like(x)))
+        fits = H % hibyte.TILE_COLS == 0 and I % hibyte.TILE_COLS == 0  # candidate version 3's shapes
+        h13, h2 = (hibyte.encode(w13, num_parts=E), hibyte.encode(w2, num_parts=E)) if fits else (None, None)
+        copies.append(dict(w13=w13.to(dtype), w2=w2.to(dtype), t13=t13, t2=t2, h13=h13, h2=h2, x=x, weights=weights,
+                           ids=ids, out=torch.empty_like(x)))
     return copies
 
 
@@ -129,6 +132,28 @@ def run_size(name, m, T, dev, dtype, quick):
             traceback.print_exc()
             entry = dict(error=repr(e)[:400])
         row["variants"][label] = entry
+    try:  # candidate version 3 (codecs/hibyte.py, kernels/fused_moe_hibyte.py) at the same tiles
+        if copies[0]["h13"] is None:
+            raise ValueError(f"no hibyte layer: H {m['H']} and I {m['I']} must be multiples of 64")
+
+        def hb(i):
+            c = copies[i]
+            return fused_moe_hibyte(c["x"], c["h13"], c["h2"], c["weights"], c["ids"], config=cfg)
+        got, ref = hb(0).clone(), bf16(0, config=cfg).clone()
+        hb_bytes = statistics.mean(torch.unique(c["ids"]).numel() * (c["h13"].nbytes + c["h2"].nbytes) / m["E"]
+                                   for c in copies)
+        entry = dict(equal_to_bf16_gemm=bool(torch.equal(got, ref)), ratio=copies[0]["h13"].ratio,
+                     raw_tiles=copies[0]["h13"].raw_tile_share, floor_us=hb_bytes / HBM_BYTES_PER_S * 1e6)
+        if not quick:
+            entry["us"], entry["spread_us"] = time_graph(hb, len(copies))
+            entry["over_bf16"] = entry["us"] / row["bf16_default_us"]
+            print(f"  {name:14s} T={T:4d} hibyte    {entry['us']:8.1f} us  bf16 {row['bf16_default_us']:8.1f} us  "
+                  f"ratio {entry['over_bf16']:.3f}  (floor {entry['floor_us']:.1f} us, format {entry['ratio']:.3f}, "
+                  f"raw tiles {entry['raw_tiles']:.3f})  equal={entry['equal_to_bf16_gemm']}", flush=True)
+    except Exception as e:
+        traceback.print_exc()
+        entry = dict(error=repr(e)[:400])
+    row["hibyte"] = entry
     if not quick:
         row["bf16_of_floor"] = row["floor_bf16_us"] / row["bf16_default_us"]
     del copies

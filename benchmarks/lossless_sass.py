@@ -21,13 +21,18 @@ import re
 import subprocess
 import tempfile
 
-from lossless_ptxas import BF16_ARGS, LOSSLESS_ARGS, MODELS, compile_kernel  # also leaves the interpreter
+from lossless_ptxas import BF16_ARGS, LOSSLESS_ARGS, MODELS, compile_kernel, mma_operands  # leaves the interpreter
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from pagedmoe.kernels.fused_moe import fused_moe_kernel  # noqa: E402
+from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte_kernel  # noqa: E402
 from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless_kernel, lossless_config  # noqa: E402
+
+HIBYTE_ARGS = ["a_ptr", "lo_ptr", "code_ptr", "base_ptr", "tile_raw_ptr", "high_ptr", "out_ptr", "sorted_slots_ptr",
+               "block_expert_ptr", "slot_ptr", "num_slots", "num_blocks", "N", "K", "k_per_split", "part_rows",
+               "stride_a", "stride_os", "stride_om"]
 
 ISSUE_BUDGET = 0.5  # warp instructions per weight at bf16's HBM rate (4 issues / clock / SM, ~8 weights / clock)
 
@@ -80,13 +85,22 @@ def main() -> int:
                     fused_moe_lossless_kernel, LOSSLESS_ARGS,
                     ["*bf16", "*u8", "*u8", "*u8", "*i32", "*i32", "*bf16", "*i32", "*i32", "*i32"] + ["i32"] * 12,
                     dict(common, ESC_CAP=cap, USE_SLOTS=False))
+            hb = {k: v for k, v in common.items() if k != "EVEN_K"}
+            for label, raw, packed in (("hibyte", False, False), ("hibyte raw", True, False),
+                                       ("hibyte packed", False, True), ("hibyte packed raw", True, True)):  # candidate version 3 (codecs/hibyte.py)
+                variants[label] = (
+                    fused_moe_hibyte_kernel, HIBYTE_ARGS,
+                    ["*bf16", "*u8", "*u8", "*u8", "*i32", "*u8", "*bf16", "*i32", "*i32", "*i32"] + ["i32"] * 9,
+                    dict(hb, HAS_RAW=raw, USE_SLOTS=False, PACKED=packed))
             for label, (kernel, names, types, const) in variants.items():
-                ops = mma_loop(sass(compile_kernel(kernel, names, types, const, args.arch, cfg.num_warps,
-                                                   cfg.num_stages).asm["cubin"]))
+                compiled = compile_kernel(kernel, names, types, const, args.arch, cfg.num_warps, cfg.num_stages)
+                ops = mma_loop(sass(compiled.asm["cubin"]))
+                # the dots' MMA encodings and operand layouts (the bit-exactness condition, compile_sm90.py)
+                mmas = sorted({json.dumps(m, sort_keys=True) for m in mma_operands(compiled.asm["ttgir"])})
                 total = sum(ops.values())
                 per_weight = total * cfg.num_warps / weights
                 rows.append(dict(model=name, tokens=T, kernel=label, block_m=cfg.block_m, block_n=cfg.block_n,
-                                 block_k=cfg.block_k, num_warps=cfg.num_warps, loop_instructions=total,
+                                 block_k=cfg.block_k, num_warps=cfg.num_warps, loop_instructions=total, mma=mmas,
                                  warp_instructions_per_weight=per_weight, opcodes=dict(ops.most_common())))
                 top = ", ".join(f"{k} {v}" for k, v in ops.most_common(8))
                 print(f"{name:14s} T={T:<4d} {label:16s} loop {total:5d} instructions per warp per K step, "

@@ -75,9 +75,9 @@ def _geometry(x: torch.Tensor, num_parts: int) -> tuple[int, int, int]:
 def choose_base(hi7: torch.Tensor) -> torch.Tensor:
     """Per row [R, C] of e >> 1 values (0..127): the lowest b whose window [b, b + WINDOW) holds the most."""
     R = hi7.shape[0]
-    counts = torch.zeros(R, 128 + WINDOW, dtype=torch.int32)
+    counts = torch.zeros(R, 128 + WINDOW, dtype=torch.int32, device=hi7.device)
     counts.scatter_add_(1, hi7.long(), torch.ones_like(hi7, dtype=torch.int32))
-    csum = torch.cat([torch.zeros(R, 1, dtype=torch.int32), counts.cumsum(1, dtype=torch.int32)], 1)
+    csum = torch.cat([torch.zeros(R, 1, dtype=torch.int32, device=hi7.device), counts.cumsum(1, dtype=torch.int32)], 1)
     cover = csum[:, WINDOW:WINDOW + MAX_BASE + 1] - csum[:, :MAX_BASE + 1]
     return cover.argmax(1).to(torch.uint8)  # argmax: the first maximum, the lowest base on ties
 
@@ -92,9 +92,9 @@ def encode(x: torch.Tensor, *, num_parts: int = 1) -> HiByteTensor:
     fits = (off >= 0) & (off < WINDOW)
     tiles = (~fits).view(num_parts, Rp // TILE_ROWS, TILE_ROWS, C // TILE_COLS, TILE_COLS).any(4).any(2)
     tiles = tiles.transpose(1, 2).reshape(-1)  # tile order: part, tile column, tile row (as version 2)
-    tile_raw = torch.full((tiles.numel(),), -1, dtype=torch.int32)
+    tile_raw = torch.full((tiles.numel(),), -1, dtype=torch.int32, device=x.device)
     idx = tiles.nonzero().flatten()
-    tile_raw[idx] = torch.arange(idx.numel(), dtype=torch.int32)
+    tile_raw[idx] = torch.arange(idx.numel(), dtype=torch.int32, device=x.device)
     hi = bits >> 8
     raw_rows = _tile_rows_mask(tiles, num_parts, Rp, C)  # [R, C] True inside raw tiles
     code = torch.where(raw_rows, hi & 0xF, torch.where(fits, (sign << 3) | off.clamp(0, WINDOW - 1), 0))
@@ -139,7 +139,7 @@ def decode_reference(h: HiByteTensor) -> torch.Tensor:
     hi = code + h.base.to(torch.int32)[:, None] + 120 * (code >> 3)
     if h.high.shape[0]:
         P, C2 = h.num_parts, h.code.shape[1]
-        tiles = torch.zeros(h.tile_raw.numel(), TILE_ROWS, HALF, dtype=torch.uint8)
+        tiles = torch.zeros(h.tile_raw.numel(), TILE_ROWS, HALF, dtype=torch.uint8, device=h.code.device)
         tiles[h.tile_raw >= 0] = h.high
         high = tiles.view(P, C2 // HALF, Rp // TILE_ROWS, TILE_ROWS, HALF).permute(0, 2, 3, 1, 4).reshape(R, C2)
         raw_rows = _tile_rows_mask(h.tile_raw >= 0, h.num_parts, Rp, h.lo.shape[1])

@@ -1,0 +1,282 @@
+"""Triton MoE expert GEMMs on experts in the lossless candidate version 3 (codecs/hibyte.py), decoded per weight
+tile in registers, written for the fewest instructions per weight (issue 23; benchmarks/lossless_sass.py counts
+them): per 64-column slice of a [BLOCK_N, 64] weight tile,
+  - one code byte per two weights splits into the slice's two K halves (AND, shift: columns j and j + 32), and
+    each half is multiplied as its own K = 32 step, in K order (the MMA instructions and their order are those
+    of one K = 64 step);
+  - the high byte is code + base + 120 * (code >> 3), the low byte is loaded as it is, bits = hi << 8 | lo;
+  - raw tiles (a 16 x 64 tile with a weight outside its row's window): one branch per slice on "any raw tile
+    among these rows", then hi = code | high << 4 on their rows (a select), no per-weight escape.
+Same launcher, blocks, splits and store as kernels/fused_moe.py (its `launch` hook, as fused_moe_lossless's v2
+kernel). Reference: fused_moe on hibyte.decode_reference's weights. Not wired into the engine yet: it is the
+candidate measured against version 2 (docs/benchmarks.md, "The fused lossless GEMM on the H200").
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmoe.codecs import hibyte
+
+from .device_info import sm_count
+from .fused_moe import FusedMoEConfig, fused_moe, fused_moe_groups
+from .fused_moe_lossless import lossless_config
+from .fused_moe_tiles import acc_zeros, block_rows, mma, mma_operand, store_block
+
+
+# Four weights of one row per call (pack=4: lo, code, base as four bytes of one register each): the high bytes
+# from the codes' nibbles at SHIFT (0: the slice's first 32 columns, 4: the last 32), then the bf16 pairs
+# (lo0 | hi0 << 8, lo1 | hi1 << 8) and (lo2 | hi2 << 8, lo3 | hi3 << 8) by two byte permutes. Every byte of
+# (code & 7) + base is at most 127, so the word add carries across no byte.
+_ASM = """{
+ .reg .b32 c, t, s;
+ shr.b32 c, $3, SHIFT;
+ and.b32 t, c, 0x07070707;
+ add.u32 t, t, $4;
+ and.b32 s, c, 0x08080808;
+ shl.b32 s, s, 4;
+ or.b32 t, t, s;
+ prmt.b32 $0, $2, t, 0x5140;
+ prmt.b32 $1, $2, t, 0x7362;
+}"""
+_ASM_LO = tl.constexpr(_ASM.replace("SHIFT", "0"))
+_ASM_HI = tl.constexpr(_ASM.replace("SHIFT", "4"))
+# The same where rows may be raw ($5: the raw tiles' high nibbles, $6: 0xFF bytes on raw rows): there the high
+# byte is the code's nibble | the high nibble << 4, selected bytewise (t ^ ((t ^ r) & mask)).
+_ASM_RAW = """{
+ .reg .b32 c, t, s, r, h;
+ shr.b32 c, $3, SHIFT;
+ and.b32 t, c, 0x07070707;
+ add.u32 t, t, $4;
+ and.b32 s, c, 0x08080808;
+ shl.b32 s, s, 4;
+ or.b32 t, t, s;
+ and.b32 r, c, 0x0F0F0F0F;
+ HIGH
+ or.b32 r, r, h;
+ xor.b32 r, r, t;
+ and.b32 r, r, $6;
+ xor.b32 t, t, r;
+ prmt.b32 $0, $2, t, 0x5140;
+ prmt.b32 $1, $2, t, 0x7362;
+}"""
+_ASM_RAW_LO = tl.constexpr(_ASM_RAW.replace("SHIFT", "0").replace("HIGH", "shl.b32 h, $5, 4;\n and.b32 h, h, 0xF0F0F0F0;"))
+_ASM_RAW_HI = tl.constexpr(_ASM_RAW.replace("SHIFT", "4").replace("HIGH", "and.b32 h, $5, 0xF0F0F0F0;"))
+
+
+@triton.jit
+def _pairs(lo, code, base, HIGH_NIBBLE: tl.constexpr):
+    """bf16 bits (int16) of coded weights by packed byte arithmetic (inline PTX, four weights a call)."""
+    if HIGH_NIBBLE:
+        bits = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r", [lo, code, base], dtype=tl.int16, is_pure=True,
+                                         pack=4)
+    else:
+        bits = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r", [lo, code, base], dtype=tl.int16, is_pure=True,
+                                         pack=4)
+    return bits
+
+
+@triton.jit
+def _raw_pairs(lo, code, base, high, rmask, HIGH_NIBBLE: tl.constexpr):
+    if HIGH_NIBBLE:
+        bits = tl.inline_asm_elementwise(_ASM_RAW_HI, "=r,=r,r,r,r,r,r", [lo, code, base, high, rmask],
+                                         dtype=tl.int16, is_pure=True, pack=4)
+    else:
+        bits = tl.inline_asm_elementwise(_ASM_RAW_LO, "=r,=r,r,r,r,r,r", [lo, code, base, high, rmask],
+                                         dtype=tl.int16, is_pure=True, pack=4)
+    return bits
+
+
+@triton.jit
+def _half_tiles_asm(lo_row, code_row, high_ptr, raw_idx, rows16, base8, k0, offs_h, n_mask, like_ptr,
+                    HAS_RAW: tl.constexpr):
+    """As _half_tiles, by packed byte arithmetic (compiled only: the interpreter runs no PTX)."""
+    m = n_mask[:, None]
+    code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0)
+    lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0)
+    lo1 = tl.load(lo_row + k0 + 32 + offs_h[None, :], mask=m, other=0)
+    b0 = _pairs(lo0, code, base8, False)
+    b1 = _pairs(lo1, code, base8, True)
+    if HAS_RAW:
+        if tl.max(raw_idx, 0) >= 0:
+            raw = (raw_idx >= 0)[:, None]
+            at = tl.maximum(raw_idx, 0)
+            hn = tl.load(high_ptr + at[:, None] * 512 + rows16[:, None] * 32 + offs_h[None, :], mask=raw & m,
+                         other=0)
+            rmask = tl.where(raw, 255, 0).to(tl.uint8) + tl.zeros_like(code)
+            b0 = _raw_pairs(lo0, code, base8, hn, rmask, False)
+            b1 = _raw_pairs(lo1, code, base8, hn, rmask, True)
+    w0 = b0.to(tl.bfloat16, bitcast=True)
+    w1 = b1.to(tl.bfloat16, bitcast=True)
+    return mma_operand(w0.to(like_ptr.dtype.element_ty)), mma_operand(w1.to(like_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, k0, offs_h, n_mask, like_ptr,
+                HAS_RAW: tl.constexpr):
+    """The two [BLOCK_N, 32] halves (columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63) of a weight tile, in
+    like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
+    raw-tile index at this slice, or -1."""
+    m = n_mask[:, None]
+    code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0).to(tl.int32)
+    c0 = code & 0xF
+    c1 = code >> 4
+    lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0).to(tl.int32)
+    lo1 = tl.load(lo_row + k0 + 32 + offs_h[None, :], mask=m, other=0).to(tl.int32)
+    hi0 = c0 + base[:, None] + 120 * (c0 >> 3)
+    hi1 = c1 + base[:, None] + 120 * (c1 >> 3)
+    if HAS_RAW:
+        if tl.max(raw_idx, 0) >= 0:  # any raw tile among these rows (~28% of 64-row tiles on N(0, s))
+            raw = (raw_idx >= 0)[:, None]
+            at = tl.maximum(raw_idx, 0)  # in-bounds addresses under the mask too
+            hn = tl.load(high_ptr + at[:, None] * 512 + rows16[:, None] * 32 + offs_h[None, :],
+                         mask=raw & m, other=0).to(tl.int32)
+            hi0 = tl.where(raw, c0 | ((hn & 0xF) << 4), hi0)
+            hi1 = tl.where(raw, c1 | (hn & 0xF0), hi1)
+    w0 = ((hi0 << 8) | lo0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    w1 = ((hi1 << 8) | lo1).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return mma_operand(w0.to(like_ptr.dtype.element_ty)), mma_operand(w1.to(like_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
+def fused_moe_hibyte_kernel(
+    a_ptr, lo_ptr, code_ptr, base_ptr, tile_raw_ptr, high_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, slot_ptr,
+    num_slots, num_blocks, N, K, k_per_split, part_rows, stride_a, stride_os, stride_om,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_RAW: tl.constexpr, USE_SLOTS: tl.constexpr = False, PACKED: tl.constexpr = False,
+):
+    """As fused_moe_lossless_kernel (one block of one expert, GATED: silu(gate) * up), W decoded from the hibyte
+    arrays. BLOCK_K a multiple of 64; K a multiple of 64 (the format's)."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_blocks
+    pid_n = pid // num_blocks
+    pid_k = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    if USE_SLOTS:
+        expert = tl.load(slot_ptr + expert)
+        if expert < 0:
+            return
+    slots, m_mask, a_rows, offs_n, n_mask = block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K,
+                                                        BLOCK_M, BLOCK_N, EVEN_N)
+    offs_h = tl.arange(0, 32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    e64 = expert.to(tl.int64)
+    tiles_rows = part_rows // 16
+    tile0 = expert * tiles_rows * (K // 64)
+    lo_g = lo_ptr + e64 * part_rows * K + offs_n[:, None] * K
+    code_g = code_ptr + e64 * part_rows * (K // 2) + offs_n[:, None] * (K // 2)
+    base_g = tl.load(base_ptr + e64 * part_rows + offs_n, mask=n_mask, other=0).to(tl.int32)
+    tr_g = offs_n // 16
+    r16_g = offs_n % 16
+    base8_g = tl.broadcast_to(base_g.to(tl.uint8)[:, None], (BLOCK_N, 32))
+    if GATED:
+        lo_u = lo_g + N * K
+        code_u = code_g + N * (K // 2)
+        base_u = tl.load(base_ptr + e64 * part_rows + N + offs_n, mask=n_mask, other=0).to(tl.int32)
+        tr_u = (offs_n + N) // 16
+        r16_u = (offs_n + N) % 16
+        base8_u = tl.broadcast_to(base_u.to(tl.uint8)[:, None], (BLOCK_N, 32))
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_h)[None, :]
+    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        for s in tl.static_range(BLOCK_K // 64):
+            ks = k0 + s * 64
+            a0 = tl.load(a_ptrs + s * 64, mask=m_mask[:, None], other=0.0)
+            a1 = tl.load(a_ptrs + s * 64 + 32, mask=m_mask[:, None], other=0.0)
+            tcol = tile0 + (ks // 64) * tiles_rows
+            raw_g = tl.full([BLOCK_N], -1, tl.int32)
+            if HAS_RAW:
+                raw_g = tl.load(tile_raw_ptr + tcol + tr_g, mask=n_mask, other=-1)
+            if PACKED:
+                w0, w1 = _half_tiles_asm(lo_g, code_g, high_ptr, raw_g, r16_g, base8_g, ks, offs_h, n_mask, a_ptr,
+                                         HAS_RAW)
+            else:
+                w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, ks, offs_h, n_mask, a_ptr,
+                                     HAS_RAW)
+            acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
+            acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
+            if GATED:
+                raw_u = tl.full([BLOCK_N], -1, tl.int32)
+                if HAS_RAW:
+                    raw_u = tl.load(tile_raw_ptr + tcol + tr_u, mask=n_mask, other=-1)
+                if PACKED:
+                    u0, u1 = _half_tiles_asm(lo_u, code_u, high_ptr, raw_u, r16_u, base8_u, ks, offs_h, n_mask,
+                                             a_ptr, HAS_RAW)
+                else:
+                    u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, ks, offs_h, n_mask, a_ptr,
+                                         HAS_RAW)
+                acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
+                acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
+        a_ptrs += BLOCK_K
+    store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
+
+
+@dataclasses.dataclass(frozen=True)
+class HiByteExperts:
+    """One GEMM's experts in the hibyte format as fused_moe.py's launcher runs them (its `launch` hook)."""
+    h: "hibyte.HiByteTensor"
+
+    def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
+               stride_os, stride_om, top_k, gated, cfg, precision) -> None:
+        h = self.h
+        bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
+                                 (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+        if bk % 64 or k_per_split % bk or K % bk:
+            raise ValueError(f"the hibyte kernel steps K by multiples of 64 that divide K ({K}) and the split "
+                             f"({k_per_split}), got BLOCK_K {bk}")
+        high = h.high if h.high.numel() else h.lo  # any pointer: never read without raw tiles
+        fused_moe_hibyte_kernel[grid](
+            a, h.lo, h.code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
+            block_expert if slots is None else slots, num_slots, num_blocks, N, K, k_per_split,
+            h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
+            TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
+            BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+
+
+def _check(h, name: str, shape: tuple, device) -> None:
+    if not isinstance(h, hibyte.HiByteTensor):
+        raise ValueError(f"{name} must be a hibyte tensor (codecs/hibyte.py), got {type(h).__name__}")
+    if tuple(h.shape) != shape or h.num_parts != shape[0]:
+        raise ValueError(f"{name} must be {list(shape)} with one part per expert, got {list(h.shape)} in "
+                         f"{h.num_parts} parts")
+    for a in ("base", "lo", "code", "tile_raw", "high"):
+        t = getattr(h, a)
+        if not t.is_contiguous() or t.device != device:
+            raise ValueError(f"{name}.{a} must be contiguous on {device}, got {t.device}")
+
+
+def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                     config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
+    """fused_moe on experts in the hibyte format (w13 [E, 2I, H], w2 [E, H, I], one part per expert). config:
+    lossless_config's tiles (K steps of 64)."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_moe_hibyte runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    T, A = topk_ids.shape
+    _check(w13, "w13", (E, 2 * I, H), x.device)
+    _check(w2, "w2", (E, H, I), x.device)
+    cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
+    cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    return fused_moe_groups(x, [(HiByteExperts(w13), HiByteExperts(w2), None)], topk_weights, topk_ids,
+                            T, A, E, H, I, None, cfg, {})
+
+
+def fused_moe_hibyte_reference(x, w13, w2, topk_weights, topk_ids, *, config: FusedMoEConfig | None = None,
+                               **overrides) -> torch.Tensor:
+    """Decode-then-GEMM with the same tiles."""
+    T, A = topk_ids.shape
+    E, two_i, H = w13.shape
+    cfg = config or lossless_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device), x.device)
+    return fused_moe(x, hibyte.decode_reference(w13).to(x.device, x.dtype),
+                     hibyte.decode_reference(w2).to(x.device, x.dtype), topk_weights, topk_ids, config=cfg, **overrides)

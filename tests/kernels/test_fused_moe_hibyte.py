@@ -1,0 +1,164 @@
+"""fused_moe_hibyte (kernels/fused_moe_hibyte.py): the MoE GEMMs on experts in the lossless candidate version 3
+(codecs/hibyte.py), decoded per weight tile, against decode-then-fused_moe at the same tiles.
+
+CPU: the Triton interpreter with float32 activations; its tl.dot sums a K = 32 half and a K = 64 step in
+another order, so the check there is float32 closeness (the weights themselves are exact: the reference's
+are the originals). GPU (@pytest.mark.gpu): bf16, where each K = 32 half runs the same MMA instructions in the
+same order as one K = 64 step, so the outputs must be equal (torch.equal).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' import
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from pagedmoe.codecs import hibyte  # noqa: E402
+from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte, fused_moe_hibyte_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ACT = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interp import fix_interpreter_index  # noqa: E402
+
+    fix_interpreter_index()
+
+
+def _layer(T, A, E, H, I, seed, tiny_every=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+    if tiny_every:  # exponents far below their rows' windows: their tiles go raw
+        w13.view(-1)[3::tiny_every] = 1e-30
+        w2.view(-1)[5::tiny_every] = -1e-30
+    x = torch.randn(T, H, generator=g).to(ACT)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), A, dim=-1)
+    h13 = hibyte.encode(w13, num_parts=E)
+    h2 = hibyte.encode(w2, num_parts=E)
+    to = {a: getattr(h13, a).to(DEVICE) for a in ("base", "lo", "code", "tile_raw", "high")}
+    h13 = hibyte.HiByteTensor(h13.shape, E, **to)
+    to = {a: getattr(h2, a).to(DEVICE) for a in ("base", "lo", "code", "tile_raw", "high")}
+    h2 = hibyte.HiByteTensor(h2.shape, E, **to)
+    return x.to(DEVICE), h13, h2, weights.to(DEVICE), ids.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE)
+
+
+@pytest.mark.parametrize("T,A,E,H,I,tiny,overrides", [
+    (1, 2, 3, 128, 64, 0, {}),                                      # no raw tile
+    (5, 2, 3, 128, 64, 3001, {}),                                     # raw tiles among coded ones
+    (9, 2, 2, 256, 128, 2003, dict(block_k=128, block_k2=128)),       # two 64-column slices per K step
+    (17, 4, 4, 128, 64, 1601, dict(block_m=16, block_n=32, block_n2=16)),  # several blocks per expert
+    (7, 2, 2, 64, 64, 1201, dict(swap_ab=True)),
+])
+def test_matches_decode_then_fused_moe(T, A, E, H, I, tiny, overrides):
+    x, h13, h2, weights, ids, w13, w2 = _layer(T, A, E, H, I, seed=T * 7 + H, tiny_every=tiny)
+    if tiny:
+        assert h13.high.shape[0] > 0 and h2.high.shape[0] > 0 and (h13.tile_raw < 0).any()
+    cfg = dict(dict(block_k=64, block_k2=64), **overrides)
+    ref = fused_moe_hibyte_reference(x, h13, h2, weights, ids, **cfg)
+    out = fused_moe_hibyte(x, h13, h2, weights, ids, **cfg)
+    assert torch.equal(ref, fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids,
+                                         config=None, **cfg)) or DEVICE == "cuda"
+    if ACT == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    else:
+        assert torch.equal(out, ref)
+
+
+def test_refuses_other_formats():
+    x, h13, h2, weights, ids, w13, w2 = _layer(1, 2, 2, 64, 64, seed=1)
+    with pytest.raises(ValueError, match="must be a hibyte tensor"):
+        fused_moe_hibyte(x, w13, h2, weights, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 16, 64, 256])
+@pytest.mark.parametrize("shape", [(8, 4096, 14336, 2), (128, 2048, 768, 8)], ids=["mixtral", "qwen3"])
+def test_gpu_model_shapes_equal_decode_then_gemm(T, shape):
+    E, H, I, A = shape
+    x, h13, h2, weights, ids, _, _ = _layer(T, A, E, H, I, seed=T, tiny_every=0)
+    assert torch.equal(fused_moe_hibyte(x, h13, h2, weights, ids),
+                       fused_moe_hibyte_reference(x, h13, h2, weights, ids))
+
+
+def _run_ptx(asm: str, inputs: list) -> list:
+    """The straight-line PTX of the packed decode (shr / shl / and / or / xor / add on b32, prmt) on numpy uint32
+    words, $0.. the outputs then the inputs: checks the kernel's own assembly text where the interpreter cannot
+    run it."""
+    import re
+
+    import numpy as np
+
+    regs = {f"${i + 2}": v.astype(np.uint64) for i, v in enumerate(inputs)}
+    val = lambda s: np.uint64(int(s, 0)) if s[0].isdigit() else regs[s]  # noqa: E731
+    for line in asm.splitlines():
+        m = re.match(r"\s*(\w+)\.(\w+)\s+([^;]+);", line)
+        if not m or m.group(1) == "reg":
+            continue
+        op, args = m.group(1), [a.strip() for a in m.group(3).split(",")]
+        d, s = args[0], [val(a) for a in args[1:]]
+        if op == "prmt":
+            a, b, sel = s
+            both = [(a >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)] + \
+                   [(b >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)]
+            out = np.zeros_like(a)
+            for i in range(4):
+                out |= both[(int(sel) >> (4 * i)) & 7] << np.uint64(8 * i)
+            regs[d] = out
+        else:
+            f = {"shr": lambda x, y: x >> y, "shl": lambda x, y: x << y, "and": lambda x, y: x & y,
+                 "or": lambda x, y: x | y, "xor": lambda x, y: x ^ y, "add": lambda x, y: x + y}[op]
+            regs[d] = f(*s) & np.uint64(0xFFFFFFFF)
+    return [regs["$0"], regs["$1"]]
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_packed_decode_assembly_gives_the_reference_bits(raw):
+    """The inline PTX the compiled kernel decodes with (_ASM_LO/_HI, _ASM_RAW_LO/_HI), run on the encoded bytes of
+    N(0, 0.02) rows four weights a word, equals decode_reference bit for bit, coded and raw rows alike."""
+    import numpy as np
+
+    from pagedmoe.kernels import fused_moe_hibyte as k
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 32, 128, generator=g) * 0.02).bfloat16()
+    if raw:
+        x.view(-1)[::997] = 1e-30
+    else:  # |x| in [0.01, 0.09]: every weight in its row's window, no raw tile (the plain assembly)
+        x = (torch.sign(x.float()) * (x.float().abs() % 0.08 + 0.01)).bfloat16()
+    h = hibyte.encode(x, num_parts=2)
+    assert (h.high.shape[0] > 0) == raw
+    want = hibyte.decode_reference(h).view(torch.int16).reshape(64, 128).numpy().astype(np.uint16)
+    R, C = 64, 128
+    words = lambda a: a.reshape(-1, 4).astype(np.uint64) @ (np.uint64(1) << np.arange(0, 32, 8, dtype=np.uint64))  # noqa: E731
+    lo = h.lo.numpy()
+    code = h.code.numpy()                       # [R, C/2]: slice s bytes j = columns 64s + j and 64s + j + 32
+    base = np.repeat(h.base.numpy()[:, None], 32, 1)
+    high = np.zeros((R, C // 2), np.uint8)      # the raw tiles' high nibbles in place, as the kernel loads them
+    rmask = np.zeros((R, C // 2), np.uint8)
+    Rp = R // 2
+    for t, idx in enumerate(h.tile_raw.tolist()):
+        if idx >= 0:
+            p, rest = divmod(t, (C // 64) * (Rp // 16))
+            tc, tr = divmod(rest, Rp // 16)
+            rows = slice(p * Rp + tr * 16, p * Rp + tr * 16 + 16)
+            high[rows, tc * 32:(tc + 1) * 32] = h.high[idx].numpy()
+            rmask[rows, tc * 32:(tc + 1) * 32] = 255
+    for s in range(C // 64):
+        c = code[:, 32 * s:32 * s + 32]
+        for half, (plain, rawasm) in enumerate(((k._ASM_LO, k._ASM_RAW_LO), (k._ASM_HI, k._ASM_RAW_HI))):
+            l = lo[:, 64 * s + 32 * half:64 * s + 32 * half + 32]
+            ins = [words(l), words(c), words(base)]
+            asm = plain.value
+            if h.high.shape[0]:
+                ins += [words(high[:, 32 * s:32 * s + 32]), words(rmask[:, 32 * s:32 * s + 32])]
+                asm = rawasm.value
+            o0, o1 = _run_ptx(asm, ins)
+            got = np.stack([o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16], 1).reshape(R, 32).astype(np.uint16)
+            assert np.array_equal(got, want[:, 64 * s + 32 * half:64 * s + 32 * half + 32]), (s, half)
