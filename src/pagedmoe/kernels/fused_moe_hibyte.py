@@ -32,38 +32,29 @@ from .fused_moe_tiles import acc_zeros, block_rows, mma, mma_operand, store_bloc
 # from the codes' nibbles at SHIFT (0: the slice's first 32 columns, 4: the last 32), then the bf16 pairs
 # (lo0 | hi0 << 8, lo1 | hi1 << 8) and (lo2 | hi2 << 8, lo3 | hi3 << 8) by two byte permutes. Every byte of
 # (code & 7) + base is at most 127, so the word add carries across no byte.
-_ASM = """{
- .reg .b32 c, t, s;
+_CODED = """
  shr.b32 c, $3, SHIFT;
  and.b32 t, c, 0x07070707;
  add.u32 t, t, $4;
  and.b32 s, c, 0x08080808;
  shl.b32 s, s, 4;
- or.b32 t, t, s;
+ or.b32 t, t, s;"""
+_PAIRS = """
  prmt.b32 $0, $2, t, 0x5140;
  prmt.b32 $1, $2, t, 0x7362;
 }"""
+_ASM = "{\n .reg .b32 c, t, s;" + _CODED + _PAIRS
 _ASM_LO = tl.constexpr(_ASM.replace("SHIFT", "0"))
 _ASM_HI = tl.constexpr(_ASM.replace("SHIFT", "4"))
 # The same where rows may be raw ($5: the raw tiles' high nibbles, $6: 0xFF bytes on raw rows): there the high
 # byte is the code's nibble | the high nibble << 4, selected bytewise (t ^ ((t ^ r) & mask)).
-_ASM_RAW = """{
- .reg .b32 c, t, s, r, h;
- shr.b32 c, $3, SHIFT;
- and.b32 t, c, 0x07070707;
- add.u32 t, t, $4;
- and.b32 s, c, 0x08080808;
- shl.b32 s, s, 4;
- or.b32 t, t, s;
+_ASM_RAW = "{\n .reg .b32 c, t, s, r, h;" + _CODED + """
  and.b32 r, c, 0x0F0F0F0F;
  HIGH
  or.b32 r, r, h;
  xor.b32 r, r, t;
  and.b32 r, r, $6;
- xor.b32 t, t, r;
- prmt.b32 $0, $2, t, 0x5140;
- prmt.b32 $1, $2, t, 0x7362;
-}"""
+ xor.b32 t, t, r;""" + _PAIRS
 _ASM_RAW_LO = tl.constexpr(_ASM_RAW.replace("SHIFT", "0").replace("HIGH", "shl.b32 h, $5, 4;\n and.b32 h, h, 0xF0F0F0F0;"))
 _ASM_RAW_HI = tl.constexpr(_ASM_RAW.replace("SHIFT", "4").replace("HIGH", "and.b32 h, $5, 0xF0F0F0F0;"))
 
