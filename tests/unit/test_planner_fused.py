@@ -1,13 +1,14 @@
 """The fused lossless tier in the planner (issue 23, opt-in): the MoE GEMM reads the compressed experts itself
-(kernels/fused_moe_lossless.py), so they cost no decode pass and no buffer rows, and their routed reads cost
-their stored bytes. Numbers checked by hand on the Mixtral-8x7B shape."""
+(kernels/fused_moe_lossless.py), so they cost no decode pass and no buffer rows; their routed reads cost the
+kernel's measured time, FUSED_LOSSLESS_TIME_FACTOR bf16 reads each (2.8 on the H200). Numbers checked by hand on
+the Mixtral-8x7B shape."""
 import pytest
 
 from pagedmoe.planning.kv_sizing import GiB
 from pagedmoe.planning.cost_model import H200, StepTraffic, decode_step_cost, expected_distinct_experts
 from pagedmoe.planning.placement import Placement
 from pagedmoe.planning.planner import PlanInputs, plan_memory, plan_placement
-from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO
+from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO, FUSED_LOSSLESS_TIME_FACTOR as F
 
 from test_planner import ACT, CONFIGS, EXPERT, KW, MIXTRAL
 
@@ -27,13 +28,14 @@ def test_every_expert_in_the_fused_tier():
     assert d.decode_s == 0 and d.pcie_s == 0 and d.fill_s == 0 and u.decode_s > 0
     assert fused.buffer_bytes == 0 and unfused.buffer_bytes == 2 * 8 * EXPERT  # nothing lands in a buffer
     assert fused.compressed_expert_bytes == unfused.compressed_expert_bytes == 256 * int(EXPERT * R)
-    # HBM: the routed experts at R of their bf16 bytes, no decoder traffic; the rest of the step is unchanged
+    # HBM: the routed experts at F bf16 reads each (the kernel's measured time), no decoder traffic; the rest of
+    # the step is unchanged
     seqs, ctx = fused.estimate.num_seqs, 1024 + 1024 / 2
     routed = 32 * expected_distinct_experts(8, 2, seqs) * EXPERT
-    read_compressed = decode_step_cost(MIXTRAL, H200, StepTraffic(routed_read_factor=R), seqs, ctx)
+    read_fused = decode_step_cost(MIXTRAL, H200, StepTraffic(routed_read_factor=F), seqs, ctx)
     read_bf16 = decode_step_cost(MIXTRAL, H200, StepTraffic(), seqs, ctx)
-    assert d.hbm_s == pytest.approx(read_compressed.hbm_s, rel=1e-12)
-    assert (read_bf16.hbm_s - d.hbm_s) * H200.hbm_bytes_per_s == pytest.approx(routed * (1 - R), rel=1e-9)
+    assert d.hbm_s == pytest.approx(read_fused.hbm_s, rel=1e-12)
+    assert (d.hbm_s - read_bf16.hbm_s) * H200.hbm_bytes_per_s == pytest.approx(routed * (F - 1), rel=1e-9)
 
 
 def test_partly_fused_layer_reads_the_mix():
@@ -50,7 +52,8 @@ def test_search_prefers_the_fused_tier_only_when_asked():
     v1 = plan_memory(MIXTRAL, MIXTRAL.weight_bytes + 4 * GiB, ACT, "auto", compression_ratio=0.683, **KW)
     plain = plan_memory(MIXTRAL, MIXTRAL.weight_bytes + 4 * GiB, ACT, "auto", **KW)
     assert fused.placement.total_compressed == 256 and fused.estimate.decode.decode_s == 0
-    assert fused.output_throughput > v1.output_throughput > plain.output_throughput
+    # at the kernel's measured speed the fused tier still beats paging bf16 experts, not the decoding v1 tier
+    assert v1.output_throughput > fused.output_throughput > plain.output_throughput
 
 
 def test_plan_cli_fused_compression(capsys):
@@ -63,4 +66,4 @@ def test_plan_cli_fused_compression(capsys):
     assert "C=8" in line
     assert main(["plan", mixtral, "--gpu-memory-gb", "weights+4", "--compression-ratio", "0.683"]) == 0
     v1 = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("*"))
-    assert float(line.split()[-1]) > float(v1.split()[-1])  # modelled output tok/s
+    assert float(line.split()[-1]) < float(v1.split()[-1])  # modelled output tok/s: see the test above

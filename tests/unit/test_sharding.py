@@ -36,5 +36,10 @@ def test_full_size_splits_by_hand():
     with pytest.raises(ValueError, match="multiple of 16 experts"):
         shard_arch(*spec_builder(mix)(mix), 16, expert_parallel=True)
     v3 = load_hf_config(str(CONFIGS / "deepseek-v3"))
-    with pytest.raises(ValueError, match="multi-head latent attention"):
+    dims3, _ = spec_builder(v3)(v3)
+    d3, _ = shard_arch(*spec_builder(v3)(v3), 8, expert_parallel=True)  # MLA: heads split, the latent whole
+    assert (d3.num_heads, d3.num_experts, d3.mla) == (128 // 8, 256 // 8, dims3.mla)
+    assert (d3.num_kv_heads, d3.head_dim) == (dims3.num_kv_heads, dims3.head_dim)  # the latent cache pair
+    v3.attention_bias = True
+    with pytest.raises(ValueError, match="multi-head latent attention with biases"):
         shard_arch(*spec_builder(v3)(v3), 8)

@@ -32,7 +32,8 @@ from pagedmoe.planning.cost_model import (H200, HardwareProfile, StepTraffic, es
                                          ring_wait_layers)
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import HOST_STAGING_SLOTS, Placement, host_group_experts
-from pagedmoe.planning.plans import (BUFFER_KINDS, HOST_LIMIT_ADVICE, PLACEMENT_MODES, VMM_GRANULARITY_BYTES,
+from pagedmoe.planning.plans import (BUFFER_KINDS, FUSED_LOSSLESS_TIME_FACTOR, HOST_LIMIT_ADVICE, PLACEMENT_MODES,
+                                     VMM_GRANULARITY_BYTES,
                                      HostBudgetError, PlacementBudgetError, PlacementPlan, PlanInputs, round_up)
 
 __all__ = ["BUFFER_KINDS", "PLACEMENT_MODES", "VMM_GRANULARITY_BYTES", "HostBudgetError", "PlacementBudgetError",
@@ -94,8 +95,9 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
             decode_in_bytes=(placement.total_compressed - fused) * compressed_one + decoded_host * host_one,
             layer_copy_shares=_copy_shares(shape, inputs.hw, placement, hr, bool(fused)),
             layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else (),
-            # routing is modelled uniform: a fraction fused / in_tiers of the routed experts is read compressed
-            routed_read_factor=1.0 - fused / in_tiers * (1.0 - placement.compression_ratio) if fused else 1.0),
+            # routing is modelled uniform: a fraction fused / in_tiers of the routed experts is read by the fused
+            # kernel, at its measured time (plans.py: FUSED_LOSSLESS_TIME_FACTOR bf16 reads each)
+            routed_read_factor=1.0 + fused / in_tiers * (FUSED_LOSSLESS_TIME_FACTOR - 1.0) if fused else 1.0),
     }
 
 
