@@ -27,8 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from pagedmoe.codecs.lossless import CorruptCheckpointError, crc32_parts
+
+FORMAT_VERSION = 3
+ARRAYS = ("base", "lo", "code", "tile_raw", "high")
 TILE_ROWS = 16
 TILE_COLS = 64
 HALF = TILE_COLS // 2
@@ -45,6 +50,21 @@ class HiByteTensor:
     code: torch.Tensor       # uint8 [R, C / 2]
     tile_raw: torch.Tensor   # int32 [num_tiles]: index into high, or -1
     high: torch.Tensor       # uint8 [num_raw, TILE_ROWS, HALF]: the raw tiles' high-byte high nibbles
+    checksums: tuple[int, ...] = ()
+
+    version = FORMAT_VERSION
+
+    def to(self, device) -> "HiByteTensor":
+        return HiByteTensor(self.shape, self.num_parts, *(getattr(self, a).to(device, non_blocking=True) for a in ARRAYS),
+                            checksums=self.checksums)
+
+    @property
+    def part_rows(self) -> int:
+        return self.lo.shape[0] // self.num_parts
+
+    @property
+    def tiles_per_part(self) -> int:
+        return (self.part_rows // TILE_ROWS) * (self.lo.shape[1] // TILE_COLS)
 
     @property
     def nbytes(self) -> int:
@@ -63,8 +83,13 @@ class HiByteTensor:
 def _geometry(x: torch.Tensor, num_parts: int) -> tuple[int, int, int]:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the hibyte format stores bfloat16 tensors, got {x.dtype}")
-    C = x.shape[-1] if x.dim() else 1
-    R = x.numel() // max(1, C)
+    return _dims(tuple(x.shape), num_parts)
+
+
+def _dims(shape: tuple, num_parts: int) -> tuple[int, int, int]:
+    """(rows, columns, rows per part) of a tensor of this shape in the format, or ValueError."""
+    C = shape[-1] if shape else 1
+    R = int(np.prod(shape)) // max(1, C)
     if C % TILE_COLS:
         raise ValueError(f"the hibyte format needs a multiple of {TILE_COLS} columns, got {C}")
     if num_parts < 1 or R % num_parts or (R // num_parts) % TILE_ROWS:
@@ -82,7 +107,7 @@ def choose_base(hi7: torch.Tensor) -> torch.Tensor:
     return cover.argmax(1).to(torch.uint8)  # argmax: the first maximum, the lowest base on ties
 
 
-def encode(x: torch.Tensor, *, num_parts: int = 1) -> HiByteTensor:
+def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True) -> HiByteTensor:
     R, C, Rp = _geometry(x, num_parts)
     bits = x.detach().reshape(R, C).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     lo = (bits & 0xFF).to(torch.uint8)
@@ -99,7 +124,61 @@ def encode(x: torch.Tensor, *, num_parts: int = 1) -> HiByteTensor:
     raw_rows = _tile_rows_mask(tiles, num_parts, Rp, C)  # [R, C] True inside raw tiles
     code = torch.where(raw_rows, hi & 0xF, torch.where(fits, (sign << 3) | off.clamp(0, WINDOW - 1), 0))
     high = _tiles_of(_pack(hi >> 4), idx, num_parts, Rp, C // 2)
-    return HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
+    h = HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
+    if checksum:
+        h.checksums = compute_checksums(h)
+    return h
+
+
+def _raw_ranges(h: HiByteTensor) -> list[tuple[int, int]]:
+    """Each part's raw tiles: one contiguous range of high (indices are given in tile order, parts in turn)."""
+    tpp = h.tiles_per_part
+    counts = (h.tile_raw.view(h.num_parts, tpp) >= 0).sum(1).cpu().tolist() if tpp else [0] * h.num_parts
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    return [(int(starts[p]), int(starts[p + 1])) for p in range(h.num_parts)]
+
+
+def compute_checksums(h: HiByteTensor) -> tuple[int, ...]:
+    """crc32 per part over its base bytes, lo rows, code rows, tile_raw entries (int32 LE) and raw tiles' high
+    nibbles (docs/formats.md, version 3)."""
+    P, Rp, C, tpp = h.num_parts, h.part_rows, h.lo.shape[1], h.tiles_per_part
+    parts = range(P)
+    raw = _raw_ranges(h)
+    spans = [(h.base, [(p * Rp, (p + 1) * Rp) for p in parts]),
+             (h.lo, [(p * Rp * C, (p + 1) * Rp * C) for p in parts]),
+             (h.code, [(p * Rp * C // 2, (p + 1) * Rp * C // 2) for p in parts]),
+             (h.tile_raw, [(p * tpp * 4, (p + 1) * tpp * 4) for p in parts]),
+             (h.high, [(s * TILE_ROWS * HALF, e * TILE_ROWS * HALF) for s, e in raw])]
+    return crc32_parts(np.zeros(0, np.uint8), P, spans)
+
+
+def check_arrays(h: HiByteTensor, name: str = "tensor") -> None:
+    """Refuses arrays of the wrong dtype or shape, bases past MAX_BASE and raw-tile indices that are not 0, 1, 2..
+    in tile order (corrupt metadata; the checksums cover the bytes)."""
+    try:
+        R, C, _ = _dims(tuple(h.shape), h.num_parts)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{name}: {e}") from None
+    tiles = (R // TILE_ROWS) * (C // TILE_COLS)
+    want = {"base": (torch.uint8, (R,)), "lo": (torch.uint8, (R, C)), "code": (torch.uint8, (R, C // 2)),
+            "tile_raw": (torch.int32, (tiles,))}
+    for a, (dtype, shape) in want.items():
+        t = getattr(h, a)
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise CorruptCheckpointError(f"{name}.{a}: stored {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
+    raw = h.tile_raw[h.tile_raw >= 0].to(torch.int64)
+    if h.high.dtype != torch.uint8 or tuple(h.high.shape) != (raw.numel(), TILE_ROWS, HALF) \
+            or bool((h.tile_raw < -1).any()) or not torch.equal(raw.cpu(), torch.arange(raw.numel())):
+        raise CorruptCheckpointError(f"{name}: the raw-tile indices do not number the raw tiles in order")
+    if R and int(h.base.max()) > MAX_BASE:
+        raise CorruptCheckpointError(f"{name}: a base above {MAX_BASE}")
+
+
+def verify(h: HiByteTensor, name: str = "tensor") -> None:
+    """Raises CorruptCheckpointError naming the tensor and part (expert) whose bytes changed."""
+    from pagedmoe.codecs.lossless import verify as verify_parts
+
+    verify_parts(h, name, compute_checksums)
 
 
 def _pack(nib: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedmoe.codecs import huffman, tiled
+from pagedmoe.codecs import hibyte, huffman, tiled
 from pagedmoe.codecs.lossless import (ARRAYS, FORMAT_NAME, FORMAT_VERSION, CompressedTensor,
                                       CorruptCheckpointError, LosslessLayout, compute_checksums, verify)
 
 METADATA_KEY = "pagedmoe.lossless"
 SUFFIX = ".lx."
-VERSIONS = (FORMAT_VERSION, tiled.FORMAT_VERSION)  # the versions this build reads
-ARRAYS_OF = {FORMAT_VERSION: ARRAYS, tiled.FORMAT_VERSION: tiled.ARRAYS}
+VERSIONS = (FORMAT_VERSION, tiled.FORMAT_VERSION, hibyte.FORMAT_VERSION)  # the versions this build reads
+ARRAYS_OF = {FORMAT_VERSION: ARRAYS, tiled.FORMAT_VERSION: tiled.ARRAYS, hibyte.FORMAT_VERSION: hibyte.ARRAYS}
+CHECKSUMS_OF = {FORMAT_VERSION: compute_checksums, tiled.FORMAT_VERSION: tiled.compute_checksums,
+                hibyte.FORMAT_VERSION: hibyte.compute_checksums}
 
 
 def check_version(path, info: dict, versions=VERSIONS) -> int:
@@ -39,6 +41,9 @@ def check_version(path, info: dict, versions=VERSIONS) -> int:
 
 
 def _header(ct) -> dict:
+    if ct.version == hibyte.FORMAT_VERSION:
+        return {"shape": list(ct.shape), "dtype": "bfloat16", "num_parts": ct.num_parts,
+                "tile_rows": hibyte.TILE_ROWS, "tile_cols": hibyte.TILE_COLS, "checksums": list(ct.checksums)}
     if ct.version == tiled.FORMAT_VERSION:
         return {"shape": list(ct.shape), "dtype": "bfloat16", "num_parts": ct.num_parts,
                 "tile_rows": tiled.TILE_ROWS, "tile_cols": tiled.TILE_COLS, "checksums": list(ct.checksums)}
@@ -51,7 +56,8 @@ def _header(ct) -> dict:
 
 def save_compressed(path: str, tensors: dict, plain: dict[str, torch.Tensor] | None = None,
                     metadata: dict[str, str] | None = None) -> None:
-    """Writes compressed (CompressedTensor: version 1, or TiledTensor: version 2; one version per file) and
+    """Writes compressed (CompressedTensor: version 1, TiledTensor: version 2, HiByteTensor: version 3; one
+    version per file) and
     optionally plain tensors to one safetensors file."""
     out: dict[str, torch.Tensor] = {}
     headers = {}
@@ -61,7 +67,7 @@ def save_compressed(path: str, tensors: dict, plain: dict[str, torch.Tensor] | N
     version = versions.pop()
     for name, ct in tensors.items():
         if not ct.checksums:
-            ct.checksums = tiled.compute_checksums(ct) if version == tiled.FORMAT_VERSION else compute_checksums(ct)
+            ct.checksums = CHECKSUMS_OF[version](ct)
         headers[name] = _header(ct)
         for a in ARRAYS_OF[version]:
             out[name + SUFFIX + a] = getattr(ct, a).detach().cpu().contiguous()
@@ -98,8 +104,26 @@ def _tiled_from_file(f, name: str, h: dict) -> "tiled.TiledTensor":
     return tt
 
 
+def _hibyte_from_file(f, name: str, h: dict) -> "hibyte.HiByteTensor":
+    try:
+        shape, num_parts = tuple(int(s) for s in h["shape"]), int(h["num_parts"])
+        if h.get("dtype") != "bfloat16" or (h["tile_rows"], h["tile_cols"]) != (hibyte.TILE_ROWS, hibyte.TILE_COLS):
+            raise ValueError(f"dtype {h.get('dtype')}, tiles {h['tile_rows']}x{h['tile_cols']} "
+                             f"(this build: bfloat16, {hibyte.TILE_ROWS}x{hibyte.TILE_COLS})")
+        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in hibyte.ARRAYS}
+        checksums = tuple(int(c) for c in h["checksums"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{name}: malformed lossless header or missing array ({e})") from e
+    ht = hibyte.HiByteTensor(shape, num_parts, checksums=checksums, **arrays)
+    hibyte.check_arrays(ht, name)  # shapes first: the checksum spans depend on them
+    hibyte.verify(ht, name)
+    return ht
+
+
 def read_tensor_file(f, name: str, h: dict, version: int = FORMAT_VERSION):
     """One compressed tensor of an open file, its arrays checked and its crc32s verified."""
+    if version == hibyte.FORMAT_VERSION:
+        return _hibyte_from_file(f, name, h)
     if version == tiled.FORMAT_VERSION:
         return _tiled_from_file(f, name, h)
     try:

@@ -38,10 +38,11 @@ def register(sub) -> None:
                       help="compress the expert tensors only (default)")
     what.add_argument("--all-weights", dest="all_weights", action="store_true",
                       help="also compress every other bf16 tensor that gets smaller")
-    p.add_argument("--format", dest="fmt", default="huffman", choices=["huffman", "tiled"],
+    p.add_argument("--format", dest="fmt", default="huffman", choices=["huffman", "tiled", "hibyte"],
                    help="huffman: format version 1, the smallest (0.683 of bf16 on Gaussian weights), decoded by "
                         "a standalone pass; tiled: version 2 (~0.753), fixed-width exponent offsets that a MoE "
-                        "GEMM decodes tile by tile (docs/formats.md)")
+                        "GEMM decodes tile by tile; hibyte: candidate version 3 (~0.771), the low byte verbatim "
+                        "and the high byte in 4 bits, decoded four weights a word (docs/formats.md)")
     p.add_argument("--max-code-len", type=int, default=None,
                    help="longest Huffman code in bits, 8..15 (default 8: one 256-entry decode table); "
                         "--format huffman only")
@@ -165,17 +166,25 @@ def _check_source(files: list[Path], all_weights: bool) -> int:
     return num_experts
 
 
-def _encode(name: str, t, layout, device, verify: bool):
-    """layout: a LosslessLayout (format version 1), or None for the tiled format (version 2)."""
+def _encode(name: str, t, layout, device, verify: bool, is_expert: bool = True):
+    """layout: a LosslessLayout (format version 1), None for the tiled format (version 2), "hibyte" (version 3;
+    a tensor whose shape it cannot hold: None, kept plain, or for an expert an error naming the shape)."""
     import torch
 
-    from pagedmoe.codecs import lossless, tiled
+    from pagedmoe.codecs import hibyte, lossless, tiled
     from pagedmoe.models.compressed import decode, expert_num_parts
 
     x = t.to(device)
     # checksums are computed on the host by save_compressed
     parts = expert_num_parts(name, x.shape)
-    if layout is None:
+    if layout == "hibyte":
+        try:
+            ct = hibyte.encode(x, num_parts=parts, checksum=False)
+        except ValueError as e:
+            if not is_expert:
+                return None
+            raise ValueError(f"{name} {list(x.shape)}: {e}; --format tiled takes any shape") from None
+    elif layout is None:
         ct = tiled.encode(x, num_parts=parts, checksum=False)
     else:
         ct = lossless.encode(x, num_parts=parts, layout=layout, checksum=False)
@@ -211,8 +220,8 @@ def compress_file(src: Path, dst: Path, *, all_weights: bool, layout, device, ve
                 is_expert = expert_proj(name) is not None
                 ct = None
                 if (is_expert or all_weights) and t.dtype == torch.bfloat16 and t.numel() > 0:
-                    ct = _encode(name, t, layout, device, verify)
-                    if not is_expert and ct.nbytes >= e - b:
+                    ct = _encode(name, t, layout, device, verify, is_expert)
+                    if not is_expert and ct is not None and ct.nbytes >= e - b:
                         ct = None  # small tensors (norms): the codebook and lane lengths cost more
                 if ct is None:
                     plain[name] = t
@@ -252,9 +261,10 @@ def run_compress(args) -> int:
     from pagedmoe.models.loader import checkpoint_files
 
     src, out = Path(args.model), Path(args.out)
-    if args.fmt == "tiled" and args.max_code_len is not None:
-        raise ValueError("--max-code-len sets the Huffman codes of --format huffman; the tiled format has none")
-    layout = None if args.fmt == "tiled" else LosslessLayout(max_code_len=args.max_code_len or 8)
+    if args.fmt != "huffman" and args.max_code_len is not None:
+        raise ValueError(f"--max-code-len sets the Huffman codes of --format huffman; the {args.fmt} format has none")
+    layout = (None if args.fmt == "tiled" else "hibyte" if args.fmt == "hibyte"
+              else LosslessLayout(max_code_len=args.max_code_len or 8))
     device = _resolve_device(args.device)
     files = checkpoint_files(str(src))
     _check_source(files, args.all_weights)

@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from pagedmoe.codecs import tiled
+from pagedmoe.codecs import hibyte, tiled
 from pagedmoe.codecs.lossless import CompressedTensor, CorruptCheckpointError, decode_reference
 # read_tensor_file reads one compressed tensor of an open file and checks its crc32s and offsets;
 # load_compressed would read the whole file (every plain tensor too) for each tensor.
@@ -163,12 +163,14 @@ def decode(ct: CompressedTensor, device: Union[str, torch.device] = "cpu", decod
     """A compressed tensor (on the CPU, checksums already checked) -> bf16 on `device`.
 
     decoder: 'reference' (PyTorch), 'triton', or 'auto' (Triton on CUDA, the reference elsewhere).
-    A version 2 (tiled) tensor is decoded by its vectorised PyTorch reference on `device` (its
-    Triton reader is the fused MoE GEMM, kernels/fused_moe_lossless.py).
+    A version 2 (tiled) or 3 (hibyte) tensor is decoded by its vectorised PyTorch reference on `device` (their
+    Triton readers are the fused MoE GEMMs, kernels/fused_moe_lossless.py and fused_moe_hibyte.py).
     """
     device = torch.device(device)
     if ct.version == tiled.FORMAT_VERSION:
         return tiled.decode_reference(ct.to(device))
+    if ct.version == hibyte.FORMAT_VERSION:  # candidate version 3: its reader is kernels/fused_moe_hibyte.py
+        return hibyte.decode_reference(ct.to(device))
     if decoder == "auto":
         decoder = "triton" if device.type == "cuda" else "reference"
     if decoder == "reference":

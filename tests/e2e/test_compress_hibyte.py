@@ -1,0 +1,81 @@
+"""`pagedmoe compress --format hibyte` (candidate lossless version 3, codecs/hibyte.py): byte-exact decompress,
+identical logits from the compressed folder, corrupted experts refused by name, readers of versions 1-2 refuse
+it in one line, shapes it cannot hold refused for experts."""
+from __future__ import annotations
+
+import filecmp
+import json
+import shutil
+
+import pytest
+import torch
+
+from test_compress import _files, _flip, _header, _logits_trace, cli
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral_bf16_h")
+    # experts [64, 64]: a multiple of 64 columns and of 16 rows, as the format needs
+    make_tiny_checkpoint("mixtral", path, seed=13, dtype=torch.bfloat16, max_shard_size="200KB", intermediate_size=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def packed(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed_h") / "c"
+    assert cli("compress", src, out, "--format", "hibyte", "--device", "cpu") == 0
+    return out
+
+
+def test_hibyte_folder_roundtrip_and_logits(src, packed, tmp_path):
+    assert _files(packed) == _files(src)
+    for shard in packed.glob("*.safetensors"):
+        _, header = _header(shard)
+        info = json.loads(header["__metadata__"]["pagedmoe.lossless"])
+        if not info["tensors"]:
+            continue  # a shard of backbone tensors only
+        assert info["version"] == 3 and all(len(h["checksums"]) == h["num_parts"] for h in info["tensors"].values())
+        assert all(k + ".lx.tile_raw" in header for k in info["tensors"])
+    out = tmp_path / "d"
+    assert cli("decompress", packed, out, "--device", "cpu") == 0
+    for rel in _files(src):
+        assert filecmp.cmp(src / rel, out / rel, shallow=False), rel
+    ref, got = _logits_trace(src), _logits_trace(packed)
+    assert len(ref) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("array", ["lo", "code", "base", "tile_raw"])
+def test_hibyte_corrupted_expert_refused_by_name(packed, tmp_path, capsys, array):
+    from pagedmoe import LLM
+    from pagedmoe.models.loader import CheckpointError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(packed, bad)
+    name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
+    _flip(shard, f"{name}.lx.{array}", at=3)
+    with pytest.raises(CheckpointError, match=r"experts\.5\.w2\.weight: expert 5 of layer 1 \(w2\)"):
+        LLM(str(bad), device="cpu", dtype="bfloat16", max_model_len=64)
+    assert cli("decompress", bad, tmp_path / "d", "--device", "cpu") == 2
+    assert "expert 5 of layer 1 (w2)" in capsys.readouterr().err
+
+
+def test_older_readers_refuse_version_3_in_one_line(packed):
+    from pagedmoe.codecs.lossless import CorruptCheckpointError
+    from pagedmoe.codecs.lossless_io import load_compressed
+
+    shard = next(packed.glob("*.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match=r"v3, this reader takes pagedmoe-lossless-bf16 v1 / v2"):
+        load_compressed(str(shard), versions=(1, 2))
+    compressed, _ = load_compressed(str(shard))
+    assert compressed and all(ct.version == 3 for ct in compressed.values())
+
+
+def test_expert_shapes_it_cannot_hold(tmp_path, capsys):
+    make_tiny_checkpoint("mixtral", tmp_path / "m", seed=2, dtype=torch.bfloat16)  # w2 [64, 32]: 32 columns
+    assert cli("compress", tmp_path / "m", tmp_path / "o", "--format", "hibyte", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert "multiple of 64 columns" in err and "--format tiled takes any shape" in err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").glob("*.safetensors"))
