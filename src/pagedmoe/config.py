@@ -34,7 +34,7 @@ _EXPERT_FETCH_PATHS = ("auto", "copy", "uva")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
-_COMPRESSED_GEMMS = ("decode", "fused")
+_COMPRESSED_GEMMS = ("decode", "fused", "fused-hibyte")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -143,7 +143,10 @@ class EngineConfig:
                                            "decoded into the compute buffer each step, then bf16 GEMMs) or fused "
                                            "(kept in the tiled format, version 2, ~0.75x of bf16: the MoE GEMMs read "
                                            "them and decode weight tiles in registers, no bf16 copy written; same "
-                                           "logits bit for bit; its GPU speed is not measured yet)",
+                                           "logits bit for bit; 1.9-3.9x bf16's MoE time on the H200) or "
+                                           "fused-hibyte (the candidate format version 3, ~0.77x, decoded four "
+                                           "weights a word; hidden and expert sizes multiples of 64; its GPU speed "
+                                           "is not measured yet)",
                                  _COMPRESSED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
                                                       "(default int4; dynamic only)", MIN_EXPERT_PRECISIONS)
@@ -224,12 +227,13 @@ class EngineConfig:
                                  f"{self.moe_backend} cannot use it")
 
     def _check_compressed_gemm(self) -> None:
-        if self.compressed_gemm == "fused":
+        if self.compressed_gemm.startswith("fused"):
+            flag = f"--compressed-gemm {self.compressed_gemm}"
             if self.expert_compression != "lossless" and not self.num_compressed_experts:
-                raise ValueError("--compressed-gemm fused reads the lossless compressed GPU tier; it needs "
+                raise ValueError(f"{flag} reads the lossless compressed GPU tier; it needs "
                                  "--num-compressed-experts N or --expert-compression lossless")
             if self.moe_backend not in ("auto", "triton"):
-                raise ValueError(f"--compressed-gemm fused runs the Triton MoE kernels; --moe-backend "
+                raise ValueError(f"{flag} runs the Triton MoE kernels; --moe-backend "
                                  f"{self.moe_backend} cannot use it")
 
     def resolved_quantized_gemm(self, device_type: str) -> str:

@@ -261,6 +261,11 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
         if isinstance(w13, QuantizedTensor):
             groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
             continue
+        if getattr(w13, "version", None) == 3:  # the candidate lossless version 3 (hibyte), decoded in the GEMM
+            from .fused_moe_hibyte import hibyte_pair
+
+            groups.append((*hibyte_pair(w13, w2, H, I, x.device), slots))
+            continue
         if getattr(w13, "version", None) == 2:  # lossless format v2, decoded in the GEMM
             from .fused_moe_lossless import lossless_tiles, tiled_pair
 

@@ -222,8 +222,12 @@ class HiByteExperts:
         bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
         if bk % 64 or k_per_split % bk or K % bk:
-            raise ValueError(f"the hibyte kernel steps K by multiples of 64 that divide K ({K}) and the split "
-                             f"({k_per_split}), got BLOCK_K {bk}")
+            # K steps of 64 (the format's slices): on a GPU the same MMA instructions in the same K order as the
+            # launch's own step, so the same sums
+            bk = 64
+        if K % 64 or k_per_split % 64:
+            raise ValueError(f"the hibyte kernel steps K by 64: K ({K}) and the split ({k_per_split}) must be "
+                             f"multiples of 64")
         high = h.high if h.high.numel() else h.lo  # any pointer: never read without raw tiles
         fused_moe_hibyte_kernel[grid](
             a, h.lo, h.code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
@@ -232,6 +236,15 @@ class HiByteExperts:
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
             PACKED=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+
+
+def hibyte_pair(w13, w2, H: int, I: int, device) -> tuple[HiByteExperts, HiByteExperts]:
+    """A group of n experts in the hibyte format (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, as
+    fused_moe_mixed runs it."""
+    n = w13.shape[0] if len(getattr(w13, "shape", ())) == 3 else -1
+    _check(w13, "w13", (n, 2 * I, H), device)
+    _check(w2, "w2", (n, H, I), device)
+    return HiByteExperts(w13), HiByteExperts(w2)
 
 
 def _check(h, name: str, shape: tuple, device) -> None:

@@ -18,16 +18,17 @@ from typing import Optional
 
 import torch
 
-from pagedmoe.codecs import tiled
+from pagedmoe.codecs import hibyte, tiled
 from pagedmoe.codecs.lossless_groups import Reader, encode_groups, rows_reader
 from pagedmoe.experts.table import COMPRESSED
 
 
 @dataclass(frozen=True)
 class TiledExperts:
-    """A layer's compressed experts in format version 2: the two GEMMs' weights, one part per expert."""
-    w13: tiled.TiledTensor   # [n, 2I, H]
-    w2: tiled.TiledTensor    # [n, H, I]
+    """A layer's compressed experts in format version 2 (or the candidate version 3, hibyte): the two GEMMs'
+    weights, one part per expert."""
+    w13: "tiled.TiledTensor | hibyte.HiByteTensor"   # [n, 2I, H]
+    w2: "tiled.TiledTensor | hibyte.HiByteTensor"    # [n, H, I]
 
     @property
     def nbytes(self) -> int:
@@ -36,10 +37,11 @@ class TiledExperts:
 
 class CompressedTier:
     def __init__(self, table, expert_numel: int, dtype: torch.dtype, device: torch.device, paged: bool,
-                 hidden: int = 0, inter: int = 0, fused: bool = False) -> None:
+                 hidden: int = 0, inter: int = 0, fused: bool = False, fused_format: str = "tiled") -> None:
         L = table.num_layers
         self.table, self.expert_numel, self.device = table, expert_numel, device
         self.hidden, self.inter, self.fused = hidden, inter, fused
+        self.codec = hibyte if fused_format == "hibyte" else tiled  # the fused tier's format
         self.layers: list = [None] * L          # CompressedTensor per layer
         self.staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
         self.staged_parts: list[set] = [set() for _ in range(L)]  # (slot, 'gate'|'up'|'down') written
@@ -67,9 +69,10 @@ class CompressedTier:
                 raise ValueError("the tiled (fused) compressed tier encodes rows, not a reader")
             n, H, I = staged.shape[0], self.hidden, self.inter
             dev = staged.to(self.device)
+            enc = self.codec.encode
             self.layers[layer] = TiledExperts(
-                tiled.encode(dev[:, :2 * I * H].reshape(n, 2 * I, H), num_parts=n, checksum=False),
-                tiled.encode(dev[:, 2 * I * H:].reshape(n, H, I), num_parts=n, checksum=False))
+                enc(dev[:, :2 * I * H].reshape(n, 2 * I, H).contiguous(), num_parts=n, checksum=False),
+                enc(dev[:, 2 * I * H:].reshape(n, H, I).contiguous(), num_parts=n, checksum=False))
             del dev
             self.staging[layer] = None
             self.staged_parts[layer] = set()
