@@ -136,6 +136,24 @@ def test_serve_on_compressed(src, packed):
     assert r.json()["choices"][0]["text"] == ref[0].outputs[0].text
 
 
+def refused_by_name(packed: Path, tmp_path: Path, capsys, array: str, why: str = r".*crc32") -> None:
+    """Expert 5 of layer 1's w2 corrupted in one of its lossless arrays: the loader and decompress refuse it by name
+    (why: the rest of the message, its crc32 unless a structural check catches the change first)."""
+    from pagedmoe import LLM
+    from pagedmoe.models.loader import CheckpointError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(packed, bad)
+    name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
+    _flip(shard, f"{name}.lx.{array}", at=3)
+    with pytest.raises(CheckpointError, match=r"experts\.5\.w2\.weight: expert 5 of layer 1 \(w2\) is corrupted"
+                                              + why):
+        LLM(str(bad), device="cpu", dtype="bfloat16", max_model_len=64)
+    assert cli("decompress", bad, tmp_path / "d", "--device", "cpu") == 2
+    assert "expert 5 of layer 1 (w2) is corrupted" in capsys.readouterr().err
+
+
 def _flip(shard: Path, array: str, at: int = 5) -> None:
     start, header = _header(shard)
     b, e = header[array]["data_offsets"]

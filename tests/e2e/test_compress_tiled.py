@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from test_compress import _files, _flip, _fused, _header, _logits_trace, cli
+from test_compress import _files, _fused, _header, _logits_trace, cli, refused_by_name
 from tiny_models import make_tiny_checkpoint
 
 
@@ -44,19 +44,7 @@ def test_tiled_folder_roundtrip_and_logits(src, packed, tmp_path, capsys):
 
 @pytest.mark.parametrize("array", ["raw", "nibbles", "base"])
 def test_tiled_corrupted_expert_refused_by_name(packed, tmp_path, capsys, array):
-    from pagedmoe import LLM
-    from pagedmoe.models.loader import CheckpointError
-
-    bad = tmp_path / "bad"
-    shutil.copytree(packed, bad)
-    name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
-    shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
-    _flip(shard, f"{name}.lx.{array}", at=3)
-    with pytest.raises(CheckpointError, match=r"experts\.5\.w2\.weight: expert 5 of layer 1 \(w2\) is corrupted"
-                                              r".*crc32"):
-        LLM(str(bad), device="cpu", dtype="bfloat16", max_model_len=64)
-    assert cli("decompress", bad, tmp_path / "d", "--device", "cpu") == 2
-    assert "expert 5 of layer 1 (w2) is corrupted" in capsys.readouterr().err
+    refused_by_name(packed, tmp_path, capsys, array)
 
 
 def test_tiled_fused_experts_and_refusals(tmp_path, capsys):

@@ -85,47 +85,34 @@ def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> Non
         raise CorruptCheckpointError(f"{name}: stored {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
 
 
-def _tiled_from_file(f, name: str, h: dict) -> "tiled.TiledTensor":
+def _tile_format_from_file(f, name: str, h: dict, codec, make):
+    """A version 2 or 3 tensor (codec: codecs/tiled or codecs/hibyte; make(shape, num_parts, checksums, arrays)
+    builds it): header and arrays read, arrays checked, then its crc32s verified."""
     try:
         shape, num_parts = tuple(int(s) for s in h["shape"]), int(h["num_parts"])
-        if h.get("dtype") != "bfloat16" or (h["tile_rows"], h["tile_cols"]) != (tiled.TILE_ROWS, tiled.TILE_COLS):
+        if h.get("dtype") != "bfloat16" or (h["tile_rows"], h["tile_cols"]) != (codec.TILE_ROWS, codec.TILE_COLS):
             raise ValueError(f"dtype {h.get('dtype')}, tiles {h['tile_rows']}x{h['tile_cols']} "
-                             f"(this build: bfloat16, {tiled.TILE_ROWS}x{tiled.TILE_COLS})")
+                             f"(this build: bfloat16, {codec.TILE_ROWS}x{codec.TILE_COLS})")
         cols = shape[-1] if shape else 1
         rows = int(np.prod(shape)) // cols if cols else 0
         if num_parts < 1 or rows % num_parts:
             raise ValueError("bad shape or num_parts")
-        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in tiled.ARRAYS}
-    except (KeyError, ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"{name}: malformed lossless header or missing array ({e})") from e
-    tt = tiled.TiledTensor(shape, num_parts, checksums=tuple(int(c) for c in h["checksums"]), **arrays)
-    tiled.check_arrays(tt, name)  # shapes first: the checksum spans depend on them
-    tiled.verify(tt, name)
-    return tt
-
-
-def _hibyte_from_file(f, name: str, h: dict) -> "hibyte.HiByteTensor":
-    try:
-        shape, num_parts = tuple(int(s) for s in h["shape"]), int(h["num_parts"])
-        if h.get("dtype") != "bfloat16" or (h["tile_rows"], h["tile_cols"]) != (hibyte.TILE_ROWS, hibyte.TILE_COLS):
-            raise ValueError(f"dtype {h.get('dtype')}, tiles {h['tile_rows']}x{h['tile_cols']} "
-                             f"(this build: bfloat16, {hibyte.TILE_ROWS}x{hibyte.TILE_COLS})")
-        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in hibyte.ARRAYS}
+        arrays = {a: f.get_tensor(name + SUFFIX + a) for a in codec.ARRAYS}
         checksums = tuple(int(c) for c in h["checksums"])
     except (KeyError, ValueError, TypeError) as e:
         raise CorruptCheckpointError(f"{name}: malformed lossless header or missing array ({e})") from e
-    ht = hibyte.HiByteTensor(shape, num_parts, checksums=checksums, **arrays)
-    hibyte.check_arrays(ht, name)  # shapes first: the checksum spans depend on them
-    hibyte.verify(ht, name)
-    return ht
+    ct = make(shape, num_parts, checksums, arrays)
+    codec.check_arrays(ct, name)  # shapes first: the checksum spans depend on them
+    codec.verify(ct, name)
+    return ct
 
 
 def read_tensor_file(f, name: str, h: dict, version: int = FORMAT_VERSION):
     """One compressed tensor of an open file, its arrays checked and its crc32s verified."""
     if version == hibyte.FORMAT_VERSION:
-        return _hibyte_from_file(f, name, h)
+        return _tile_format_from_file(f, name, h, hibyte, lambda s, n, c, a: hibyte.HiByteTensor(s, n, checksums=c, **a))
     if version == tiled.FORMAT_VERSION:
-        return _tiled_from_file(f, name, h)
+        return _tile_format_from_file(f, name, h, tiled, lambda s, n, c, a: tiled.TiledTensor(s, n, checksums=c, **a))
     try:
         layout = LosslessLayout(h["lanes"], h["elems_per_lane"], h["max_code_len"])
         lengths = np.asarray(h["code_lengths"], dtype=np.int64)
