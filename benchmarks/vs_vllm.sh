@@ -184,7 +184,9 @@ case ${1:-list} in
     echo "calls: ${#CALLS[@]} (bash benchmarks/vs_vllm.sh calls)" ;;
   calls)
     echo "# 0. on this machine, once:  bash ../shared/peers/stage_vllm.sh   (.vllm/parts/wheels.tar.part*)"
-    echo "# 1. one device call per part, back to back (a warm machine keeps /tmp between calls):"
+    echo "# 1. one device call per part, back to back (a warm machine keeps /tmp between calls). The working tree travels"
+    echo "#    with each call and a call carries 64 MiB in all: move src/pagedmoe/default_model, benchmarks/results and"
+    echo "#    docs out of the tree for these calls (mv them to /tmp/hold; put them back before the benchmark calls)"
     for part in .vllm/parts/wheels.tar.part*; do
       [ -e "$part" ] || { echo "#    (no parts staged yet)"; break; }
       echo "#    rm -rf .vllm/now && mkdir -p .vllm/now && cp $part .vllm/now/"
