@@ -144,6 +144,46 @@ def test_torchrun_launch(ckpts, tmp_path):
     _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
 
 
+def test_expert_parallel_triton_skips_the_other_ranks_routes(ckpts, tmp_path):
+    """EP=2 with the Triton MoE kernels (the interpreter on CPU): the other rank's routes reach them as -1, so
+    they are left out instead of run on local expert 0 at weight 0, and the tokens and logits are the single
+    process's (Triton there too)."""
+    script = tmp_path / "script.py"
+    out = tmp_path / "res.pt"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, torch
+        os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})
+        sys.path.insert(0, {os.path.dirname(__file__) + '/../kernels'!r})
+        from triton_interp import fix_interpreter_index
+        fix_interpreter_index()
+        from tiny_models import greedy_logits
+        from pagedmoe import LLM
+        from pagedmoe.kernels import fused_moe
+        seen = []
+        align = fused_moe.moe_align
+        def spy(ids, E, block_m):
+            seen.append(bool((ids < 0).any()))
+            return align(ids, E, block_m)
+        fused_moe.moe_align = spy
+        res = {{}}
+        for name, flags in (("one", {{}}), ("ep", dict(tensor_parallel_size=2, enable_expert_parallel=True))):
+            seen.clear()
+            llm = LLM({str(ckpts['mixtral'])!r}, device="cpu", max_model_len=96, moe_backend="triton", **flags)
+            logits, outs = greedy_logits(llm, {LENGTHS!r}, max_tokens={MAX_TOKENS}, seed=5)
+            llm.engine.shutdown()
+            res[name] = (logits, [o.outputs[0].token_ids for o in outs], any(seen))
+        torch.save(res, {str(out)!r})
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = torch.load(out)
+    (ref_logits, ref_tokens, ref_dropped), (logits, tokens, dropped) = res["one"], res["ep"]
+    assert not ref_dropped and dropped          # -1 routes only under EP, and they reached the kernels
+    _assert_same((ref_logits, ref_tokens), (logits, tokens))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("flags", [{}, dict(enable_expert_parallel=True),

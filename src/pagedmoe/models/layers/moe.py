@@ -332,13 +332,18 @@ class FusedMoE(nn.Module):
 
     def local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """Expert parallel: the routes to this rank's experts, in its local ids; a route to another rank's
-        expert keeps weight 0 on local expert 0 (shapes stay fixed: no host sync, graph-capturable). Every
-        rank already holds every token (attention is tensor-parallel), so the dispatch is this mask and
-        the combine is the decoder layer's all-reduce: at decode batch sizes it moves the same bytes as an
-        all-to-all pair and needs no token counts exchanged."""
+        expert keeps weight 0 on local expert 0 (shapes stay fixed: no host sync, graph-capturable), and the
+        mask of the rank's own routes. Every rank already holds every token (attention is tensor-parallel),
+        so the dispatch is this mask and the combine is the decoder layer's all-reduce: at decode batch sizes
+        it moves the same bytes as an all-to-all pair and needs no token counts exchanged."""
         local = topk_ids - self.ep_rank * self.num_local_experts
         own = (local >= 0) & (local < self.num_local_experts)
-        return topk_weights * own, torch.where(own, local, torch.zeros_like(local))
+        return topk_weights * own, torch.where(own, local, torch.zeros_like(local)), own
+
+    def _drops_unrouted(self, operand: ExpertOperand, x: torch.Tensor) -> bool:
+        """Whether the GEMMs run_experts takes for this operand skip ids outside [0, E) (the Triton kernels:
+        moe_align leaves them out, moe_sum masks them), so that another rank's routes cost nothing here."""
+        return operand.kind != "dense" or _triton_path(self.experts_fn, x, operand.w13, operand.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
@@ -350,13 +355,18 @@ class FusedMoE(nn.Module):
         counts = (activity.step_counts[self.moe_idx] if self.fused_router and self.ep_size == 1
                   and activity is not None else None)
         topk_weights, topk_ids = self.route(x, counts)
+        own = None
         if self.ep_size > 1:
-            topk_weights, topk_ids = self.local_routes(topk_weights, topk_ids)
+            topk_weights, topk_ids, own = self.local_routes(topk_weights, topk_ids)
         # NOTE: the router's ids go to the experts object as a device tensor (no host sync)
         operand = experts.weights(self.moe_idx, topk_ids, counted=counts is not None)
         predict = getattr(experts, "predict", None)   # routed fetching: prefetch the next layer's experts
         if predict is not None:
             predict(self.moe_idx, x)
+        if own is not None and self._drops_unrouted(operand, x):
+            # the other ranks' routes as -1: the Triton GEMMs skip them instead of running them on local expert
+            # 0 at weight 0 (which cost a whole expert's GEMM over up to (N-1)/N of the routes, every layer)
+            topk_ids = torch.where(own, topk_ids, torch.full_like(topk_ids, -1))
         out = self.run_experts(x, operand, topk_weights, topk_ids)
         experts.done(self.moe_idx)
         if self.shared_expert_name is not None:
