@@ -136,6 +136,23 @@ def test_serve_on_compressed(src, packed):
     assert r.json()["choices"][0]["text"] == ref[0].outputs[0].text
 
 
+def compressed_folder(tmp_path_factory, src: Path, fmt: str) -> Path:
+    out = tmp_path_factory.mktemp(f"packed_{fmt}") / "c"
+    assert cli("compress", src, out, "--format", fmt, "--device", "cpu") == 0
+    return out
+
+
+def decompresses_exactly_with_the_same_logits(src: Path, packed: Path, tmp_path: Path) -> None:
+    """`pagedmoe decompress` gives back every source file byte for byte, and the compressed folder loads to the
+    source's logits."""
+    out = tmp_path / "d"
+    assert cli("decompress", packed, out, "--device", "cpu") == 0
+    for rel in _files(src):
+        assert filecmp.cmp(src / rel, out / rel, shallow=False), rel
+    ref, got = _logits_trace(src), _logits_trace(packed)
+    assert len(ref) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def refused_by_name(packed: Path, tmp_path: Path, capsys, array: str, why: str = r".*crc32") -> None:
     """Expert 5 of layer 1's w2 corrupted in one of its lossless arrays: the loader and decompress refuse it by name
     (why: the rest of the message, its crc32 unless a structural check catches the change first)."""

@@ -3,13 +3,13 @@ identical logits from the compressed folder, corrupted experts refused by name, 
 it in one line, shapes it cannot hold refused for experts."""
 from __future__ import annotations
 
-import filecmp
 import json
 
 import pytest
 import torch
 
-from test_compress import _files, _header, _logits_trace, cli, refused_by_name
+from test_compress import (_files, _header, cli, compressed_folder, decompresses_exactly_with_the_same_logits,
+                           refused_by_name)
 from tiny_models import make_tiny_checkpoint
 
 
@@ -23,9 +23,7 @@ def src(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed(src, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed_h") / "c"
-    assert cli("compress", src, out, "--format", "hibyte", "--device", "cpu") == 0
-    return out
+    return compressed_folder(tmp_path_factory, src, "hibyte")
 
 
 def test_hibyte_folder_roundtrip_and_logits(src, packed, tmp_path):
@@ -37,12 +35,7 @@ def test_hibyte_folder_roundtrip_and_logits(src, packed, tmp_path):
             continue  # a shard of backbone tensors only
         assert info["version"] == 3 and all(len(h["checksums"]) == h["num_parts"] for h in info["tensors"].values())
         assert all(k + ".lx.tile_raw" in header for k in info["tensors"])
-    out = tmp_path / "d"
-    assert cli("decompress", packed, out, "--device", "cpu") == 0
-    for rel in _files(src):
-        assert filecmp.cmp(src / rel, out / rel, shallow=False), rel
-    ref, got = _logits_trace(src), _logits_trace(packed)
-    assert len(ref) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(ref, got))
+    decompresses_exactly_with_the_same_logits(src, packed, tmp_path)
 
 
 @pytest.mark.parametrize("array", ["lo", "code", "base", "tile_raw"])

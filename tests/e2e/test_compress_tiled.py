@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import filecmp
 import json
-import shutil
 
 import pytest
 import torch
 
-from test_compress import _files, _fused, _header, _logits_trace, cli, refused_by_name
+from test_compress import (_files, _fused, _header, cli, compressed_folder, decompresses_exactly_with_the_same_logits,
+                           refused_by_name)
 from tiny_models import make_tiny_checkpoint
 
 
@@ -22,9 +22,7 @@ def src(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed(src, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed_t") / "c"
-    assert cli("compress", src, out, "--format", "tiled", "--device", "cpu") == 0
-    return out
+    return compressed_folder(tmp_path_factory, src, "tiled")
 
 
 def test_tiled_folder_roundtrip_and_logits(src, packed, tmp_path, capsys):
@@ -34,12 +32,7 @@ def test_tiled_folder_roundtrip_and_logits(src, packed, tmp_path, capsys):
         info = json.loads(header["__metadata__"]["pagedmoe.lossless"])
         assert info["version"] == 2 and all(h["tile_cols"] == 64 for h in info["tensors"].values())
         assert all(k + ".lx.nibbles" in header for k in info["tensors"])
-    out = tmp_path / "d"
-    assert cli("decompress", packed, out, "--device", "cpu") == 0
-    for rel in _files(src):
-        assert filecmp.cmp(src / rel, out / rel, shallow=False), rel
-    ref, got = _logits_trace(src), _logits_trace(packed)
-    assert len(ref) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(ref, got))
+    decompresses_exactly_with_the_same_logits(src, packed, tmp_path)
 
 
 @pytest.mark.parametrize("array", ["raw", "nibbles", "base"])
