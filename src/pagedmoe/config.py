@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagedmoe.config_sections import (SECTIONS, CacheConfig, ExpertConfig, ModelConfig, ParallelConfig,
-                                      SchedulerConfig, EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS)
+from pagedmoe.config_sections import (FUSED_FORMATS, SECTIONS, CacheConfig, ExpertConfig, ModelConfig, ParallelConfig,
+                                      SchedulerConfig, EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS, fused_format)
 
 __all__ = ["EngineConfig", "ModelConfig", "SchedulerConfig", "CacheConfig", "ExpertConfig", "add_engine_args",
            "engine_config_from_args", "engine_config_from_kwargs", "default_model_path", "resolve_model"]
@@ -34,7 +34,7 @@ _EXPERT_FETCH_PATHS = ("auto", "copy", "uva")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
-_COMPRESSED_GEMMS = ("decode", "fused", "fused-hibyte")
+_COMPRESSED_GEMMS = ("decode", *FUSED_FORMATS)
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -227,7 +227,7 @@ class EngineConfig:
                                  f"{self.moe_backend} cannot use it")
 
     def _check_compressed_gemm(self) -> None:
-        if self.compressed_gemm.startswith("fused"):
+        if fused_format(self.compressed_gemm) is not None:
             flag = f"--compressed-gemm {self.compressed_gemm}"
             if self.expert_compression != "lossless" and not self.num_compressed_experts:
                 raise ValueError(f"{flag} reads the lossless compressed GPU tier; it needs "

@@ -13,6 +13,13 @@ from typing import Optional
 # the ladder by the pressure controller (experts/dynamic/controller.py).
 EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
 MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")
+# --compressed-gemm values whose MoE GEMMs read the compressed GPU tier in place, and the format each holds it in
+FUSED_FORMATS = {"fused": "tiled", "fused-hibyte": "hibyte"}
+
+
+def fused_format(compressed_gemm: str) -> Optional[str]:
+    """"tiled" (format version 2), "hibyte" (the candidate version 3) or None (the tier is decoded)."""
+    return FUSED_FORMATS.get(compressed_gemm)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True) -> HiB
     hi = bits >> 8
     raw_rows = _tile_rows_mask(tiles, num_parts, Rp, C)  # [R, C] True inside raw tiles
     code = torch.where(raw_rows, hi & 0xF, torch.where(fits, (sign << 3) | off.clamp(0, WINDOW - 1), 0))
-    high = _tiles_of(_pack(hi >> 4), idx, num_parts, Rp, C // 2)
+    high = _tile_view(_pack(hi >> 4), num_parts, Rp)[idx].clone()
     h = HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
     if checksum:
         h.checksums = compute_checksums(h)
@@ -205,9 +205,6 @@ def _tile_view(a: torch.Tensor, num_parts: int, Rp: int) -> torch.Tensor:
     v = a.view(num_parts, Rp // TILE_ROWS, TILE_ROWS, a.shape[1] // HALF, HALF).permute(0, 3, 1, 2, 4)
     return v.reshape(-1, TILE_ROWS, HALF)
 
-
-def _tiles_of(a: torch.Tensor, idx: torch.Tensor, num_parts: int, Rp: int, width: int) -> torch.Tensor:
-    return _tile_view(a, num_parts, Rp)[idx].clone()
 
 
 def decode_reference(h: HiByteTensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Sequence, Union
 import torch
 
 from pagedmoe import cuda_vmm as vmm
+from pagedmoe.config_sections import fused_format
 from pagedmoe.experts.buffers import VmmExpertBuffers
 from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
@@ -76,8 +77,8 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     placement, num_gpu_experts, num_compressed_experts = plan.mode, plan.num_gpu_experts, plan.num_compressed
     buffers, quantized_precision = plan.buffers, plan.quantized_precision
     host_compression, quantized_gemm = plan.host_compression, plan.quantized_gemm
-    fused = plan.compressed_gemm.startswith("fused")
-    fused_format = "hibyte" if plan.compressed_gemm == "fused-hibyte" else "tiled"
+    fmt = fused_format(plan.compressed_gemm)
+    fused = fmt is not None
     if placement not in ("resident", "paged"):
         raise ValueError(f"placement must be resolved to resident or paged, got {placement!r}")
     num_layers = num_moe_layers
@@ -117,7 +118,7 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     if fused:  # (a placement the planner chose without compressed experts has nothing for it to do)
         if plan.dynamic_min_precision is not None:
             raise ValueError("--compressed-gemm fused does not support --expert-precision dynamic yet")
-        if fused_format == "hibyte" and (dims.hidden_size % 64 or dims.moe_intermediate_size % 64):
+        if fmt == "hibyte" and (dims.hidden_size % 64 or dims.moe_intermediate_size % 64):
             raise ValueError(f"--compressed-gemm fused-hibyte needs the hidden size ({dims.hidden_size}) and the expert "
                              f"intermediate size ({dims.moe_intermediate_size}) to be multiples of 64; use "
                              "--compressed-gemm fused")
@@ -125,7 +126,7 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
             raise ValueError("--compressed-gemm fused runs Triton kernels: it needs a CUDA device")
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
                         stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression,
-                        fused_compressed=fused, fused_format=fused_format)
+                        fused_compressed=fused, fused_format=fmt or "tiled")
     if quantized_gemm == "direct":
         # static: every expert of every layer quantized, in id order; dynamic (no quantized_precision here:
         # ExpertStore.enable_dynamic follows) reads each layer's published version instead
@@ -163,7 +164,7 @@ def _build_routed(plan, num_layers: int, dims, device: torch.device, dtype: torc
     unsupported = [name for name, on in (("--expert-precision static-*", plan.quantized_precision is not None),
                                          ("--expert-precision dynamic", plan.dynamic_min_precision is not None),
                                          ("--quantized-gemm direct", plan.quantized_gemm == "direct"),
-                                         ("--compressed-gemm fused", plan.compressed_gemm.startswith("fused")))
+                                         ("--compressed-gemm fused", fused_format(plan.compressed_gemm) is not None))
                    if on]
     if unsupported:
         raise ValueError(f"--expert-fetch routed fetches exact experts from the host and lossless tiers; it cannot "

@@ -83,53 +83,49 @@ def _raw_pairs(lo, code, base, high, rmask, HIGH_NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _half_tiles_asm(lo_row, code_row, high_ptr, raw_idx, rows16, base8, k0, offs_h, n_mask, like_ptr,
-                    HAS_RAW: tl.constexpr):
-    """As _half_tiles, by packed byte arithmetic (compiled only: the interpreter runs no PTX)."""
+def _raw_high(high_ptr, raw_idx, rows16, offs_h, m):
+    """Rows in raw tiles ([BLOCK_N, 1]) and their tiles' high-nibble bytes [BLOCK_N, 32] (0 elsewhere)."""
+    raw = (raw_idx >= 0)[:, None]
+    at = tl.maximum(raw_idx, 0)  # in-bounds addresses under the mask too
+    hn = tl.load(high_ptr + at[:, None] * 512 + rows16[:, None] * 32 + offs_h[None, :], mask=raw & m, other=0)
+    return raw, hn
+
+
+@triton.jit
+def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, offs_h, n_mask, like_ptr,
+                HAS_RAW: tl.constexpr, PACKED: tl.constexpr):
+    """The two [BLOCK_N, 32] halves (columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63) of a weight tile, in
+    like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
+    raw-tile index at this slice, or -1; base / base8: the rows' bases as int32 [BLOCK_N] / uint8 [BLOCK_N, 32].
+    PACKED: by packed byte arithmetic (inline PTX; compiled only: the interpreter runs no PTX), else per weight."""
     m = n_mask[:, None]
     code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0)
     lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0)
     lo1 = tl.load(lo_row + k0 + 32 + offs_h[None, :], mask=m, other=0)
-    b0 = _pairs(lo0, code, base8, False)
-    b1 = _pairs(lo1, code, base8, True)
-    if HAS_RAW:
-        if tl.max(raw_idx, 0) >= 0:
-            raw = (raw_idx >= 0)[:, None]
-            at = tl.maximum(raw_idx, 0)
-            hn = tl.load(high_ptr + at[:, None] * 512 + rows16[:, None] * 32 + offs_h[None, :], mask=raw & m,
-                         other=0)
-            rmask = tl.where(raw, 255, 0).to(tl.uint8) + tl.zeros_like(code)
-            b0 = _raw_pairs(lo0, code, base8, hn, rmask, False)
-            b1 = _raw_pairs(lo1, code, base8, hn, rmask, True)
+    if PACKED:
+        b0 = _pairs(lo0, code, base8, False)
+        b1 = _pairs(lo1, code, base8, True)
+        if HAS_RAW:
+            if tl.max(raw_idx, 0) >= 0:  # any raw tile among these rows (~28% of 64-row tiles on N(0, s))
+                raw, hn = _raw_high(high_ptr, raw_idx, rows16, offs_h, m)
+                rmask = tl.where(raw, 255, 0).to(tl.uint8) + tl.zeros_like(code)
+                b0 = _raw_pairs(lo0, code, base8, hn, rmask, False)
+                b1 = _raw_pairs(lo1, code, base8, hn, rmask, True)
+    else:
+        c0 = code.to(tl.int32) & 0xF
+        c1 = code.to(tl.int32) >> 4
+        hi0 = c0 + base[:, None] + 120 * (c0 >> 3)
+        hi1 = c1 + base[:, None] + 120 * (c1 >> 3)
+        if HAS_RAW:
+            if tl.max(raw_idx, 0) >= 0:
+                raw, hn = _raw_high(high_ptr, raw_idx, rows16, offs_h, m)
+                hn = hn.to(tl.int32)
+                hi0 = tl.where(raw, c0 | ((hn & 0xF) << 4), hi0)
+                hi1 = tl.where(raw, c1 | (hn & 0xF0), hi1)
+        b0 = ((hi0 << 8) | lo0.to(tl.int32)).to(tl.int16)
+        b1 = ((hi1 << 8) | lo1.to(tl.int32)).to(tl.int16)
     w0 = b0.to(tl.bfloat16, bitcast=True)
     w1 = b1.to(tl.bfloat16, bitcast=True)
-    return mma_operand(w0.to(like_ptr.dtype.element_ty)), mma_operand(w1.to(like_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, k0, offs_h, n_mask, like_ptr,
-                HAS_RAW: tl.constexpr):
-    """The two [BLOCK_N, 32] halves (columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63) of a weight tile, in
-    like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
-    raw-tile index at this slice, or -1."""
-    m = n_mask[:, None]
-    code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0).to(tl.int32)
-    c0 = code & 0xF
-    c1 = code >> 4
-    lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0).to(tl.int32)
-    lo1 = tl.load(lo_row + k0 + 32 + offs_h[None, :], mask=m, other=0).to(tl.int32)
-    hi0 = c0 + base[:, None] + 120 * (c0 >> 3)
-    hi1 = c1 + base[:, None] + 120 * (c1 >> 3)
-    if HAS_RAW:
-        if tl.max(raw_idx, 0) >= 0:  # any raw tile among these rows (~28% of 64-row tiles on N(0, s))
-            raw = (raw_idx >= 0)[:, None]
-            at = tl.maximum(raw_idx, 0)  # in-bounds addresses under the mask too
-            hn = tl.load(high_ptr + at[:, None] * 512 + rows16[:, None] * 32 + offs_h[None, :],
-                         mask=raw & m, other=0).to(tl.int32)
-            hi0 = tl.where(raw, c0 | ((hn & 0xF) << 4), hi0)
-            hi1 = tl.where(raw, c1 | (hn & 0xF0), hi1)
-    w0 = ((hi0 << 8) | lo0).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    w1 = ((hi1 << 8) | lo1).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return mma_operand(w0.to(like_ptr.dtype.element_ty)), mma_operand(w1.to(like_ptr.dtype.element_ty))
 
 
@@ -187,24 +183,16 @@ def fused_moe_hibyte_kernel(
             raw_g = tl.full([BLOCK_N], -1, tl.int32)
             if HAS_RAW:
                 raw_g = tl.load(tile_raw_ptr + tcol + tr_g, mask=n_mask, other=-1)
-            if PACKED:
-                w0, w1 = _half_tiles_asm(lo_g, code_g, high_ptr, raw_g, r16_g, base8_g, ks, offs_h, n_mask, a_ptr,
-                                         HAS_RAW)
-            else:
-                w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, ks, offs_h, n_mask, a_ptr,
-                                     HAS_RAW)
+            w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, base8_g, ks, offs_h, n_mask, a_ptr,
+                                 HAS_RAW, PACKED)
             acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
             acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
             if GATED:
                 raw_u = tl.full([BLOCK_N], -1, tl.int32)
                 if HAS_RAW:
                     raw_u = tl.load(tile_raw_ptr + tcol + tr_u, mask=n_mask, other=-1)
-                if PACKED:
-                    u0, u1 = _half_tiles_asm(lo_u, code_u, high_ptr, raw_u, r16_u, base8_u, ks, offs_h, n_mask,
-                                             a_ptr, HAS_RAW)
-                else:
-                    u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, ks, offs_h, n_mask, a_ptr,
-                                         HAS_RAW)
+                u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, base8_u, ks, offs_h, n_mask,
+                                     a_ptr, HAS_RAW, PACKED)
                 acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
                 acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pagedmoe.config_sections import fused_format
 from pagedmoe.planning import planner, routed_plan
 from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_bytes, estimate_activation_bytes,
                                          start_up_reserve_bytes)
@@ -177,8 +178,9 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                             block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
                             max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
         return None
-    fused = c.compressed_gemm.startswith("fused")  # the tier read by the GEMM (issue 23): no decode
-    ratio = ((FUSED_HIBYTE_PLANNING_RATIO if c.compressed_gemm == "fused-hibyte" else FUSED_LOSSLESS_PLANNING_RATIO)
+    fmt = fused_format(c.compressed_gemm)  # the tier read by the GEMM (issue 23): no decode
+    fused = fmt is not None
+    ratio = ((FUSED_HIBYTE_PLANNING_RATIO if fmt == "hibyte" else FUSED_LOSSLESS_PLANNING_RATIO)
              if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
@@ -206,7 +208,7 @@ def routed_search(x, device_type: str) -> bool:
     --expert-fetch may settle on routed (routed, or auto on CUDA) with exact experts in plain buffers."""
     fetch = x.fetch == "routed" or (x.fetch == "auto" and device_type == "cuda")
     # the fused compressed tier (--compressed-gemm fused) is read by the GEMMs in place: never fetched routed
-    return fetch and x.precision == "exact" and x.buffers in ("auto", "plain") and not x.compressed_gemm.startswith("fused")
+    return fetch and x.precision == "exact" and x.buffers in ("auto", "plain") and fused_format(x.compressed_gemm) is None
 
 
 def _check_fixed_host_tier(c, dims, spec, num_gpu: int, num_comp: int, device_type: str, dtype_bytes: int,

@@ -71,8 +71,8 @@ class CompressedTier:
             dev = staged.to(self.device)
             enc = self.codec.encode
             self.layers[layer] = TiledExperts(
-                enc(dev[:, :2 * I * H].reshape(n, 2 * I, H).contiguous(), num_parts=n, checksum=False),
-                enc(dev[:, 2 * I * H:].reshape(n, H, I).contiguous(), num_parts=n, checksum=False))
+                enc(dev[:, :2 * I * H].reshape(n, 2 * I, H), num_parts=n, checksum=False),
+                enc(dev[:, 2 * I * H:].reshape(n, H, I), num_parts=n, checksum=False))
             del dev
             self.staging[layer] = None
             self.staged_parts[layer] = set()
