@@ -48,6 +48,10 @@ VARIANTS = [("unrolled", dict(escapes="unrolled")), ("warps4", dict(num_warps=4)
             ("w2warps8", dict(num_warps2=8)), ("n32", dict(block_n=32, block_n2=32)),
             ("stages2", dict(num_stages=2, num_stages2=2)), ("swap_ab", dict(swap_ab=True)),
             ("k2_128", dict(block_k2=128, num_warps2=8))]
+# the hibyte kernel's tiles besides lossless_config's (K stays 64, the format's slice)
+HB_VARIANTS = [("warps4", dict(num_warps=4, num_warps2=4)), ("stages3", dict(num_stages=3, num_stages2=3)),
+               ("stages4", dict(num_stages=4, num_stages2=4)), ("n128", dict(block_n=128, block_n2=128)),
+               ("n32", dict(block_n=32, block_n2=32))]
 
 
 def make_copies(m: dict, T: int, n: int, dev, dtype, seed: int):
@@ -98,7 +102,7 @@ def gpu_encode_rate() -> dict:
                             mixtral_experts_s=MIXTRAL_EXPERT_WEIGHTS / (w.numel() / dt3)))
 
 
-def run_size(name, m, T, dev, dtype, quick):
+def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
     from timing import time_graph  # benchmarks/ on sys.path
 
     copies = make_copies(m, T, 1 if quick else NUM_COPIES, dev, dtype, seed=T)
@@ -120,7 +124,7 @@ def run_size(name, m, T, dev, dtype, quick):
 
     if not quick:  # the resident baseline at its own (fastest measured) tiles
         row["bf16_default_us"], row["bf16_default_spread_us"] = time_graph(bf16, len(copies))
-    for label, ov in [("default", {})] + ([] if quick else VARIANTS):
+    for label, ov in [("default", {})] + ([] if quick or not v2_variants else VARIANTS):
         try:
             for c in copies:
                 prepare_lossless(c["t13"], c["t2"], dataclasses.replace(cfg, **{k: v for k, v in ov.items()
@@ -144,9 +148,9 @@ def run_size(name, m, T, dev, dtype, quick):
         if copies[0]["h13"] is None:
             raise ValueError(f"no hibyte layer: H {m['H']} and I {m['I']} must be multiples of 64")
 
-        def hb(i):
+        def hb(i, c2=cfg):
             c = copies[i]
-            return fused_moe_hibyte(c["x"], c["h13"], c["h2"], c["weights"], c["ids"], config=cfg)
+            return fused_moe_hibyte(c["x"], c["h13"], c["h2"], c["weights"], c["ids"], config=c2)
         got, ref = hb(0).clone(), bf16(0, config=cfg).clone()
         hb_bytes = statistics.mean(torch.unique(c["ids"]).numel() * (c["h13"].nbytes + c["h2"].nbytes) / m["E"]
                                    for c in copies)
@@ -158,6 +162,19 @@ def run_size(name, m, T, dev, dtype, quick):
             print(f"  {name:14s} T={T:4d} hibyte    {entry['us']:8.1f} us  bf16 {row['bf16_default_us']:8.1f} us  "
                   f"ratio {entry['over_bf16']:.3f}  (floor {entry['floor_us']:.1f} us, format {entry['ratio']:.3f}, "
                   f"raw tiles {entry['raw_tiles']:.3f})  equal={entry['equal_to_bf16_gemm']}", flush=True)
+            entry["variants"] = {}
+            for label, ov in HB_VARIANTS:
+                try:
+                    c2 = dataclasses.replace(cfg, **ov)
+                    v = dict(equal_to_bf16_gemm=bool(torch.equal(hb(0, c2), bf16(0, config=c2))))
+                    v["us"] = time_graph(lambda i: hb(i, c2), len(copies))[0]
+                    v["over_bf16"] = v["us"] / row["bf16_default_us"]
+                    print(f"  {name:14s} T={T:4d} hibyte {label:8s} {v['us']:8.1f} us  ratio {v['over_bf16']:.3f}"
+                          f"  equal={v['equal_to_bf16_gemm']}", flush=True)
+                except Exception as e:
+                    v = dict(error=repr(e)[:400])
+                    print(f"  {name:14s} T={T:4d} hibyte {label:8s} failed: {repr(e)[:200]}", flush=True)
+                entry["variants"][label] = v
     except Exception as e:
         traceback.print_exc()
         entry = dict(error=repr(e)[:400])
@@ -174,6 +191,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpreter, no timings")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-v2-variants", action="store_true",
+                    help="time v2 at lossless_config's tiles only (its tile variants were measured on 2026-12-02)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,11 +214,14 @@ def main() -> int:
     path = os.path.join(args.out, "bench_fused_lossless.json")
     for name, m in models.items():
         for T in tokens:
-            res["rows"].append(run_size(name, m, T, dev, dtype, args.quick))
+            res["rows"].append(run_size(name, m, T, dev, dtype, args.quick, not args.no_v2_variants))
             with open(path, "w") as f:  # rewritten after each size: a run cut short keeps what it measured
                 json.dump(res, f, indent=1)
     bad = [(r["model"], r["T"], k) for r in res["rows"] for k, v in r["variants"].items()
            if not v.get("equal_to_bf16_gemm")]
+    bad += [(r["model"], r["T"], "hibyte " + k) for r in res["rows"]
+            for k, v in [("default", r["hibyte"])] + list(r["hibyte"].get("variants", {}).items())
+            if not v.get("equal_to_bf16_gemm") and "no hibyte layer" not in v.get("error", "")]
     print(f"wrote {path}; " + (f"NOT equal / failed: {bad}" if bad else "every output equal to the bf16 GEMM's"))
     return 1 if bad else 0
 
