@@ -181,14 +181,26 @@ def write_fp8_checkpoint(hf_model, src: Path, dst: Path, block: tuple[int, int])
     return dequantised
 
 
+def spy_logits(engine, to_host: bool = False) -> list:
+    """The logits of every sampling step of `engine`, in order, appended to the returned list as they are sampled
+    (a clone; moved to the host if to_host). Plain and async-scheduled steps both sample through
+    Sampler.sample_device, so this sees both (async scheduling is the default on CUDA)."""
+    captured, orig = [], engine.sampler.sample_device
+
+    def spy(logits, *rest):
+        captured.append(logits.detach().cpu().clone() if to_host else logits.clone())
+        return orig(logits, *rest)
+
+    engine.sampler.sample_device = spy
+    return captured
+
+
 def greedy_logits(llm, lengths, max_tokens: int, seed: int, vocab: int = 384):
     """(logits of every sampling step, on the host; the outputs) of `llm` greedily completing random token
     prompts of `lengths`: what the paging and precision tests compare across placements."""
     from pagedmoe import SamplingParams
 
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(logits, *a)
+    captured = spy_logits(llm.engine, to_host=True)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

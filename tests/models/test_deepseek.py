@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint, tiny_hf_config
+from tiny_models import make_tiny_checkpoint, spy_logits, tiny_hf_config
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -181,9 +181,7 @@ def test_lossless_tier_and_auto_placement(tmp_path):
 
     def trace(**kw):
         llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", max_model_len=64, **kw)
-        captured = []
-        orig = llm.engine.sampler.sample
-        llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+        captured = spy_logits(llm.engine)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return captured, llm.engine
 
@@ -230,9 +228,7 @@ def test_config_variants_match_transformers(tmp_path, family, overrides):
             logits = hf(torch.tensor([tokens])).logits[0, -1].float()
             ref.append(logits)
             tokens.append(int(logits.argmax()))
-    captured = []
-    orig = engine.sampler.sample
-    engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+    captured = spy_logits(engine)
     engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        prompt_token_ids=prompt)
     while engine.has_unfinished_requests():
@@ -255,10 +251,7 @@ def test_cuda_matches_transformers_and_paging_is_exact(tmp_path):
 
     def run(**kw):
         llm = LLM(str(tmp_path), device="cuda", max_model_len=96, max_num_seqs=8, **kw)
-        captured = []
-        orig = llm.engine.sampler.sample
-        llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.detach().cpu().clone()) or orig(
-            logits, *a)
+        captured = spy_logits(llm.engine, to_host=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], captured, llm.engine
 

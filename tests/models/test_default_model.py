@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pagedmoe.config import default_model_path
+from tiny_models import spy_logits
 
 
 def test_default_model_is_shipped_in_the_package():
@@ -32,9 +33,7 @@ def test_logits_match_transformers():
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     llm = LLM(device="cpu", dtype="float32", max_model_len=256)  # no model: the default one
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+    captured = spy_logits(llm.engine)
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert (captured[0][0] - ref).abs().max().item() <= 1e-4
 

@@ -6,16 +6,14 @@ import shutil
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint, write_fp8_checkpoint
+from tiny_models import make_tiny_checkpoint, spy_logits, write_fp8_checkpoint
 
 
 def _trace(path, **kw):
     from pagedmoe import LLM, SamplingParams
 
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, **kw)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+    captured = spy_logits(llm.engine)
     prompts = [list(range(3, 20)), [7, 100, 200, 5]]
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)

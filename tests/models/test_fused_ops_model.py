@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import make_tiny_checkpoint, spy_logits  # noqa: E402
 
 fix_interpreter()
 
@@ -49,13 +49,7 @@ def _run(path, fused_ops, prompt, steps, dtype="float32"):
 
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype, max_model_len=128,
                                     fused_ops=fused_ops))
-    captured, orig = [], engine.sampler.sample
-
-    def spy(logits, params, gens, *rest):
-        captured.append(logits.clone())
-        return orig(logits, params, gens, *rest)
-
-    engine.sampler.sample = spy
+    captured = spy_logits(engine)
     for i, p in enumerate(prompt):
         engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
                            prompt_token_ids=p)
@@ -136,13 +130,7 @@ def test_bf16_cuda_graphs_fused_matches_unfused(family, tmp_path):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
                   enforce_eager=False, fused_ops=mode)
         assert llm.engine.runner.graphs is not None and llm.engine.model.fused_residual_norm == (mode == "on")
-        captured, orig = [], llm.engine.sampler.sample
-
-        def spy(logits, *rest, _captured=captured, _orig=orig):
-            _captured.append(logits.clone())
-            return _orig(logits, *rest)
-
-        llm.engine.sampler.sample = spy
+        captured = spy_logits(llm.engine)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
         tokens[mode] = [o.outputs[0].token_ids for o in outs]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, spy_logits
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -44,14 +44,7 @@ def test_prefill_and_decode_logits_match(checkpoint):
             ref_logits.append(logits)
             tokens.append(int(logits.argmax()))
     # Engine: capture the logits it samples from.
-    captured = []
-    orig = engine.sampler.sample
-
-    def spy(logits, params, gens, *rest):
-        captured.append(logits.clone())
-        return orig(logits, params, gens, *rest)
-
-    engine.sampler.sample = spy
+    captured = spy_logits(engine)
     engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
                        prompt_token_ids=prompt)
     while engine.has_unfinished_requests():

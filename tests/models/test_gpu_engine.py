@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, spy_logits
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -51,9 +51,7 @@ def test_bf16_prefill_logits_close_to_transformers(checkpoint):
 
     path, hf, prompts = checkpoint
     _, llm = _run(path, prompts[:1], max_tokens=1, dtype="bfloat16", enforce_eager=True)
-    captured = []
-    orig = llm.engine.sampler.sample
-    llm.engine.sampler.sample = lambda logits, *a: captured.append(logits.clone()) or orig(logits, *a)
+    captured = spy_logits(llm.engine)
     llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     with torch.no_grad():
         ref = hf(torch.tensor([prompts[3]])).logits[0, -1].float()

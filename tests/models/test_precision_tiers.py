@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import greedy_logits, make_tiny_checkpoint
+from tiny_models import greedy_logits, make_tiny_checkpoint, spy_logits
 
 PRECISIONS = ["fp8", "int8", "int4"]
 
@@ -229,9 +229,7 @@ def test_static_precision_on_cuda(ckpt, eager, buffers):
         llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_model_len=96, enforce_eager=eager, **flags)
         if fake:
             _fake_quantize_store(llm.engine.expert_store, "int4")
-        captured = []
-        orig = llm.engine.sampler.sample
-        llm.engine.sampler.sample = lambda lg, *a: captured.append(lg.detach().cpu().clone()) or orig(lg, *a)
+        captured = spy_logits(llm.engine, to_host=True)
         llm.generate([{"prompt_token_ids": [5, 9, 13, 2, 77]}, {"prompt_token_ids": [3] * 17}],
                      SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         return captured, llm.engine
