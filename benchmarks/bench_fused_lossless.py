@@ -163,9 +163,12 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
                   f"ratio {entry['over_bf16']:.3f}  (floor {entry['floor_us']:.1f} us, format {entry['ratio']:.3f}, "
                   f"raw tiles {entry['raw_tiles']:.3f})  equal={entry['equal_to_bf16_gemm']}", flush=True)
             entry["variants"] = {}
-            for label, ov in HB_VARIANTS:
+            # "layer": the tiles the engine's fused-hibyte tier runs at (fused_moe_mixed: the layer's own)
+            layer = fm.tuned_config(T, m["A"], m["E"], m["H"], m["I"], dtype, torch.device(dev)) or \
+                fm.default_config(T, m["A"], m["E"], m["H"], m["I"], dtype, sm_count(torch.device(dev)))
+            for label, ov in [("layer", None)] + HB_VARIANTS:
                 try:
-                    c2 = dataclasses.replace(cfg, **ov)
+                    c2 = layer if ov is None else dataclasses.replace(cfg, **ov)
                     v = dict(equal_to_bf16_gemm=bool(torch.equal(hb(0, c2), bf16(0, config=c2))))
                     v["us"] = time_graph(lambda i: hb(i, c2), len(copies))[0]
                     v["over_bf16"] = v["us"] / row["bf16_default_us"]
