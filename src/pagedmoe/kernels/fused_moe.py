@@ -120,12 +120,13 @@ def fused_moe_kernel(
 
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def moe_sum_kernel(
-    y_ptr, weights_ptr, ids_ptr, out_ptr,
+    y_ptr, weights_ptr, ids_ptr, out_ptr, row_ptr,
     T, H, num_splits, num_experts,
     stride_ys, stride_ym, stride_wt, stride_it, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PERMUTED: tl.constexpr,
 ):
-    """out[t, h] = sum_k w[t, k] * sum_s y[s, t * TOP_K + k, h] over a [BLOCK_T, BLOCK_H] tile."""
+    """out[t, h] = sum_k w[t, k] * sum_s y[s, r, h] over a [BLOCK_T, BLOCK_H] tile, r = t * TOP_K + k, or
+    when PERMUTED r = row[t * TOP_K + k] (y's rows in another order, e.g. sorted by expert)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_mask = offs_t < T
@@ -138,7 +139,10 @@ def moe_sum_kernel(
         # are garbage, so they are masked out here, not multiplied by zero.
         valid = t_mask & (ids >= 0) & (ids < num_experts)
         w = tl.load(weights_ptr + rows * stride_wt + k, mask=valid, other=0.0).to(tl.float32)
-        ptrs = y_ptr + (rows * TOP_K + k)[:, None] * stride_ym + offs_h[None, :]
+        y_rows = rows * TOP_K + k
+        if PERMUTED:
+            y_rows = tl.load(row_ptr + y_rows, mask=t_mask, other=0).to(tl.int64)
+        ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_h[None, :]
         part = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
         for _ in range(num_splits):
             part += tl.load(ptrs, mask=valid[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
@@ -366,14 +370,43 @@ def w2_splits(cfg: FusedMoEConfig, num_blocks: int, T: int, A: int, E: int, H: i
 
 
 def moe_sum(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-            splits: int, E: int) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * sum_s y[s, t * A + k] (moe_sum_kernel, one launch)."""
+            splits: int, E: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * sum_s y[s, t * A + k] (moe_sum_kernel, one launch), y [S, N, H]; with `rows`,
+    y's row of slot t * A + k is rows[t * A + k]."""
     T, A = topk_ids.shape
     H = out.shape[1]
     moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
-        y, topk_weights, topk_ids, out,
+        y, topk_weights, topk_ids, out, topk_ids if rows is None else rows,
         T, H, splits, E,
         y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=A, BLOCK_T=SUM_BLOCK_T, BLOCK_H=SUM_BLOCK_H, num_warps=8,
+        TOP_K=A, BLOCK_T=SUM_BLOCK_T, BLOCK_H=SUM_BLOCK_H, PERMUTED=rows is not None, num_warps=8,
     )
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def silu_mul_kernel(x_ptr, out_ptr, M, I, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+    """out[m, i] = silu(x[m, i]) * x[m, I + i], in float32, rounded once to out's dtype."""
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_m < M)[:, None] & (offs_i < I)[None, :]
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_i[None, :]
+    g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_i[None, :], (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+SILU_BLOCK_M, SILU_BLOCK_I = 8, 512
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [M, 2I] (gate columns, then up) as one launch: [M, I] in gate_up's dtype."""
+    M, two_i = gate_up.shape
+    I = two_i // 2
+    if gate_up.stride(1) != 1:
+        raise ValueError("silu_mul: gate_up needs a unit column stride")
+    out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
+    silu_mul_kernel[(triton.cdiv(M, SILU_BLOCK_M), triton.cdiv(I, SILU_BLOCK_I))](
+        gate_up, out, M, I, gate_up.stride(0), out.stride(0), BLOCK_M=SILU_BLOCK_M, BLOCK_I=SILU_BLOCK_I, num_warps=4)
     return out

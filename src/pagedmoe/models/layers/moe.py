@@ -157,15 +157,27 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     peak, which the budget holds out of the KV cache). No host sync."""
     T, A = topk_ids.shape
     step = grouped_mm_chunk_tokens(A, x.shape[1], w2.shape[-1], x.element_size())
-    if T <= step:
-        return _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids)
     out = torch.empty_like(x)
     for s in range(0, T, step):
-        out[s:s + step] = _grouped_mm_chunk(x[s:s + step], w13, w2, topk_weights[s:s + step], topk_ids[s:s + step])
+        _grouped_mm_chunk(x[s:s + step], w13, w2, topk_weights[s:s + step], topk_ids[s:s + step], out[s:s + step])
     return out
 
 
-def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def _triton_epilogues(x: torch.Tensor) -> bool:
+    """Whether experts_grouped_mm's activation and combine run as Triton kernels (CUDA, triton installed)."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
+    """out = the routed experts of x's tokens. On CUDA the activation (fp32 silu(gate) * up, one rounding) and
+    the combine (per token, a fixed-order fp32 sum of its slots' rows read through the inverse permutation, no
+    atomics: deterministic) are Triton kernels; elsewhere eager torch with a float32 index_add_."""
     T, A = topk_ids.shape
     E = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -178,15 +190,27 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     # NOTE: each transient is dropped as soon as the next is made (grouped_mm_row_bytes counts what overlaps)
     gate_up = torch._grouped_mm(x[token_idx], w13.transpose(1, 2), offs=offs)   # [T*A, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate) * up                                               # [T*A, I]
-    del gate_up, gate, up
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # [T*A, H]
+    fused = _triton_epilogues(x)
+    if fused:
+        from pagedmoe.kernels.fused_moe import moe_sum, silu_mul
+
+        h = silu_mul(gate_up)                                          # [T*A, I]
+        del gate_up
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        del gate_up, gate, up
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # [T*A, H], rows in expert order
     del h
+    if fused:
+        slot_row = torch.empty_like(order)
+        slot_row[order] = torch.arange(order.numel(), device=order.device)   # y's row of slot t * A + k
+        moe_sum(y.unsqueeze(0), topk_weights, topk_ids, out, 1, E, rows=slot_row)
+        return
     y = y.float().mul_(topk_weights.reshape(-1)[order, None])
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_idx, y)
-    return out.to(x.dtype)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc.index_add_(0, token_idx, y)
+    out.copy_(acc)
 
 
 def experts_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
