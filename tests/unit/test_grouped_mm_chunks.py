@@ -32,9 +32,11 @@ def test_chunks_give_the_one_piece_result(monkeypatch, dtype):
 
 
 def test_the_activation_estimate_counts_one_chunk():
-    # Mixtral-8x7B at 8192 tokens: 2184 tokens a chunk, so the routed buffers are a chunk's, not all 8192's
-    assert kv.grouped_mm_chunk_tokens(2, 4096, 14336, 2) == 2184
-    one = kv.estimate_activation_bytes(2184, 0, 4096, 14336, 2, 32000, 2)
+    # Mixtral-8x7B at 8192 tokens: the peak row holds gate/up (2I) and the activation (I), 3 * 14336 bf16 values,
+    # so a chunk is 512 MiB // (2 * 86016 B) = 3120 tokens and the routed buffers are a chunk's, not all 8192's
+    assert kv.grouped_mm_row_bytes(4096, 14336, 2) == 2 * 3 * 14336
+    assert kv.grouped_mm_chunk_tokens(2, 4096, 14336, 2) == (512 << 20) // (2 * 2 * 3 * 14336) == 3120
+    one = kv.estimate_activation_bytes(3120, 0, 4096, 14336, 2, 32000, 2)
     more = kv.estimate_activation_bytes(8192, 0, 4096, 14336, 2, 32000, 2)
-    grows = (8192 - 2184) * 4096 * (2 * 8 + 4)     # hidden states and the float32 output only
+    grows = (8192 - 3120) * 4096 * (2 * 8 + 2)     # hidden states and the output only
     assert more - one == grows

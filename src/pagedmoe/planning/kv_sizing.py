@@ -172,14 +172,16 @@ def detect_host_budget_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
 # The expert GEMMs of a large forward (layers/moe.py::experts_grouped_mm) run a chunk of tokens at a time, each
 # chunk's transients at most this many bytes: whole, those of 8192 tokens were the step's activation peak (1.88 GiB
 # measured for Qwen3-30B-A3B, 2.25 GiB for Mixtral-8x7B on the H200, before the chunks). 512 MiB keeps each
-# expert's GEMM a few hundred rows deep (Mixtral: 2184 tokens a chunk, 546 rows an expert).
+# expert's GEMM several hundred rows deep (Mixtral: 3120 tokens a chunk, 780 rows an expert; Qwen3-30B-A3B: 9362,
+# so 8192 in one piece).
 GROUPED_MM_CHUNK_BYTES = 512 << 20
 
 
 def grouped_mm_row_bytes(hidden: int, inter: int, elem: int) -> int:
-    """Transient bytes per routed row at experts_grouped_mm's peak: the gathered row, the gate/up output and the
-    activation's two temporaries (while it is formed), or the output in the model dtype and in float32."""
-    return max(elem * (hidden + 4 * inter), elem * hidden + 4 * hidden)
+    """Transient bytes per routed row at experts_grouped_mm's peak on CUDA (its Triton epilogues): the gathered
+    row with the gate/up output, or the gate/up output with the activation made from it (the expert-ordered
+    output and the activation, elem * (hidden + inter), is less than either)."""
+    return elem * max(hidden + 2 * inter, 3 * inter)
 
 
 def grouped_mm_chunk_tokens(top_k: int, hidden: int, inter: int, elem: int) -> int:
@@ -190,11 +192,12 @@ def grouped_mm_chunk_tokens(top_k: int, hidden: int, inter: int, elem: int) -> i
 def estimate_activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int,
                               moe_intermediate_size: int, top_k: int, vocab_size: int, dtype_bytes: int) -> int:
     """Peak transient memory of one step: hidden states and their copies, the routed-token buffers of the
-    expert GEMMs (one chunk's, grouped_mm_chunk_tokens), and float32 logits with the sampler's working copies."""
+    expert GEMMs (one chunk's, grouped_mm_chunk_tokens, and their output), and float32 logits with the sampler's
+    working copies."""
     T = max_num_batched_tokens
     hidden = T * hidden_size * dtype_bytes * 8
     chunk = min(T, grouped_mm_chunk_tokens(top_k, hidden_size, moe_intermediate_size, dtype_bytes))
     routed = chunk * top_k * grouped_mm_row_bytes(hidden_size, moe_intermediate_size, dtype_bytes) \
-        + T * hidden_size * 4
+        + T * hidden_size * dtype_bytes
     logits = min(max_num_seqs, T) * vocab_size * 4 * 4
     return int(hidden + routed + logits)

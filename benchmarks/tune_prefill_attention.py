@@ -1,0 +1,80 @@
+"""Tile sweep of the Triton prefill attention (kernels/paged_prefill.py) at the engine's prefill step shape:
+8 sequences x 1024 fresh tokens (causal), Qwen3-30B-A3B (Hq 32, Hkv 4) and Mixtral-8x7B (Hq 32, Hkv 8), D 128,
+bf16, block 16. Each variant is checked against the fp32 reference (rel err) before it is timed (CUDA-graph
+replay, rotating cache copies); TFLOP/s and floor / measured against the 753 TFLOP/s bf16 GEMM ceiling.
+
+    PYTHONPATH=src python benchmarks/tune_prefill_attention.py [--batch 8 --q-len 1024]   # $OUT/tune_prefill_attention.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_attention as ba  # noqa: E402
+from pagedmoe.kernels import paged_attention as pa  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": 4, "mixtral-8x7b": 8}   # KV heads (Hq 32, D 128 for both)
+
+
+def variants():
+    yield "auto", {}
+    for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        yield f"m{bm}n{bn}w{w}s{s}", dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+
+
+def sweep(hkv: int, batch: int, q_len: int) -> dict:
+    ba.HKV = hkv
+    caches, bt, qsl, lens, q = ba.layer_batch(batch, [q_len] * batch, 4, q_len=[q_len] * batch)
+    ref = ba.reference(q[0][: q_len], *caches[0], bt[:1], qsl[:2], lens[:1])   # sequence 0 only (CPU reference)
+    keys_seen = sum(i + 1 for i in range(q_len))
+    flops = 4 * batch * ba.HQ * ba.D * keys_seen
+    floor_us = flops / ba.BF16_FLOPS_PER_S * 1e6
+    outs = [torch.empty_like(x) for x in q]
+    rows = {}
+    for name, kw in variants():
+        try:
+            pa.paged_attention_prefill(q[0], *caches[0], bt, qsl, lens, ba.SCALE, q_len, out=outs[0], **kw)
+            err = ba.rel_err(outs[0][: q_len], ref)
+            if not err < 2e-2:
+                rows[name] = dict(error=f"rel err {err:.3g}")
+                continue
+
+            def fn(i, kw=kw):
+                pa.paged_attention_prefill(q[i], *caches[i], bt, qsl, lens, ba.SCALE, q_len, out=outs[i], **kw)
+            us, spread = ba.time_graph(fn, len(q))
+            rows[name] = dict(us=us, spread_us=spread, rel_err=err, tflops=flops / us / 1e6, floor_over=floor_us / us)
+        except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
+            rows[name] = dict(error=repr(e)[:200])
+        r = rows[name]
+        print(f"  {name:<16} " + (f"{r['us']:9.1f} us  {r['tflops']:6.1f} TFLOP/s  floor/meas {r['floor_over']:.2f}"
+                                  if "us" in r else r["error"]), flush=True)
+    return dict(hkv=hkv, batch=batch, q_len=q_len, flops=flops, floor_us=floor_us, variants=rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--q-len", type=int, default=1024)
+    args = ap.parse_args()
+    res = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
+    for name, hkv in SHAPES.items():
+        print(f"=== {name}: Hq {ba.HQ} Hkv {hkv} D {ba.D}, {args.batch} x {args.q_len} causal", flush=True)
+        res["shapes"][name] = sweep(hkv, args.batch, args.q_len)
+        ok = {k: v for k, v in res["shapes"][name]["variants"].items() if "us" in v}
+        best = min(ok, key=lambda k: ok[k]["us"])
+        print(f"best {best}: {ok[best]['us']:.1f} us ({ok[best]['floor_over']:.2f} of floor); "
+              f"auto {ok['auto']['us']:.1f} us ({ok['auto']['floor_over']:.2f})", flush=True)
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "tune_prefill_attention.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
