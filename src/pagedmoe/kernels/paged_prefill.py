@@ -183,9 +183,11 @@ def paged_attention_prefill(
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles keep them out of spills
     # Half precision: 128 rows x 32 keys, 8 warps, 2 stages measured best of 38 tile variants at 8 x 1024 fresh
     # tokens, D 128, on the H200 (benchmarks/tune_prefill_attention.py: 270 us against 352 for 64 x 64 x 4 warps,
-    # Qwen3-30B-A3B's Hkv 4 and Mixtral-8x7B's Hkv 8 alike); 64 rows where a batch has fewer.
+    # Qwen3-30B-A3B's Hkv 4 and Mixtral-8x7B's Hkv 8 alike), but with too few programs to fill the GPU it loses
+    # (1 x 512 tokens, 128 programs: 26.9 us against 22.3): 128 rows only where that makes >= 1024 programs.
+    wide = not fp32 and head_dim_pad <= 128 and q.shape[0] * q.shape[1] >= 1024 * 128
     if block_m is None:
-        block_m = min((16 if head_dim_pad > 128 else 32) if fp32 else (128 if head_dim_pad <= 128 else 64),
+        block_m = min((16 if head_dim_pad > 128 else 32) if fp32 else (128 if wide else 64),
                       max(16, next_pow2(max_query_len * group)))
     if block_n is None:
         if fp32:
