@@ -27,14 +27,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from pagedmoe.kernels._attention_checks import dot_precision  # noqa: E402
-from pagedmoe.kernels.fused_moe import default_config, fused_moe_kernel, moe_sum_kernel  # noqa: E402
+from pagedmoe.kernels.fused_moe import (SILU_BLOCK_I, SILU_BLOCK_M, default_config, fused_moe_kernel,  # noqa: E402
+                                        moe_sum_kernel, silu_mul_kernel)
 from pagedmoe.kernels.fused_moe_config import FusedMoEConfig  # noqa: E402
 from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless_kernel, lossless_config  # noqa: E402
 
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 WEIGHT = {0: None, "int8": "*i8", "fp8": "*fp8e4nv", "int4": "*u8"}  # QUANT 1 (int8 / fp8), QUANT 2 (int4)
-SUM_ARGS = ["y_ptr", "weights_ptr", "ids_ptr", "out_ptr", "T", "H", "num_splits", "num_experts", "stride_ys",
-            "stride_ym", "stride_wt", "stride_it", "stride_ot"]
+SUM_ARGS = ["y_ptr", "weights_ptr", "ids_ptr", "out_ptr", "row_ptr", "T", "H", "num_splits", "num_experts",
+            "stride_ys", "stride_ym", "stride_wt", "stride_it", "stride_ot"]
+SILU_ARGS = ["x_ptr", "out_ptr", "M", "I", "stride_xm", "stride_om"]
 CANONICAL_KWIDTH = {16: 2, 32: 1}
 
 
@@ -151,14 +153,22 @@ def main() -> int:
         print(("ok  " if row["ok"] else "FAIL"), row["kernel"], row["weights"], row["gemm"], row["act"], row["tiles"],
               f"swap={v['swap']} even_k={v['even_k']} even_n={v['even_n']} slots={v['slots']} esc={row['esc_cap']}",
               row.get("error", ""), flush=True)
-    for y_dtype in (torch.float32, torch.bfloat16):  # moe_sum over split-K's fp32 partials or one bf16 split
-        const = dict(TOP_K=8, BLOCK_T=8, BLOCK_H=512)
-        types = [PTR[y_dtype], "*fp32", "*i64", "*bf16"] + ["i32"] * 9
+    # moe_sum over split-K's fp32 partials or one bf16 split (decode), or over grouped_mm's expert-ordered rows
+    for y_dtype, permuted in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        const = dict(TOP_K=8, BLOCK_T=8, BLOCK_H=512, PERMUTED=permuted)
+        types = [PTR[y_dtype], "*fp32", "*i64", "*bf16", "*i64"] + ["i32"] * 9
+        row = dict(kernel="moe_sum_kernel", y=str(y_dtype), permuted=permuted)
         try:
             compile_kernel(moe_sum_kernel, SUM_ARGS, types, const, args.arch, 8, 3)
-            rows.append(dict(kernel="moe_sum_kernel", y=str(y_dtype), ok=True))
+            rows.append(dict(row, ok=True))
         except Exception as e:
-            rows.append(dict(kernel="moe_sum_kernel", y=str(y_dtype), ok=False, error=error_line(e)))
+            rows.append(dict(row, ok=False, error=error_line(e)))
+    try:  # grouped_mm's activation
+        compile_kernel(silu_mul_kernel, SILU_ARGS, ["*bf16", "*bf16"] + ["i32"] * 4,
+                       dict(BLOCK_M=SILU_BLOCK_M, BLOCK_I=SILU_BLOCK_I), args.arch, 4, 3)
+        rows.append(dict(kernel="silu_mul_kernel", ok=True))
+    except Exception as e:
+        rows.append(dict(kernel="silu_mul_kernel", ok=False, error=error_line(e)))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compile_sm90.json"), "w") as f:
         json.dump(dict(arch=args.arch, triton=triton.__version__, rows=rows), f, indent=1)

@@ -34,7 +34,7 @@ def test_every_fused_moe_variant_compiles_for_sm90(tmp_path):
     rows = json.loads((tmp_path / "compile_sm90.json").read_text())["rows"]
     failed = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not failed, "\n".join(json.dumps(r) for r in failed) + proc.stderr[-2000:]
-    gemms = [r for r in rows if r["kernel"] != "moe_sum_kernel"]
+    gemms = [r for r in rows if r["kernel"] not in ("moe_sum_kernel", "silu_mul_kernel")]
     # the variants cover each weight kind in both GEMMs, both operand orders, every escape mode and both MMA versions
     assert {(r["weights"], r["gemm"], r["swap_ab"]) for r in gemms} >= {
         (w, g, s) for w in ("bf16", "lossless", "int8", "fp8", "int4") for g in ("w13", "w2") for s in (False, True)}
@@ -43,7 +43,10 @@ def test_every_fused_moe_variant_compiles_for_sm90(tmp_path):
     assert versions == {"2", "3"}
     checked = [r for r in gemms if r["weights"] == "lossless"]
     assert len(checked) >= 20 and all(r["same_mma_operands_as_bf16"] for r in checked)
-    assert sum(r["kernel"] == "moe_sum_kernel" for r in rows) == 2
+    # the combine over split-K partials, over one bf16 split and over grouped_mm's expert-ordered rows; its activation
+    assert {(r["y"], r["permuted"]) for r in rows if r["kernel"] == "moe_sum_kernel"} == {
+        ("torch.float32", False), ("torch.bfloat16", False), ("torch.bfloat16", True)}
+    assert sum(r["kernel"] == "silu_mul_kernel" for r in rows) == 1
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend / ptxas is not installed")
