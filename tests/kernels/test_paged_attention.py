@@ -80,11 +80,11 @@ def check_decode(seq_lens, hkv, group, dim, bs, dtype, num_splits=None, max_seq_
     assert err < TOL[dtype], f"decode rel err {err:.2e}"
 
 
-def check_prefill(seq_lens, q_lens, hkv, group, dim, bs, dtype):
+def check_prefill(seq_lens, q_lens, hkv, group, dim, bs, dtype, **tiles):
     q, kc, vc, bt, qsl, lens = make_batch(seq_lens, q_lens, hkv, group, dim, bs, dtype)
     scale = dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention_prefill(q, kc, vc, bt, qsl, lens, scale, max(q_lens), out=out)
+    pa.paged_attention_prefill(q, kc, vc, bt, qsl, lens, scale, max(q_lens), out=out, **tiles)
     ref = reference(q, kc, vc, bt, qsl, lens, scale)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
@@ -184,6 +184,12 @@ def test_prefill_small_chunked_fp16():
     check_prefill([40, 70], [3, 70], 1, 4, 80, 8, torch.float16)
 
 
+def test_prefill_small_wide_tiles():
+    # the tiles large prefills take in half precision (128 rows x 32 keys), over a chunk, a fresh prompt and a
+    # decode row: rows of one tile span several tokens' heads and the causal edge cuts through a key tile
+    check_prefill([70, 45, 9], [40, 45, 1], 2, 4, 64, 16, torch.float32, block_m=128, block_n=32, num_warps=8)
+
+
 def test_backend_small():
     check_backend([9, 20], [9, 4], 2, 2, 64, 8, torch.float32)
     check_backend([9, 20, 1], [1, 1, 1], 2, 2, 64, 8, torch.float32)
@@ -278,6 +284,7 @@ PREFILL_GRID = [
     ([100, 40], [50, 40], 2, 4, 256, 16, FP32),
     ([700, 1], [300, 1], 4, 4, 256, 256, BF16),
     ([(i * 53) % 900 + 1 for i in range(16)], [1] * 16, 8, 4, 128, 16, BF16),  # all decode rows
+    ([4000, 1500, 40], [3500, 1500, 1], 8, 4, 128, 16, BF16),  # >= 1024 programs of 128 rows: the wide default
 ]
 
 
