@@ -8,9 +8,10 @@ and MODEL.meta.json (budgets). Parsed lines (the last match in a log wins; a run
 as failed, with its log's last line):
   vLLM and pagedmoe `bench throughput`:  Throughput: X requests/s, Y total tokens/s, Z output tokens/s
   vLLM `bench latency`:                  Avg latency: N seconds
-  pagedmoe `bench latency`:              the JSON's prefill + every decode step (one request's latency,
-                                         as vLLM's), else the printed "Batch 1: prefill P ms" and
-                                         "decode step (median of N) M ms" lines (P + N x M)
+  pagedmoe `bench latency`:              the JSON's request latency (wall, first step to last, as vLLM's
+                                         generate()), else the printed "Batch 1: request latency L ms" line;
+                                         from older runs without it, the JSON's prefill + every decode step,
+                                         else the printed prefill and median decode step lines (P + N x M)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ THROUGHPUT = re.compile(r"Throughput:\s*([\d.]+)\s*requests/s,\s*([\d.]+)\s*tota
 AVG_LATENCY = re.compile(r"Avg latency:\s*([\d.]+)\s*seconds")
 PM_PREFILL = re.compile(r"Batch 1: prefill ([\d.]+) ms")
 PM_DECODE = re.compile(r"Batch 1: decode step \(median of (\d+)\) ([\d.]+) ms")
+PM_REQUEST = re.compile(r"Batch 1: request latency ([\d.]+) ms")
 REGIMES = {"tput": "whole GPU, offline throughput (output tok/s)",
            "w4": "weights + 4 GiB, offline throughput (output tok/s)",
            "lat": "batch 1, 512 in + 64 out, request latency (s)"}
@@ -52,13 +54,15 @@ def parse_pagedmoe_latency(text: str, record: Optional[dict]) -> Optional[dict]:
     if record and record.get("results"):
         r = next((r for r in record["results"] if r.get("batch_size") == 1), record["results"][0])
         steps = r.get("decode_step_ms") or []
-        return {"latency_s": r["prefill_time_s"] + sum(steps) / 1e3, "median_decode_step_ms": r["median_decode_step_ms"],
+        latency = r.get("request_latency_s", r["prefill_time_s"] + sum(steps) / 1e3)
+        return {"latency_s": latency, "median_decode_step_ms": r["median_decode_step_ms"],
                 "decode_floor_ms": r.get("decode_floor_ms"), "decode_steps": len(steps)}
-    p, d = _last(PM_PREFILL, text), _last(PM_DECODE, text)
-    if p is None or d is None:
+    p, d, req = _last(PM_PREFILL, text), _last(PM_DECODE, text), _last(PM_REQUEST, text)
+    if d is None or (p is None and req is None):
         return None
     n, step = int(d[1]), float(d[2])
-    return {"latency_s": (float(p[1]) + n * step) / 1e3, "median_decode_step_ms": step, "decode_steps": n}
+    latency = float(req[1]) / 1e3 if req is not None else (float(p[1]) + n * step) / 1e3
+    return {"latency_s": latency, "median_decode_step_ms": step, "decode_steps": n}
 
 
 def parse_run(log: Path) -> dict:

@@ -76,6 +76,8 @@ def test_bench_latency_reads_no_counter_between_decode_steps(ckpt, monkeypatch, 
     assert all(not unfinished or n <= before + 2 for n, unfinished in reads[:-1])
     assert reads[-1][1] is False and len(reads) < r["decode_steps"]
     assert r["routed_expert_bytes_per_step"] > 0
+    # the request's wall time spans every timed step and what ran between them (the counter reads)
+    assert r["request_latency_s"] >= r["prefill_time_s"] + sum(r["decode_step_ms"]) / 1e3 > 0
 
 
 @pytest.mark.parametrize("placement", ["resident", "paged"])

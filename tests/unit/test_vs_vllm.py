@@ -37,6 +37,19 @@ def test_parse_pagedmoe_latency_json_then_text():
     assert off["median_decode_step_ms"] == 9.57
 
 
+def test_parse_pagedmoe_request_latency_over_the_step_sum():
+    # runs since the wall-time request latency: it wins over the steps' sum (which --async-scheduling splits
+    # only roughly), in the JSON and in the printed lines
+    text = ("Batch 1: request latency 301.50 ms (512 in, 64 out; first step to last, wall)\n"
+            "Batch 1: prefill 55.69 ms for 1 x 512 tokens (9194 tokens/s)\n"
+            "Batch 1: decode step (median of 63) 4.407 ms; HBM floor 1.461 ms; floor/measured = 0.33\n")
+    assert vt.parse_pagedmoe_latency(text, None)["latency_s"] == pytest.approx(0.3015)
+    record = {"results": [{"batch_size": 1, "request_latency_s": 0.3, "prefill_time_s": 0.05,
+                           "decode_step_ms": [4.0] * 63, "median_decode_step_ms": 4.0}]}
+    got = vt.parse_pagedmoe_latency(text, record)
+    assert got["latency_s"] == 0.3 and got["decode_steps"] == 63
+
+
 def test_table_rows_and_ratios(tmp_path):
     result = vt.collect([DATA])
     rows = {(r["model"], r["regime"]): r for r in vt.rows(result)}

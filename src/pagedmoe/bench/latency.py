@@ -49,7 +49,12 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     # The counters are cumulative and reading one waits for the device, so they are read only before the first
     # decode step and after the last: a read between decode steps would absorb the GPU work still queued (with
     # --async-scheduling, the step in flight) outside the timer, and the step would time only its host work.
+    # The request's latency is its wall time from the first step to the last (whose return carries the last
+    # token to the host), as vLLM's bench latency times generate(). The per-step times split it only roughly under
+    # --async-scheduling: a step returns once the next is launched, and the counter read before the first decode
+    # step waits for the prefill.
     start = None
+    t_request = time.perf_counter()
     while engine.has_unfinished_requests():
         if not decode:
             start = _expert_counters(engine)
@@ -61,6 +66,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
             decode.append(dt)
         else:
             prefill_s += dt
+    request_s = time.perf_counter() - t_request
     end = _expert_counters(engine)
     per_step = {k: (end[k] - start[k]) / max(1, len(decode)) for k in end}
     dims = engine.model.dims
@@ -72,6 +78,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
     median = statistics.median(decode) if decode else float("nan")
     return {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "temperature": temperature,
+        "request_latency_s": request_s,
         "prefill_time_s": prefill_s, "prefill_tokens_per_s": batch_size * input_len / prefill_s,
         "decode_steps": len(decode), "median_decode_step_ms": 1e3 * median,
         "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
@@ -116,6 +123,8 @@ def run(args) -> int:
         r = run_latency(engine, batch, args.input_len, args.output_len, bw, seed=args.seed,
                         temperature=args.temperature)
         results.append(r)
+        print(f"Batch {batch}: request latency {r['request_latency_s'] * 1e3:.2f} ms ({args.input_len} in, "
+              f"{args.output_len} out; first step to last, wall)")
         print(f"Batch {batch}: prefill {r['prefill_time_s'] * 1e3:.2f} ms for {batch} x {args.input_len} tokens "
               f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
         print(f"Batch {batch}: decode step (median of {r['decode_steps']}) {r['median_decode_step_ms']:.3f} ms; "
