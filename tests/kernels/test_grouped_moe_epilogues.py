@@ -82,6 +82,20 @@ def test_grouped_path_with_the_triton_epilogues_matches_the_loop(monkeypatch):
     torch.testing.assert_close(out, moe.experts_grouped_mm(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-6)
 
 
+@needs_grouped_mm
+def test_chunks_with_the_triton_epilogues_write_their_rows_of_the_output(monkeypatch):
+    # each chunk's combine writes its own slice of the one output (no copy): chunked equals one piece
+    import pagedmoe.planning.kv_sizing as kv
+
+    monkeypatch.setattr(moe, "_triton_epilogues", lambda x: True)
+    x, w13, w2, weights, ids = _layer(23, 2, 5, 64, 32, torch.float32, 4)
+    whole = moe.experts_grouped_mm(x, w13, w2, weights, ids)
+    monkeypatch.setattr(kv, "GROUPED_MM_CHUNK_BYTES", 7 * 2 * kv.grouped_mm_row_bytes(64, 32, 4))  # 7 tokens a chunk
+    chunked = moe.experts_grouped_mm(x, w13, w2, weights, ids)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    assert chunked.abs().sum(-1).min() > 0   # every token's row written, the short last chunk's too
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_path_on_cuda_is_deterministic_and_close_to_eager(monkeypatch):
