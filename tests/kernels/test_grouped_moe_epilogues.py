@@ -110,3 +110,13 @@ def test_grouped_path_on_cuda_is_deterministic_and_close_to_eager(monkeypatch):
     monkeypatch.setattr(moe, "_triton_epilogues", lambda x: False)
     eager = moe.experts_grouped_mm(x, w13, w2, weights, ids)
     assert ((eager.float() - out.float()).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("num_experts,key_bytes", [(8, 1), (256, 1), (257, 2), (2 ** 15, 2), (40000, 8)])
+def test_the_narrow_sort_key_gives_the_same_stable_order(num_experts, key_bytes):
+    g = torch.Generator(device=DEVICE).manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (3000,), generator=g, device=DEVICE)
+    ids[:50] = num_experts - 1          # the largest id must survive the narrowing
+    key = moe._narrow_sort_key(ids, num_experts)
+    assert key.element_size() == key_bytes
+    assert torch.equal(torch.argsort(key, stable=True), torch.argsort(ids, stable=True))
