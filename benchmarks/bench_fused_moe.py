@@ -1,7 +1,7 @@
 """Routed-expert GEMMs on the GPU: torch._grouped_mm (experts_grouped_mm) against the Triton fused MoE.
 
 One MoE layer's experts (router output given): Mixtral-8x7B (E 8, H 4096, I 14336, top-2) at
-T = 1, 16, 64, 256 and Qwen3-30B-A3B (E 128, H 2048, I 768, top-8) at T = 1, 64, 256, 1024, bf16,
+T = 1, 16, 64, 256, 512 and Qwen3-30B-A3B (E 128, H 2048, I 768, top-8) at T = 1, 64, 256, 512, 1024, bf16,
 weights as packed per-expert rows (experts/layout.py views). Pass 1, every size: errors of both
 paths against experts_loop in fp32 (upcast weights) and of Triton against grouped_mm, then the
 times of grouped_mm and of the default Triton config, and a per-kernel breakdown (torch.profiler).
@@ -44,8 +44,8 @@ MAX_SECONDS = float(os.environ.get("FUSED_MOE_MAX_S", "330"))  # no new variant 
 QUICK = bool(os.environ.get("FUSED_MOE_QUICK"))
 
 MODELS = {
-    "mixtral-8x7b": dict(E=8, H=4096, I=14336, A=2, renorm=True, tokens=(1, 16, 64, 256)),
-    "qwen3-30b-a3b": dict(E=128, H=2048, I=768, A=8, renorm=True, tokens=(1, 64, 256, 1024)),
+    "mixtral-8x7b": dict(E=8, H=4096, I=14336, A=2, renorm=True, tokens=(1, 16, 64, 256, 512)),
+    "qwen3-30b-a3b": dict(E=128, H=2048, I=768, A=8, renorm=True, tokens=(1, 64, 256, 512, 1024)),
 }
 
 VARIANTS = [  # overrides of the default config (default_config by size)
