@@ -39,50 +39,40 @@ def sweep(hkv: int, batch: int, q_len: int) -> dict:
     flops = 4 * batch * ba.HQ * ba.D * keys_seen
     floor_us = flops / ba.BF16_FLOPS_PER_S * 1e6
     outs = [torch.empty_like(x) for x in q]
-    rows = {}
-    for name, kw in variants():
-        try:
-            pa.paged_attention_prefill(q[0], *caches[0], bt, qsl, lens, ba.SCALE, q_len, out=outs[0], **kw)
-            err = ba.rel_err(outs[0][: q_len], ref)
-            if not err < 2e-2:
-                rows[name] = dict(error=f"rel err {err:.3g}")
-                continue
 
-            def fn(i, kw=kw):
-                pa.paged_attention_prefill(q[i], *caches[i], bt, qsl, lens, ba.SCALE, q_len, out=outs[i], **kw)
-            us, spread = ba.time_graph(fn, len(q))
-            rows[name] = dict(us=us, spread_us=spread, rel_err=err, tflops=flops / us / 1e6, floor_over=floor_us / us)
-        except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
-            rows[name] = dict(error=repr(e)[:200])
-        r = rows[name]
+    def measure(name: str, make_fn) -> dict:
+        """fn(i) -> copy i's output: checked on copy 0 against the reference, then timed. A variant that fails
+        (shared memory, or torch without the op) is reported, not fatal."""
+        try:
+            fn = make_fn()
+            err = ba.rel_err(fn(0)[: q_len], ref)
+            if not err < 2e-2:
+                r = dict(error=f"rel err {err:.3g}")
+            else:
+                us, spread = ba.time_graph(fn, len(q))
+                r = dict(us=us, spread_us=spread, rel_err=err, tflops=flops / us / 1e6, floor_over=floor_us / us)
+        except Exception as e:
+            r = dict(error=repr(e)[:200])
         print(f"  {name:<16} " + (f"{r['us']:9.1f} us  {r['tflops']:6.1f} TFLOP/s  floor/meas {r['floor_over']:.2f}"
                                   if "us" in r else r["error"]), flush=True)
-    rows["torch-flash"] = _torch_flash(caches, bt, qsl, q, q_len, ref, flops, floor_us)
+        return r
+
+    def ours(kw):
+        return lambda i: pa.paged_attention_prefill(q[i], *caches[i], bt, qsl, lens, ba.SCALE, q_len, out=outs[i], **kw)
+
+    rows = {name: measure(name, lambda kw=kw: ours(kw)) for name, kw in variants()}
+    rows["torch-flash"] = measure("torch-flash", lambda: _torch_flash(caches, bt, qsl, q, q_len))
     return dict(hkv=hkv, batch=batch, q_len=q_len, flops=flops, floor_us=floor_us, variants=rows)
 
 
-def _torch_flash(caches, bt, qsl, q, q_len, ref, flops, floor_us) -> dict:
-    """torch's varlen FlashAttention over contiguous copies of each sequence's keys (fresh prefill)."""
-    try:
-        pos = torch.arange(q_len, device=q[0].device)
-        blocks = bt[:, pos // ba.BS].long()                       # [B, q_len]: each key's cache block
-        kv = [(kc[blocks, pos % ba.BS].flatten(0, 1), vc[blocks, pos % ba.BS].flatten(0, 1)) for kc, vc in caches]
-        cu = qsl.to(torch.int32)
-
-        def fn(i):
-            return torch.ops.aten._flash_attention_forward(q[i], kv[i][0], kv[i][1], cu, cu, q_len, q_len, 0.0, True,
-                                                           False, scale=ba.SCALE)[0]
-        err = ba.rel_err(fn(0)[: q_len], ref)
-        if not err < 2e-2:
-            return dict(error=f"rel err {err:.3g}")
-        us, spread = ba.time_graph(fn, len(q))
-        r = dict(us=us, spread_us=spread, rel_err=err, tflops=flops / us / 1e6, floor_over=floor_us / us)
-        print(f"  {'torch-flash':<16} {us:9.1f} us  {r['tflops']:6.1f} TFLOP/s  floor/meas {r['floor_over']:.2f}",
-              flush=True)
-        return r
-    except Exception as e:  # an older torch without the op, or without GQA in it
-        print(f"  torch-flash      {repr(e)[:200]}", flush=True)
-        return dict(error=repr(e)[:200])
+def _torch_flash(caches, bt, qsl, q, q_len):
+    """fn(i): torch's varlen FlashAttention over contiguous copies of each sequence's keys (fresh prefill)."""
+    pos = torch.arange(q_len, device=q[0].device)
+    blocks = bt[:, pos // ba.BS].long()                       # [B, q_len]: each key's cache block
+    kv = [(kc[blocks, pos % ba.BS].flatten(0, 1), vc[blocks, pos % ba.BS].flatten(0, 1)) for kc, vc in caches]
+    cu = qsl.to(torch.int32)
+    return lambda i: torch.ops.aten._flash_attention_forward(q[i], kv[i][0], kv[i][1], cu, cu, q_len, q_len, 0.0,
+                                                             True, False, scale=ba.SCALE)[0]
 
 
 def main():

@@ -42,6 +42,8 @@ from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
+# silu_mul tile (grouped_mm's activation): 8 rows x 512 columns, fixed likewise.
+SILU_BLOCK_M, SILU_BLOCK_I = 8, 512
 
 
 # Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
@@ -396,8 +398,6 @@ def silu_mul_kernel(x_ptr, out_ptr, M, I, stride_xm, stride_om, BLOCK_M: tl.cons
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_i[None, :], (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty),
              mask=mask)
 
-
-SILU_BLOCK_M, SILU_BLOCK_I = 8, 512
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Expert weights are stacked per layer so that one expert is an addressable unit f
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Optional
 
 import torch
@@ -163,15 +164,12 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return out
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _triton_epilogues(x: torch.Tensor) -> bool:
     """Whether experts_grouped_mm's activation and combine run as Triton kernels (CUDA, triton installed)."""
-    if not x.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return x.is_cuda and _HAS_TRITON
 
 
 def _narrow_sort_key(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
