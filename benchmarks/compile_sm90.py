@@ -81,7 +81,7 @@ def gemm_variants():
     return seen
 
 
-def compile_gemm(v, arch, weights=None):
+def compile_gemm(v, arch, weights=None, pdl=False):
     cfg, gated = v["cfg"], v["gated"]
     bn, bk, nw, ns = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                       (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
@@ -97,7 +97,8 @@ def compile_gemm(v, arch, weights=None):
     quant = {"bf16": 0, "int8": 1, "fp8": 1, "int4": 2}[weights]
     w = act if quant == 0 else WEIGHT[weights]
     types = [act, w, out, "*i32", "*i32", act if quant == 0 else "*fp32", "*i32"] + ["i32"] * 12
-    return compile_kernel(fused_moe_kernel, BF16_ARGS, types, dict(const, QUANT=quant, GROUP=128), arch, nw, ns)
+    return compile_kernel(fused_moe_kernel, BF16_ARGS, types, dict(const, QUANT=quant, GROUP=128, PDL=pdl), arch, nw,
+                          ns)
 
 
 def error_line(e: Exception) -> str:
@@ -163,6 +164,23 @@ def main() -> int:
             rows.append(dict(row, ok=True))
         except Exception as e:
             rows.append(dict(row, ok=False, error=error_line(e)))
+    # PDL (kernels/pdl.py): the decode launch of both GEMMs and moe_sum carries griddepcontrol in its PTX
+    cfg = default_config(1, 8, 128, 2048, 768, torch.bfloat16)
+    for gated in (True, False):
+        row = dict(kernel="fused_moe_kernel", weights="bf16", gemm="w13" if gated else "w2", pdl=True)
+        try:
+            v = dict(cfg=cfg, gated=gated, act=torch.bfloat16, weights="bf16", swap=False, even_k=True, even_n=True,
+                     slots=False, esc=-1, split=False)
+            ptx = compile_gemm(v, args.arch, pdl=True).asm["ptx"]
+            rows.append(dict(row, ok="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx))
+        except Exception as e:
+            rows.append(dict(row, ok=False, error=error_line(e)))
+    try:
+        ptx = compile_kernel(moe_sum_kernel, SUM_ARGS, ["*bf16", "*fp32", "*i64", "*bf16", "*i64"] + ["i32"] * 9,
+                             dict(TOP_K=8, BLOCK_T=8, BLOCK_H=512, PERMUTED=False, PDL=True), args.arch, 8, 3).asm["ptx"]
+        rows.append(dict(kernel="moe_sum_kernel", pdl=True, ok="griddepcontrol.wait" in ptx))
+    except Exception as e:
+        rows.append(dict(kernel="moe_sum_kernel", pdl=True, ok=False, error=error_line(e)))
     try:  # grouped_mm's activation
         compile_kernel(silu_mul_kernel, SILU_ARGS, ["*bf16", "*bf16"] + ["i32"] * 4,
                        dict(BLOCK_M=SILU_BLOCK_M, BLOCK_I=SILU_BLOCK_I), args.arch, 4, 3)

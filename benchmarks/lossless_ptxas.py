@@ -49,6 +49,8 @@ def resource_usage(cubin: bytes) -> dict:
 
 def compile_kernel(kernel, names, types, const, arch, num_warps, num_stages):
     """triton.compile for the target, pointers marked 16-byte aligned as the launcher's tensors are."""
+    # constexprs left out take the kernel's defaults (e.g. PDL=False), as a launch that does not pass them
+    const = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **const}
     sig = dict(zip(names, types))
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}

@@ -34,6 +34,10 @@ def test_every_fused_moe_variant_compiles_for_sm90(tmp_path):
     rows = json.loads((tmp_path / "compile_sm90.json").read_text())["rows"]
     failed = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not failed, "\n".join(json.dumps(r) for r in failed) + proc.stderr[-2000:]
+    # PDL launches (kernels/pdl.py): both GEMMs and moe_sum compile with griddepcontrol in their PTX
+    assert {(r["kernel"], r.get("gemm")) for r in rows if r.get("pdl")} == {
+        ("fused_moe_kernel", "w13"), ("fused_moe_kernel", "w2"), ("moe_sum_kernel", None)}
+    rows = [r for r in rows if not r.get("pdl")]
     gemms = [r for r in rows if r["kernel"] not in ("moe_sum_kernel", "silu_mul_kernel")]
     # the variants cover each weight kind in both GEMMs, both operand orders, every escape mode and both MMA versions
     assert {(r["weights"], r["gemm"], r["swap_ab"]) for r in gemms} >= {

@@ -37,6 +37,7 @@ from .fused_moe_tiles import acc_zeros, block_rows, mma, store_block, weight_til
 from .fused_moe_config import FusedMoEConfig, check_moe_args, choose_split_k, default_config, expected_blocks
 from .fused_moe_tuned import tuned_config
 from .moe_align import moe_align
+from .pdl import launch_args, pdl_enter
 from pagedmoe.codecs.quant import INT4_GROUP, QuantizedTensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -57,6 +58,7 @@ def fused_moe_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 128, USE_SLOTS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """out[slot, n] (+ split offset) = act(a[slot // TOP_K, k-range] @ w[e, n, k-range]^T) for one block.
 
@@ -67,6 +69,7 @@ def fused_moe_kernel(
     USE_SLOTS: w holds only some experts (one precision group of a mixed layer); slot_ptr [E] gives each
     expert's index in w, or -1 for an expert of another group, whose blocks this launch skips.
     """
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_m = pid % num_blocks
     pid_n = pid // num_blocks
@@ -126,9 +129,11 @@ def moe_sum_kernel(
     T, H, num_splits, num_experts,
     stride_ys, stride_ym, stride_wt, stride_it, stride_ot,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PERMUTED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, h] = sum_k w[t, k] * sum_s y[s, r, h] over a [BLOCK_T, BLOCK_H] tile, r = t * TOP_K + k, or
     when PERMUTED r = row[t * TOP_K + k] (y's rows in another order, e.g. sorted by expert)."""
+    pdl_enter(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_mask = offs_t < T
@@ -305,6 +310,7 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
     sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
     num_blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
+    pdl = launch_args(x.device)
 
     # A group whose weights have a `launch` (kernels/fused_moe_lossless.py: experts in lossless format v2) runs
     # its own kernel over the same blocks, rows of h and y, and splits.
@@ -322,7 +328,7 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
             TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
             QUANT=w13.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, **pdl,
         )
 
     n_tiles2 = triton.cdiv(H, cfg.block_n2)
@@ -345,7 +351,7 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
             EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
             QUANT=w2.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, num_warps=cfg.num_warps2,
-            num_stages=cfg.num_stages2,
+            num_stages=cfg.num_stages2, **pdl,
         )
 
     return moe_sum(y, topk_weights, topk_ids, out, splits, E)
@@ -382,6 +388,7 @@ def moe_sum(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         T, H, splits, E,
         y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
         TOP_K=A, BLOCK_T=SUM_BLOCK_T, BLOCK_H=SUM_BLOCK_H, PERMUTED=rows is not None, num_warps=8,
+        **launch_args(y.device),
     )
     return out
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._attention_checks import check_float, check_same_device, next_pow2
+from .pdl import launch_args, pdl_enter
 
 MAX_HIDDEN = 16384  # one row in one tile of registers
 
@@ -38,7 +39,9 @@ def fused_add_rmsnorm_kernel(
     hidden, eps,
     stride_x, stride_res, stride_out, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # One program per row (token): the whole hidden vector in one tile.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -106,7 +109,7 @@ def fused_add_rmsnorm(
         H, float(eps),
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_H=block,
-        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **launch_args(x.device),
     )
     return out, residual_out
 

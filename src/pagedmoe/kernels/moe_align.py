@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._attention_checks import next_pow2
+from .pdl import launch_args, pdl_enter
 
 ALIGN_CHUNK = 64  # slots per program, and ids per inner step
 
@@ -39,7 +40,9 @@ def moe_align_kernel(
     ids_ptr, sorted_slots_ptr, block_expert_ptr,
     num_slots, num_experts, max_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     offs_e = tl.arange(0, E_PAD)
@@ -109,7 +112,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     moe_align_kernel[(triton.cdiv(num_slots, ALIGN_CHUNK),)](
         ids, sorted_slots, block_expert, num_slots, num_experts, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, CHUNK_B=16,
-        num_warps=8 if e_pad >= 128 else 4,
+        num_warps=8 if e_pad >= 128 else 4, **launch_args(ids.device),
     )
     return sorted_slots, block_expert
 

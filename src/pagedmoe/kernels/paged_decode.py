@@ -22,6 +22,7 @@ from ._attention_checks import (
     check_block_tables, check_caches, check_index, check_out, check_query, check_same_device, dot_precision,
     next_pow2,
 )
+from .pdl import launch_args, pdl_enter
 
 # Splitting: no partition shorter than one 64-token tile. Small batches are latency-bound, so more
 # programs with shorter partitions win: H200, Mixtral shape, batch 1 at context 1024 took 11.0 µs with
@@ -45,7 +46,9 @@ def paged_attention_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,7 +116,9 @@ def paged_attention_decode_reduce_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
     num_splits, stride_o_b, stride_o_h,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # One program per (sequence, query head): merge S normalised partials by their softmax mass.
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -212,13 +217,13 @@ def paged_attention_decode(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
     )
     if split:
         paged_attention_decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_m, part_l, out,
             num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=next_pow2(num_splits),
-            num_warps=4,
+            num_warps=4, **launch_args(q.device),
         )
     return out

@@ -25,6 +25,7 @@ from ._attention_checks import (
     INDEX_DTYPES, check_caches, check_float, check_index, check_same_device, next_pow2,
 )
 from .fused_norm import rms_inv_tile
+from .pdl import launch_args, pdl_enter
 
 
 @triton.jit
@@ -85,7 +86,9 @@ def qk_norm_rope_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     dt = q_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -187,7 +190,7 @@ def qk_norm_rope_kv(
         NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=next_pow2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), HALF=half, HALF_PAD=next_pow2(half),
         TAIL=tail, TAIL_PAD=next_pow2(max(tail, 1)), HAS_NORM=has_norm,
-        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False,
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False, **launch_args(q.device),
     )
     return q_out
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._attention_checks import next_pow2
+from .pdl import launch_args, pdl_enter
 
 MAX_EXPERTS = 256
 MAX_TOP_K = 8
@@ -36,7 +37,9 @@ def router_topk_kernel(
     num_experts, stride_l, scaling,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     mask = offs < num_experts
@@ -118,6 +121,6 @@ def router_topk(
         E, router_logits.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=max(16, next_pow2(E)),
         SIGMOID=sigmoid, RENORMALIZE=bool(renormalize), COUNT=counts is not None,
-        num_warps=1 if E <= 64 else 2, enable_fp_fusion=False,
+        num_warps=1 if E <= 64 else 2, enable_fp_fusion=False, **launch_args(router_logits.device),
     )
     return weights, ids

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ._attention_checks import check_float, check_same_device, next_pow2
 from .device_info import sm_count
+from .pdl import launch_args, pdl_enter
 
 MAX_M = 16  # decode batches up to this many tokens; larger ones are compute-shaped and cuBLAS's
 BLOCK_M = 16
@@ -61,7 +62,9 @@ def small_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # Program (n tile, k split): out[:, n tile] (PARTIAL: workspace[split, :, n tile]) = x[:, ks] @ W[n tile, ks]^T
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,7 +104,9 @@ def small_gemm_kernel(
 def small_gemm_reduce_kernel(
     ws_ptr, b_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # The second reduction: out[:, n tile] = sum over splits 0, 1, ... in that order (+ bias), one rounding.
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,7 +155,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     n_tiles = triton.cdiv(N, cfg.block_n)
     b = bias if bias is not None else x  # unread when not HAS_BIAS
     meta = dict(FP32_DOT=x.dtype == torch.float32, EVEN_K=even_k, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     if split == 1:
         small_gemm_kernel[(n_tiles, 1)](x, weight, b, out, M, N, K, k_per_split, x.stride(0), weight.stride(0),
                                         out.stride(0), 0, HAS_BIAS=bias is not None, PARTIAL=False, **meta)
@@ -162,7 +167,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     reduce_n = 128
     small_gemm_reduce_kernel[(triton.cdiv(N, reduce_n),)](
         ws, b, out, M, N, ws.stride(0), ws.stride(1), out.stride(0),
-        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=reduce_n, num_warps=4)
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=reduce_n, num_warps=4,
+        **launch_args(x.device))
     return out
 
 
