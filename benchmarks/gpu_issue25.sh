@@ -9,6 +9,8 @@
 #   prefill profile_step.py --prefill: 8 prompts x 1024 tokens a step (8192), Qwen3-30B-A3B and Mixtral-8x7B,
 #           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
 #   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
+#   before  profile_step.py at batch 1 without this session's decode changes (PAGEDMOE_PDL=0, no tuned fused-MoE
+#           table): Qwen3-30B-A3B and Mixtral-8x7B; then Qwen3 with the table but PDL off (PDL's own share)  ~3 min
 # Results under $OUT/issue25/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,8 @@ for part in "$@"; do
       t python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_host_copy.py tests/e2e/test_async_scheduling.py \
         tests/models/test_fused_ops_model.py tests/models/test_backbone_gemm_model.py tests/models/test_gpu_engine.py \
         tests/kernels/test_fused_ops.py tests/models/test_routed_stream_steps.py tests/unit/test_grouped_mm_chunks.py \
+        tests/kernels/test_pdl.py tests/kernels/test_small_gemm.py tests/models/test_fused_compressed.py \
+        tests/kernels/test_fused_moe.py tests/kernels/test_paged_attention.py tests/models/test_dynamic_precision.py \
         -k "not variants" > "$D/tests.log" 2>&1
       tail -15 "$D/tests.log" ;;
     gemm)
@@ -51,7 +55,16 @@ for part in "$@"; do
     tune)
       t python3 benchmarks/tune_fused_moe.py --models qwen3-30b-a3b mixtral-8x7b --max-s $((RUN_TIMEOUT - 40)) --out "$D/tune" > "$D/tune.log" 2>&1
       tail -20 "$D/tune.log" ;;
-    *) echo "unknown part $part (tests, gemm, prof, prefill, tune)" >&2 ;;
+    before)
+      for m in "$Q" benchmarks/configs/mixtral-8x7b; do
+        PAGEDMOE_PDL=0 PAGEDMOE_FUSED_MOE_CONFIG=off t python3 benchmarks/profile_step.py "$m" "${PROF[@]}" --backbone-gemm torch \
+          --batch-size 1 --out "$D/before-$(basename "$m")" > "$D/before-$(basename "$m").txt" 2>&1
+        grep -A14 "=== batch" "$D/before-$(basename "$m").txt" | head -14
+      done
+      PAGEDMOE_PDL=0 t python3 benchmarks/profile_step.py "$Q" "${PROF[@]}" --batch-size 1 --out "$D/nopdl-qwen3" \
+        > "$D/nopdl-qwen3.txt" 2>&1
+      grep -A14 "=== batch" "$D/nopdl-qwen3.txt" | head -14 ;;
+    *) echo "unknown part $part (tests, gemm, prof, prefill, tune, before)" >&2 ;;
   esac
   echo "=== $part took ${SECONDS} s"
 done

@@ -86,8 +86,8 @@ class EngineConfig:
                                    "with triton installed: faster at every measured batch)", _FUSED_OPS)
     backbone_gemm: str = _flag("auto", "GEMM of the backbone linears (attention q/k/v/o, router gate, lm_head) in "
                                        "steps of at most 16 tokens: triton (kernels/small_gemm.py, needs CUDA), "
-                                       "torch (cuBLAS), or auto (torch until the kernel is measured faster on "
-                                       "the H200)", _BACKBONE_GEMMS)
+                                       "torch (cuBLAS), or auto (triton for the routers' gates on CUDA, where "
+                                       "it measured faster on the H200; torch for the rest)", _BACKBONE_GEMMS)
     expert_placement: str = _flag("auto", "resident: every expert in GPU memory; paged: experts stream "
                                               "from pinned host memory one layer ahead (with "
                                               "--num-gpu-experts resident per layer); auto: the planner picks",

@@ -8,11 +8,15 @@ and the lm_head are built from it; the float32 routers of layers/moe.py and the 
 stay nn.Linear. Larger forwards (prefill) keep F.linear. In every mode each attention layer's q/k/v weights
 become row slices of one buffer (Attention.fuse_qkv): one launch, cuBLAS's or the kernel's, computes all three.
 
-auto is torch for now: it switches to triton once benchmarks/bench_small_gemm.py has measured the kernel
-faster than F.linear on the H200 for the backbone shapes. triton fails loudly where Triton cannot run.
+auto runs the kernel for the MoE routers' gates only, on CUDA with triton installed:
+benchmarks/bench_small_gemm.py measured it faster than F.linear there at batch 1 on the H200 (CUDA-graph
+replays: Qwen3-30B-A3B's [128, 2048] 4.44 against 5.36 us, Mixtral-8x7B's [8, 4096] 4.10 against 5.78), and
+slower or even on the fused q/k/v, o and lm_head. triton runs it for every backbone linear and fails loudly
+where Triton cannot run.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -25,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 BACKBONE_GEMM_MODES = ("auto", "triton", "torch")
 MAX_TOKENS = 16  # kernels/small_gemm.py's MAX_M (tests/models/test_backbone_gemm_model.py checks they agree)
+GEMM_SCOPES = ("none", "routers", "all")  # which linears run the kernel (resolve_backbone_gemm)
 
 
 class Linear(nn.Linear):
@@ -41,25 +46,30 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def resolve_backbone_gemm(mode: str, device: torch.device) -> bool:
-    """Whether the backbone's decode-size linears run kernels/small_gemm.py."""
+def resolve_backbone_gemm(mode: str, device: torch.device) -> str:
+    """Which backbone linears' decode-size forwards run kernels/small_gemm.py: one of GEMM_SCOPES."""
     if mode not in BACKBONE_GEMM_MODES:
         raise ValueError(f"backbone_gemm must be one of {', '.join(BACKBONE_GEMM_MODES)}; got {mode!r}")
-    if mode in ("torch", "auto"):
-        # auto: torch until bench_small_gemm.py measures the kernel faster than cuBLAS on the H200
-        return False
+    if mode == "torch":
+        return "none"
+    if mode == "auto":
+        return "routers" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "none"
     require_triton("--backbone-gemm triton", device)
-    return True
+    return "all"
 
 
-def apply_backbone_gemm(model: nn.Module, enabled: bool) -> int:
-    """Switch every backbone `Linear` of the model to the kernel (or back); the q/k/v weights are one buffer
-    already (models/loader.py::build_model: Attention.fuse_qkv, one launch either way). Returns how many linears
-    there are."""
+def apply_backbone_gemm(model: nn.Module, scope: str) -> int:
+    """Switch the backbone `Linear`s in scope (GEMM_SCOPES) to the kernel, the others to F.linear; the q/k/v
+    weights are one buffer already (models/loader.py::build_model: Attention.fuse_qkv, one launch either way).
+    Returns how many linears run the kernel."""
+    if scope not in GEMM_SCOPES:
+        raise ValueError(f"backbone GEMM scope must be one of {GEMM_SCOPES}, got {scope!r}")
     layers = [m for m in model.modules() if isinstance(m, Linear)]
+    routers = {id(moe.gate) for moe in model.moe_layers()} if scope == "routers" else set()
     for layer in layers:
-        layer.small_gemm = enabled
-    if enabled:
-        logger.info("backbone GEMM: %d linear layers run the Triton small-batch kernel at <= %d tokens",
-                    len(layers), MAX_TOKENS)
-    return len(layers)
+        layer.small_gemm = scope == "all" or id(layer) in routers
+    on = sum(layer.small_gemm for layer in layers)
+    if on:
+        logger.info("backbone GEMM: %d of %d linear layers run the Triton small-batch kernel at <= %d tokens",
+                    on, len(layers), MAX_TOKENS)
+    return on
