@@ -13,7 +13,8 @@ running; every such kernel begins with ``pdl_enter``:
 H200 (benchmarks/pdl_probe.py, a graph of 400 dependent one-program kernels): 0.92 -> 0.74 us a kernel.
 
 ``enabled(device)``: CUDA, capability >= 9, not the Triton interpreter, and PAGEDMOE_PDL not "0" (the switch
-for measurements: PAGEDMOE_PDL=0 runs the same kernels without it).
+for measurements: PAGEDMOE_PDL=0 runs the same kernels without it). Memoised per device and environment: the
+eager prefill launches ~400 kernels, and every host microsecond there is on the critical path.
 """
 from __future__ import annotations
 
@@ -34,14 +35,19 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL (the launchers pass it as PDL= and launch_pdl=)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV, "1") == "0":
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return launch_args(device)["PDL"]
 
 
 def launch_args(device: torch.device) -> dict:
-    """The launch keywords of a kernel that takes a PDL constexpr: PDL=..., launch_pdl=..."""
-    on = enabled(device)
+    """The launch keywords of a kernel that takes a PDL constexpr: PDL=..., launch_pdl=... (a shared dict: do
+    not modify it)."""
+    return _launch_args(device.type, device.index, os.environ.get("TRITON_INTERPRET"), os.environ.get(ENV))
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_args(kind: str, index, interpret, switch) -> dict:
+    on = kind == "cuda" and interpret != "1" and switch != "0" and _capable(
+        index if index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 
 
