@@ -4,6 +4,8 @@
 #   bash benchmarks/vs_vllm.sh list                 # the parts, what each runs, expected device time
 #   bash benchmarks/vs_vllm.sh PART [PART...]       # run them; logs and the table under $OUT/vs_vllm/
 #   bash benchmarks/vs_vllm.sh table DIR [DIR...]   # CPU: one table from the folders of several calls
+#   PACK=1 ... PART      # on the device: the folder as one vs_vllm.tgz plus vs_vllm_table.md (a call returns few
+#                        # files; the 2026-12-04 lat call lost 11 of its 19 to that limit)
 #   bash benchmarks/vs_vllm.sh calls                # the device calls, in order (wheels, then the parts)
 #
 # Regimes, per model (Qwen3-30B-A3B and Mixtral-8x7B shapes, benchmarks/configs/, --load-format dummy bf16):
@@ -196,7 +198,7 @@ case ${1:-list} in
     i=0
     for c in "${CALLS[@]}"; do
       i=$((i + 1))
-      echo "run(timeout_s=600, command=\"OUT=\$OUT bash benchmarks/vs_vllm.sh $c\")   # call $i"
+      echo "run(timeout_s=600, command=\"PACK=1 OUT=\$OUT bash benchmarks/vs_vllm.sh $c\")   # call $i"
     done
     echo "# then here: bash benchmarks/vs_vllm.sh table <each call's files_at>/vs_vllm ..." ;;
   table)
@@ -216,5 +218,8 @@ case ${1:-list} in
       echo "=== $part took ${SECONDS} s"
     done
     python3 benchmarks/vs_vllm_table.py "$D" || rc=1
+    if [ "${PACK:-0}" = 1 ]; then  # a device call returns only a few files: one archive and the table
+      bash benchmarks/pack_out.sh "$D" table.md env.txt || rc=1
+    fi
     exit $rc ;;
 esac

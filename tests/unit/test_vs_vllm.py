@@ -125,3 +125,22 @@ def test_dry_run_on_cpu(tmp_path):
     assert calls[1].startswith("bench latency") and "--batch-size 1 --input-len 6 --output-len 3" in calls[1]
     meta = json.loads((d / "qwen3-30b-a3b.meta.json").read_text())
     assert meta["device_gib"] == 8.0 and meta["w4_utilization"] == pytest.approx(meta["w4_budget_gib"] / 8, abs=1e-4)
+
+
+def test_pack_out_keeps_everything_in_one_archive(tmp_path):
+    """benchmarks/pack_out.sh (vs_vllm.sh with PACK=1): the folder becomes one .tgz holding every file, its summary
+    files are copied beside it, and the folder is gone (a device call returns only a few files)."""
+    import tarfile
+
+    d = tmp_path / "vs_vllm"
+    (d / "prof").mkdir(parents=True)
+    for name, text in (("table.md", "| t |"), ("a.log", "x"), ("prof/profile_b1.json", "{}")):
+        (d / name).write_text(text)
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "pack_out.sh"), str(d), "table.md", "missing.txt"],
+                   check=True, capture_output=True, text=True)
+    assert not d.exists()
+    assert (tmp_path / "vs_vllm_table.md").read_text() == "| t |"
+    assert not (tmp_path / "vs_vllm_missing.txt").exists()
+    with tarfile.open(tmp_path / "vs_vllm.tgz") as tar:
+        assert {m.name for m in tar.getmembers() if m.isfile()} == {
+            "vs_vllm/table.md", "vs_vllm/a.log", "vs_vllm/prof/profile_b1.json"}
