@@ -48,8 +48,9 @@ def test_lookup_takes_the_next_tuned_batch(table):
     table({fmc.shape_key(4, 32, 32, 2): {"16": CFG_16, "1": CFG_1}})
     look = lambda T, E=4: fmc.tuned_config(T, 2, E, 32, 32, torch.float16, DEVICE)  # noqa: E731
     assert look(1) == fm.FusedMoEConfig(**CFG_1)
-    assert look(2) == look(16) == fm.FusedMoEConfig(**CFG_16)               # the next tuned batch up
+    assert look(8) == look(16) == fm.FusedMoEConfig(**CFG_16)               # the next tuned batch up
     assert look(17) is None and look(500) is None                            # past the table: default_config
+    assert look(2) is None and look(7) is None                               # a gap (16 > 2 T): default_config
     assert look(1, E=8) is None                                              # shape not tuned: default_config
     assert fmc.tuned_config(1, 2, 4, 32, 32, torch.float32, DEVICE) is None  # float32 keeps its small tiles
 

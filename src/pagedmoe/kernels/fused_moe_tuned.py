@@ -8,9 +8,10 @@ fused_moe_NVIDIA_H200_bfloat16.json), or the file named by PAGEDMOE_FUSED_MOE_CO
     {"device": "NVIDIA H200", "dtype": "bfloat16", "commit": "...", "triton": "3.6.0",
      "shapes": {"E=128,H=2048,I=768,A=8": {"1": {"block_m": 16, ...FusedMoEConfig fields}, "64": {...}}}}
 
-A step of T tokens takes the entry of the smallest tuned batch >= T: tiles tuned for a batch suit the sizes
-just below it, and padding rows only cost MMA work. Past the largest tuned batch, default_config (tiles tuned
-for 8 tokens would starve a 256-token step: a table may cover only the decode sizes). A shape the table lacks, a
+A step of T tokens takes the entry of the smallest tuned batch b >= T if b <= 2T: tiles tuned for a batch suit
+the sizes just below it, and padding rows only cost MMA work. Otherwise default_config: past the largest tuned
+batch (tiles for 8 tokens would starve a 256-token step) and in a gap (a table of 256 and 512 only must not
+hand 256's tiles to one token). A shape the table lacks, a
 device without a table, or float32 (the interpreter's small tiles) fall back to default_config. A table
 that does not parse raises ValueError naming the file, once, at its first use.
 """
@@ -87,7 +88,7 @@ def _lookup(device_name: str, dtype: torch.dtype, key: str, num_tokens: int):
         return None
     batches = [b for b, _ in entries]
     i = bisect.bisect_left(batches, num_tokens)
-    return entries[i][1] if i < len(entries) else None
+    return entries[i][1] if i < len(entries) and batches[i] <= 2 * num_tokens else None
 
 
 def tuned_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
