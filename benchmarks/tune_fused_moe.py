@@ -179,8 +179,13 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / table_name(device_name, dtype)
     table = json.loads(Path(args.resume).read_text()) if args.resume else {}
+    from pagedmoe.kernels.pdl import enabled as pdl_enabled
+
+    # pdl: whether the kernels were timed launched with PDL, as the engine launches them (tiles tuned without it
+    # were slower with it on Mixtral-8x7B at batch 1: docs/benchmarks.md)
     table.update({"device": device_name, "dtype": args.dtype, "commit": git_commit(),
-                  "triton": __import__("triton").__version__, "torch": torch.__version__})
+                  "triton": __import__("triton").__version__, "torch": torch.__version__,
+                  "pdl": pdl_enabled(device)})
     table.setdefault("shapes", {})
     details = {}
     t0, time_fn = time.perf_counter(), timer(device)
