@@ -81,7 +81,7 @@ def gemm_variants():
     return seen
 
 
-def compile_gemm(v, arch, weights=None, pdl=False):
+def compile_gemm(v, arch, weights=None, pdl=False, slot_blocks=False):
     cfg, gated = v["cfg"], v["gated"]
     bn, bk, nw, ns = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                       (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
@@ -96,9 +96,9 @@ def compile_gemm(v, arch, weights=None, pdl=False):
         return compile_kernel(fused_moe_lossless_kernel, LOSSLESS_ARGS, types, dict(const, ESC_CAP=v["esc"]), arch, nw, ns)
     quant = {"bf16": 0, "int8": 1, "fp8": 1, "int4": 2}[weights]
     w = act if quant == 0 else WEIGHT[weights]
-    types = [act, w, out, "*i32", "*i32", act if quant == 0 else "*fp32", "*i32"] + ["i32"] * 12
-    return compile_kernel(fused_moe_kernel, BF16_ARGS, types, dict(const, QUANT=quant, GROUP=128, PDL=pdl), arch, nw,
-                          ns)
+    types = [act, w, out, "*i32", "*i32", act if quant == 0 else "*fp32", "*i32"] + ["i32"] * 13
+    return compile_kernel(fused_moe_kernel, BF16_ARGS, types,
+                          dict(const, QUANT=quant, GROUP=128, PDL=pdl, SLOT_BLOCKS=slot_blocks), arch, nw, ns)
 
 
 def error_line(e: Exception) -> str:
@@ -164,14 +164,15 @@ def main() -> int:
             rows.append(dict(row, ok=True))
         except Exception as e:
             rows.append(dict(row, ok=False, error=error_line(e)))
-    # PDL (kernels/pdl.py): the decode launch of both GEMMs and moe_sum carries griddepcontrol in its PTX
+    # the batch-1 decode launch of both GEMMs (one block per slot, no moe_align; PDL, kernels/pdl.py) and moe_sum's:
+    # griddepcontrol in their PTX
     cfg = default_config(1, 8, 128, 2048, 768, torch.bfloat16)
     for gated in (True, False):
-        row = dict(kernel="fused_moe_kernel", weights="bf16", gemm="w13" if gated else "w2", pdl=True)
+        row = dict(kernel="fused_moe_kernel", weights="bf16", gemm="w13" if gated else "w2", pdl=True, slot_blocks=True)
         try:
             v = dict(cfg=cfg, gated=gated, act=torch.bfloat16, weights="bf16", swap=False, even_k=True, even_n=True,
                      slots=False, esc=-1, split=False)
-            ptx = compile_gemm(v, args.arch, pdl=True).asm["ptx"]
+            ptx = compile_gemm(v, args.arch, pdl=True, slot_blocks=True).asm["ptx"]
             rows.append(dict(row, ok="griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx))
         except Exception as e:
             rows.append(dict(row, ok=False, error=error_line(e)))

@@ -33,7 +33,7 @@ LOSSLESS_ARGS = ["a_ptr", "raw_ptr", "nib_ptr", "base_ptr", "esc_off_ptr", "esc_
                  "tile_rows_pp", "tile_cols", "stride_a", "stride_os", "stride_om"]
 BF16_ARGS = ["a_ptr", "w_ptr", "out_ptr", "sorted_slots_ptr", "block_expert_ptr", "ws_ptr", "slot_ptr", "num_slots",
              "num_blocks", "N", "K", "k_per_split", "stride_a", "stride_we", "stride_wn", "stride_os", "stride_om",
-             "stride_se", "stride_sn"]
+             "stride_se", "stride_sn", "num_experts"]
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -124,7 +124,7 @@ def main() -> int:
             for gated in (True, False):
                 bn, bk, nw, ns = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                   (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
-                types = ["*bf16", "*bf16", "*bf16" if gated else "*fp32", "*i32", "*i32", "*fp32", "*i32"] + ["i32"] * 12
+                types = ["*bf16", "*bf16", "*bf16" if gated else "*fp32", "*i32", "*i32", "*fp32", "*i32"] + ["i32"] * 13
                 const = dict(TOP_K=2 if gated else 1, GATED=gated, SWAP_AB=False, EVEN_K=True, EVEN_N=True,
                              BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee", QUANT=0, GROUP=128,
                              USE_SLOTS=False)

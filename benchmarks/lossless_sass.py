@@ -79,7 +79,7 @@ def main() -> int:
                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee")
             weights = 2 * cfg.block_n * cfg.block_k  # gate and up tiles per K step
             variants = {"bf16": (fused_moe_kernel, BF16_ARGS, ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*fp32", "*i32"]
-                                 + ["i32"] * 12, dict(common, QUANT=0, GROUP=128, USE_SLOTS=False))}
+                                 + ["i32"] * 13, dict(common, QUANT=0, GROUP=128, USE_SLOTS=False))}
             for cap in (0, -1, 8):
                 variants[f"lossless esc {cap}"] = (
                     fused_moe_lossless_kernel, LOSSLESS_ARGS,

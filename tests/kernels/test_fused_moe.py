@@ -299,3 +299,67 @@ def test_mixed_precision_layer_equals_the_assembled_one(T, E, A, H, I):
     ref = fm.fused_moe(x, full13, full2, weights, ids)
     got = fm.fused_moe_mixed(x, parts, E, weights, ids)
     assert torch.equal(got, ref)
+
+
+def _sorted_blocks(monkeypatch, fn):
+    """fn() with the one-token steps on moe_align's sorted blocks instead of one block per slot."""
+    monkeypatch.setattr(fm, "SLOT_BLOCKS_MAX_TOKENS", 0)
+    try:
+        return fn()
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("A,E,H,I,overrides", [
+    (2, 4, 72, 40, {}), (4, 16, 64, 48, {}), (3, 5, 71, 37, dict(split_k=2)), (2, 4, 72, 40, dict(swap_ab=True)),
+])
+def test_one_token_slot_blocks_equal_sorted_blocks(monkeypatch, A, E, H, I, overrides):
+    """One token: fused_moe gives each slot its own block and launches no moe_align (SLOT_BLOCKS); its output
+    equals the sorted blocks' bit for bit (a token's experts are distinct, so each block holds the same one row),
+    with ids outside [0, E) skipped as moe_align skips them (expert parallelism's -1, a stray E + 2)."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    x, w13, w2, weights, ids = make_layer(1, A, E, H, I, dtype, seed=A * E + H)
+    calls = []
+    orig = fm.moe_align
+    monkeypatch.setattr(fm, "moe_align", lambda *a, **k: calls.append(a) or orig(*a, **k))
+    got = fm.fused_moe(x, w13, w2, weights, ids, **overrides)
+    assert calls == []                                           # no moe_align launch for one token
+    ref = _sorted_blocks(monkeypatch, lambda: fm.fused_moe(x, w13, w2, weights, ids, **overrides))
+    assert torch.equal(got, ref)
+    assert rel_err(got, reference(x, w13, w2, weights, ids)) < TOL[dtype]
+    bad = ids.clone()
+    bad[0, 0] = -1
+    bad[0, -1] = E + 2
+    monkeypatch.setattr(fm, "moe_align", orig)
+    got = fm.fused_moe(x, w13, w2, weights, bad)
+    ref = _sorted_blocks(monkeypatch, lambda: fm.fused_moe(x, w13, w2, weights, bad))
+    assert torch.equal(got, ref)
+
+
+def test_one_token_slot_blocks_with_a_slot_map(monkeypatch):
+    """The routed-fetching pool (fused_moe_mixed with slots) and a quantized part take one block per slot too."""
+    from pagedmoe.codecs.quant import quantize
+    from pagedmoe.experts.tiers.quantized import stack_quantized as _stack
+
+    E, A, H, I = 6, 2, 72, 40
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    g = torch.Generator().manual_seed(5)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=g) * I ** -0.5
+    exact, quant = [0, 2, 4], [1, 3, 5]
+    parts = []
+    for ids_, kind in ((exact, "exact"), (quant, "int8")):
+        slots = torch.full((E,), -1, dtype=torch.int32)
+        slots[ids_] = torch.arange(len(ids_), dtype=torch.int32)
+        if kind == "exact":
+            parts.append((w13[ids_].to(DEVICE, dtype), w2[ids_].to(DEVICE, dtype), slots.to(DEVICE)))
+        else:
+            parts.append((_stack([quantize(w13[e].to(DEVICE), kind) for e in ids_]),
+                          _stack([quantize(w2[e].to(DEVICE), kind) for e in ids_]), slots.to(DEVICE)))
+    x = torch.randn(1, H, generator=g).to(DEVICE, dtype)
+    for pick in ([0, 3], [2, 4], [5, 1]):
+        ids = torch.tensor([pick], device=DEVICE)
+        weights = torch.tensor([[0.7, 0.3]], device=DEVICE)
+        got = fm.fused_moe_mixed(x, parts, E, weights, ids)
+        ref = _sorted_blocks(monkeypatch, lambda: fm.fused_moe_mixed(x, parts, E, weights, ids))
+        assert torch.equal(got, ref)

@@ -97,6 +97,22 @@ def mma(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def slot_block_rows(pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_N: tl.constexpr):
+    """block_rows of block pid_m when each block is one slot (fused_moe's SLOT_BLOCKS): row 0 holds slot pid_m,
+    the padding rows the sentinel num_slots, as moe_align lays out a token's experts (no load)."""
+    rows = tl.arange(0, BLOCK_M)
+    slots = tl.where(rows == 0, pid_m, num_slots)
+    m_mask = slots < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_mask = offs_n < N
+    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+
+
+@triton.jit
 def store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask,
                  GATED: tl.constexpr, SWAP_AB: tl.constexpr):
     """Writes a block's rows: silu(gate) * up when GATED, else the plain product (of split pid_k)."""
