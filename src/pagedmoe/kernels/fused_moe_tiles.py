@@ -64,13 +64,19 @@ def block_rows(sorted_slots_ptr, pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr
     """A block's slots (padding rows hold the sentinel num_slots), their rows of a (slot // TOP_K), its output
     columns and their masks."""
     slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slots < num_slots
+    offs_n, n_mask = block_cols(pid_n, N, BLOCK_N, EVEN_N)
+    return slots, slots < num_slots, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+
+
+@triton.jit
+def block_cols(pid_n, N, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Output columns of column tile pid_n and their mask."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
         n_mask = tl.full([BLOCK_N], 1, tl.int1)
     else:
         n_mask = offs_n < N
-    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+    return offs_n, n_mask
 
 
 @triton.jit
@@ -101,15 +107,9 @@ def slot_block_rows(pid_m, pid_n, num_slots, N, TOP_K: tl.constexpr, BLOCK_M: tl
                     EVEN_N: tl.constexpr):
     """block_rows of block pid_m when each block is one slot (fused_moe's SLOT_BLOCKS): row 0 holds slot pid_m,
     the padding rows the sentinel num_slots, as moe_align lays out a token's experts (no load)."""
-    rows = tl.arange(0, BLOCK_M)
-    slots = tl.where(rows == 0, pid_m, num_slots)
-    m_mask = slots < num_slots
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        n_mask = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        n_mask = offs_n < N
-    return slots, m_mask, (slots // TOP_K).to(tl.int64), offs_n, n_mask
+    slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+    offs_n, n_mask = block_cols(pid_n, N, BLOCK_N, EVEN_N)
+    return slots, slots < num_slots, (slots // TOP_K).to(tl.int64), offs_n, n_mask
 
 
 @triton.jit
