@@ -146,6 +146,8 @@ def prefill_profile(engine, args) -> int:
         sync()
         walls.append(time.perf_counter() - t0)
     profiled_walls, per_class = profile_steps_of(one_step, args.num_steps)
+    if args.host_profile:
+        host_profile(one_step, args.num_steps, Path(args.out) / "host_prefill.txt" if args.out else None)
     shape = ModelShape.from_hf_config(engine.config.model or default_model_path())
     flops = tokens * shape.flops_per_token(args.input_len / 2)  # causal: the mean context is half the prompt
     floor = flops / (args.gemm_tflops * 1e12)
@@ -169,8 +171,8 @@ def prefill_profile(engine, args) -> int:
     return 0
 
 
-def host_profile(engine, num_steps: int, path) -> None:
-    """Host time per function over num_steps decode steps (cProfile): where a host-bound step's gap goes."""
+def host_profile(step, num_steps: int, path) -> None:
+    """Host time per function over num_steps calls of step() (cProfile): where a host-bound step's gap goes."""
     import cProfile
     import io
     import pstats
@@ -178,7 +180,7 @@ def host_profile(engine, num_steps: int, path) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(num_steps):
-        engine.step()
+        step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     prof.disable()
@@ -188,6 +190,7 @@ def host_profile(engine, num_steps: int, path) -> None:
     stats.sort_stats("cumulative").print_stats(40)
     print(buf.getvalue())
     if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(buf.getvalue())
 
 
@@ -232,7 +235,7 @@ def main() -> int:
         pipelined = pipelined_step_s(engine, args.num_steps)
         walls, per_class = profile_steps(engine, args.num_steps)
         if args.host_profile:
-            host_profile(engine, args.num_steps, out / f"host_b{batch}.txt" if out else None)
+            host_profile(engine.step, args.num_steps, out / f"host_b{batch}.txt" if out else None)
         while engine.has_unfinished_requests():  # drain before the next batch size
             for rid in list(engine.requests):
                 engine.abort_request(rid)

@@ -75,6 +75,12 @@ class EngineConfig:
     load_format: str = _flag("auto", "auto: read safetensors; dummy: random weights of the right shapes",
                              _LOAD_FORMATS)
     enforce_eager: bool = _flag(False, "disable CUDA graphs", type_=bool)
+    prefill_graph_tokens: Optional[int] = _flag(None, "steps that are not decode-only (prefill, chunks, decode rows "
+                                                      "beside them) of at most this many tokens and 4 sequences "
+                                                      "replay CUDA graphs, one per token bucket (16, 32, ..): an "
+                                                      "eager 512-token prefill is host-bound; default 512 (at most "
+                                                      "--max-num-batched-tokens) with resident experts, where "
+                                                      "decode graphs are captured; 0: eager", type_=int)
     enable_prefix_caching: bool = _flag(True, "automatic prefix caching: requests whose tokens start alike share "
                                               "the KV blocks of that start, computed once (vLLM's default)",
                                         type_=bool)
@@ -185,6 +191,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0 (0: eager prefill), got {self.prefill_graph_tokens}")
+        if self.prefill_graph_tokens and self.enforce_eager:
+            raise ValueError("--prefill-graph-tokens captures CUDA graphs, which --enforce-eager turns off")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 (the experts are split "
                              "over the tensor-parallel ranks)")

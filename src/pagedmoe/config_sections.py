@@ -33,6 +33,7 @@ class ModelConfig:
     load_format: str
     served_model_name: Optional[str]
     enforce_eager: bool
+    prefill_graph_tokens: Optional[int]   # None: PREFILL_GRAPH_TOKENS where prefill graphs can be captured
     attention_backend: str
     moe_backend: str
     fused_ops: str
@@ -183,6 +184,7 @@ SECTIONS = {
     "model_config": (ModelConfig, {"model": "path", "tokenizer": "tokenizer", "dtype": "dtype", "device": "device",
                                    "max_model_len": "max_model_len", "seed": "seed", "load_format": "load_format",
                                    "served_model_name": "served_model_name", "enforce_eager": "enforce_eager",
+                                   "prefill_graph_tokens": "prefill_graph_tokens",
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend",
                                    "fused_ops": "fused_ops", "backbone_gemm": "backbone_gemm"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",

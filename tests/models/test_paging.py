@@ -278,7 +278,8 @@ def test_auto_placement_uses_the_compressed_tier_only_when_asked(tmp_path, monke
 def test_compressed_tier_triton_decode_on_cuda(bf16_ckpt, eager, buffers):
     """On CUDA the pager decodes with the Triton kernel on its copy stream (inside the decode CUDA
     graphs when not eager); logits stay identical to resident, with plain and VMM buffers."""
-    ref, _ = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", enforce_eager=eager)
+    # prefill_graph_tokens=0: the resident reference prefills eager, as paged engines do
+    ref, _ = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", enforce_eager=eager, prefill_graph_tokens=0)
     got, engine = _logits_trace(bf16_ckpt, device="cuda", dtype="bfloat16", enforce_eager=eager,
                                 expert_buffers=buffers, num_gpu_experts=2, num_compressed_experts=4)
     assert len(ref) == len(got)

@@ -112,6 +112,11 @@ def test_pure_accounting():
     g = m.graph_pool_bytes([1, 2, 4], 64, 32, 2, 1000, 2)
     assert g == m.estimate_activation_bytes(4, 0, 64, 32, 2, 1000, 2) + 4 * 1000 * 2 + 4 * 1000 * 4
     assert m.graph_pool_bytes([], 64, 32, 2, 1000, 2) == 0
+    # prefill graphs: their tokens' activations when more than the decode bucket's, the decode bucket's logits
+    g = m.graph_pool_bytes([1, 2, 4], 64, 32, 2, 1000, 2, prefill_tokens=512)
+    assert g == m.estimate_activation_bytes(512, 0, 64, 32, 2, 1000, 2) + 4 * 1000 * 2 + 4 * 1000 * 4
+    assert m.prefill_buckets(512) == [16, 32, 64, 128, 256, 512] and m.prefill_buckets(100) == [16, 32, 64, 100]
+    assert m.prefill_buckets(8) == [8] and m.prefill_buckets(0) == []
     # a build: one layer of exact experts + the quantiser's float32 temporaries of one expert
     assert m.dynamic_build_bytes(8, 100, 50) == 800 + 600
     r = m.device_reserve_bytes(1000 * MiB, 100 * MiB, 0, 600 * MiB)

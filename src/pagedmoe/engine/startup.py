@@ -161,7 +161,8 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     runner = ModelRunner(model, plan.num_kv_blocks, config.block_size, device, dtype, config.attention_backend,
                          config.moe_backend, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          enforce_eager=eager, kv_backing=backing, memory=memory, fused_ops=config.fused_ops,
-                         backbone_gemm=config.backbone_gemm)
+                         backbone_gemm=config.backbone_gemm, prefill_graph_tokens=config.prefill_graph_tokens,
+                         max_num_batched_tokens=config.max_num_batched_tokens)
     if backing is not None and memory is not None and config.num_kv_blocks is None:
         # lent blocks come back only while the process stays within the budget with room for a step's
         # activations and the next build (not whenever the device has memory free)

@@ -78,6 +78,12 @@ FRAGMENTATION_FRACTION = 0.10       # torch's pool rounds blocks up and keeps fr
                                     # what is allocated and freed while running (activations, graphs, builds)
 
 
+# Prefill CUDA graphs (worker/cuda_graph.py::PrefillCudaGraphs): steps of up to this many tokens by default
+# (--prefill-graph-tokens) and of up to PREFILL_GRAPH_SEQS sequences
+PREFILL_GRAPH_TOKENS = 512
+PREFILL_GRAPH_SEQS = 4
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes the decode CUDA graphs are captured for (worker/cuda_graph.py); here because their pool
     is part of the device budget."""
@@ -86,27 +92,38 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out))
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts the prefill CUDA graphs are captured for (worker/cuda_graph.py::PrefillCudaGraphs): powers of
+    two from 16 up to max_tokens, and max_tokens; none for 0."""
+    if max_tokens <= 0:
+        return []
+    return sorted({b for b in (16 << i for i in range(16)) if b < max_tokens} | {max_tokens})
+
+
 def graph_pool_bytes(buckets: list[int], hidden_size: int, moe_intermediate_size: int, top_k: int,
-                     vocab_size: int, dtype_bytes: int) -> int:
-    """The CUDA graphs' memory: one step's activations at the largest decode bucket (the graphs share
-    the pool, largest first; no sampler copies: sampling runs outside the graph) with its logits in the model
-    dtype, plus the one float32 logits buffer of the largest bucket every graph writes into
-    (worker/cuda_graph.py). Measured on the H200 when each bucket kept its own float32 logits: 0.91 GiB for
-    Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it those logits (sum(buckets) x V x 4 bytes)."""
+                     vocab_size: int, dtype_bytes: int, prefill_tokens: int = 0) -> int:
+    """The CUDA graphs' memory: one step's activations at the largest decode bucket or the largest prefill graph's
+    tokens (the graphs share the pool, largest first; no sampler copies: sampling runs outside the graph) with the
+    decode bucket's logits in the model dtype, plus the one float32 logits buffer of the largest bucket every
+    graph writes into (worker/cuda_graph.py). Measured on the H200 when each bucket kept its own float32 logits:
+    0.91 GiB for Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it those logits (sum(buckets) x V x 4 bytes)."""
     if not buckets:
         return 0
     top = max(buckets)
-    act = estimate_activation_bytes(top, 0, hidden_size, moe_intermediate_size, top_k, vocab_size, dtype_bytes)
+    act = estimate_activation_bytes(max(top, prefill_tokens), 0, hidden_size, moe_intermediate_size, top_k,
+                                    vocab_size, dtype_bytes)
     return act + top * vocab_size * dtype_bytes + top * vocab_size * 4
 
 
 def start_up_reserve_bytes(activation_bytes: int, max_num_seqs: int, hidden_size: int, moe_intermediate_size: int,
                            top_k: int, vocab_size: int, dtype_bytes: int, cuda_graphs: bool = True,
-                           build_bytes: int = 0, context_bytes: int = 0) -> int:
-    """device_reserve_bytes for an engine's flags: the graph pool of its decode buckets when it captures
-    graphs. One formula for the engine, its placement search and `pagedmoe plan`."""
+                           build_bytes: int = 0, context_bytes: int = 0,
+                           prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS) -> int:
+    """device_reserve_bytes for an engine's flags: the graph pool of its decode buckets and prefill graphs when
+    it captures graphs (the prefill graphs' tokens counted whether or not the placement lets them be captured: a
+    few MiB). One formula for the engine, its placement search and `pagedmoe plan`."""
     graphs = (graph_pool_bytes(decode_buckets(max_num_seqs), hidden_size, moe_intermediate_size, top_k, vocab_size,
-                               dtype_bytes) if cuda_graphs else 0)
+                               dtype_bytes, prefill_graph_tokens) if cuda_graphs else 0)
     return device_reserve_bytes(activation_bytes, graphs, build_bytes, context_bytes)
 
 

@@ -20,7 +20,8 @@ from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.oom import naming_oom
 from pagedmoe.worker.block_tables import BlockTables
-from pagedmoe.worker.cuda_graph import DecodeCudaGraphs
+from pagedmoe.planning.kv_sizing import PREFILL_GRAPH_TOKENS
+from pagedmoe.worker.cuda_graph import DecodeCudaGraphs, PrefillCudaGraphs
 from pagedmoe.worker.host_copy import to_device_async
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,13 @@ class ModelRunner:
                  dtype: torch.dtype, attention_backend: str = "auto", moe_backend: str = "auto",
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
                  kv_backing: Optional[LendableKVCache] = None, memory=None,
-                 fused_ops: str = "auto", backbone_gemm: str = "auto") -> None:
+                 fused_ops: str = "auto", backbone_gemm: str = "auto", prefill_graph_tokens: Optional[int] = None,
+                 max_num_batched_tokens: Optional[int] = None) -> None:
         """`kv_backing`: KV tensors lent to dynamic precision (kvcache/kv_cache.py), else plain ones are
         allocated; `memory`: the engine's DeviceMemoryMonitor (worker/device_memory.py), told the KV cache's and
-        the CUDA graphs' stages; None off CUDA."""
+        the CUDA graphs' stages; None off CUDA. `prefill_graph_tokens` (--prefill-graph-tokens; None: the default
+        where it can take effect): the largest step that is not decode-only replayed from a CUDA graph, at most
+        max_num_batched_tokens."""
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.control = None  # rank 0 under tensor parallelism: parallel/launch.py's StepBroadcast
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
@@ -70,6 +74,10 @@ class ModelRunner:
         apply_fused_ops(model, resolve_fused_ops(fused_ops, device))  # before the graphs capture the kernels
         apply_backbone_gemm(model, resolve_backbone_gemm(backbone_gemm, device))
         self.graphs = None
+        self.prefill_graphs = None
+        if prefill_graph_tokens and (enforce_eager or device.type != "cuda"):
+            logger.warning("--prefill-graph-tokens %d has no effect: this engine runs without CUDA graphs",
+                           prefill_graph_tokens)
         if device.type == "cuda" and not enforce_eager:
             moes = model.moe_layers()
             probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
@@ -87,10 +95,30 @@ class ModelRunner:
                                                max_model_len, device)
                 with naming_oom("capturing CUDA graphs (--enforce-eager runs without them)"):
                     self.graphs.capture()
+                    self._capture_prefill_graphs(prefill_graph_tokens, max_num_batched_tokens, graph_seqs,
+                                                 max_model_len)
                 if memory is not None:
                     memory.mark("cuda_graphs")
                 if model.pager is not None:
                     model.pager.reset_stats()  # capture warm-ups are not traffic of the workload
+
+    def _capture_prefill_graphs(self, tokens: Optional[int], max_num_batched_tokens: Optional[int], max_seqs: int,
+                                max_model_len: int) -> None:
+        """Prefill CUDA graphs (worker/cuda_graph.py::PrefillCudaGraphs) after the decode graphs, in their pool:
+        with resident experts (a pager plans its copies per forward, on the host)."""
+        if tokens == 0:
+            return
+        if self.model.pager is not None:
+            if tokens is not None:
+                logger.warning("--prefill-graph-tokens %d has no effect: prefill steps run eager with paged "
+                               "experts", tokens)
+            return
+        limit = PREFILL_GRAPH_TOKENS if tokens is None else tokens
+        if max_num_batched_tokens is not None:
+            limit = min(limit, max_num_batched_tokens)
+        self.prefill_graphs = PrefillCudaGraphs(self.model, limit, max_seqs, self.graphs.block_tables.shape[1],
+                                                max_model_len, self.device)
+        self.prefill_graphs.capture(self.graphs.pool, self.graphs.logits_buf)
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         return self.to_device(self.host_inputs(out, kv))
@@ -194,5 +222,9 @@ class ModelRunner:
             if self.model.pager is not None:
                 self.model.pager.account_replay()
             return logits[inputs.logits_indices].float(), inputs.sampling_rows
+        graphs, meta = self.prefill_graphs, inputs.meta
+        if (graphs is not None and not meta.is_decode_only
+                and graphs.can_run(inputs.input_ids.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1])):
+            return graphs.run(inputs.input_ids, inputs.positions, meta, inputs.logits_indices), inputs.sampling_rows
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return logits, inputs.sampling_rows
