@@ -14,6 +14,9 @@
 #           added to the shipped table (--resume); then batch 1 / 256 and the 512-token prefill with it  ~5 min
 #   before  profile_step.py at batch 1 without this session's decode changes (PAGEDMOE_PDL=0, no tuned fused-MoE
 #           table): Qwen3-30B-A3B and Mixtral-8x7B; then Qwen3 with the table but PDL off (PDL's own share)  ~3 min
+#   pgraphs the prefill CUDA graphs (--prefill-graph-tokens): their GPU tests and those of the tests they touch
+#           (engine, paging and routed-fetch references, fused MoE with SLOT_BLOCKS, PDL); then profile_step.py
+#           --prefill of one 512-token prompt a step, both shapes, the graphs' wall against the same steps eager  ~6 min
 # Results under $OUT/issue25/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,7 +84,19 @@ for part in "$@"; do
       PAGEDMOE_PDL=0 t python3 benchmarks/profile_step.py "$Q" "${PROF[@]}" --batch-size 1 --out "$D/nopdl-qwen3" \
         > "$D/nopdl-qwen3.txt" 2>&1
       grep -A14 "=== batch" "$D/nopdl-qwen3.txt" | head -14 ;;
-    *) echo "unknown part $part (tests, gemm, prof, prefill, tune, tune-mixtral, before)" >&2 ;;
+    pgraphs)
+      t python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_prefill_graphs.py tests/models/test_gpu_engine.py \
+        tests/models/test_paging.py tests/models/test_routed_fetch.py tests/models/test_routed_stream_steps.py \
+        tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py tests/e2e/test_async_scheduling.py -k "not variants" \
+        > "$D/pgraphs-tests.log" 2>&1
+      tail -15 "$D/pgraphs-tests.log"
+      for m in "$Q" benchmarks/configs/mixtral-8x7b; do
+        t python3 benchmarks/profile_step.py "$m" --load-format dummy --expert-placement resident --prefill \
+          --input-len 512 --max-num-batched-tokens 512 --max-model-len 2048 --num-steps 5 \
+          --out "$D/pgraphs-$(basename "$m")" > "$D/pgraphs-$(basename "$m").txt" 2>&1
+        grep -A12 "=== prefill" "$D/pgraphs-$(basename "$m").txt" | head -14
+      done ;;
+    *) echo "unknown part $part (tests, gemm, prof, prefill, tune, tune-mixtral, before, pgraphs)" >&2 ;;
   esac
   echo "=== $part took ${SECONDS} s"
 done

@@ -134,17 +134,29 @@ def prefill_profile(engine, args) -> int:
         while engine.has_unfinished_requests():
             engine.step()
 
-    one_step()  # warm-up (Triton compiles)
+    def timed() -> list[float]:
+        one_step()  # warm-up (Triton compiles)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        out = []
+        for _ in range(args.num_steps):
+            sync()
+            t0 = time.perf_counter()
+            one_step()
+            sync()
+            out.append(time.perf_counter() - t0)
+        return out
+
     # The wall time set against the floor is that of steps run without the profiler: recording every host op
     # slows the eager prefill's ~2-3k launches, so the profiled steps' wall (reported beside it) is longer.
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    walls = []
-    for _ in range(args.num_steps):
-        sync()
-        t0 = time.perf_counter()
-        one_step()
-        sync()
-        walls.append(time.perf_counter() - t0)
+    walls = timed()
+    graphs = engine.runner.prefill_graphs
+    replays = graphs.replays if graphs is not None else None
+    eager_walls = None
+    if graphs is not None:   # the same steps with the prefill CUDA graphs set aside: the eager prefill's wall
+        engine.runner.prefill_graphs = None
+        eager_walls = timed()
+        engine.runner.prefill_graphs = graphs
+        replays = graphs.replays - replays
     profiled_walls, per_class = profile_steps_of(one_step, args.num_steps)
     if args.host_profile:
         host_profile(one_step, args.num_steps, Path(args.out) / "host_prefill.txt" if args.out else None)
@@ -158,6 +170,10 @@ def prefill_profile(engine, args) -> int:
           f"(median; {profiled * 1e3:.3f} under the profiler), kernels {gpu_us / 1e3:.3f} ms; compute floor "
           f"{floor * 1e3:.3f} ms ({flops / 1e12:.2f} TFLOP at {args.gemm_tflops:g} TFLOP/s): floor / wall = "
           f"{floor / wall:.2f}, {tokens / wall:,.0f} tokens/s")
+    if eager_walls is not None:
+        eager = sorted(eager_walls)[len(eager_walls) // 2]
+        print(f"prefill CUDA graphs: {replays} replays in {args.num_steps + 1} steps; the same steps eager "
+              f"(--prefill-graph-tokens 0): wall {eager * 1e3:.3f} ms (median), floor / wall {floor / eager:.2f}")
     print_classes(per_class, args.num_steps, wall * 1e6)
     if args.out:
         out = Path(args.out)
@@ -165,6 +181,8 @@ def prefill_profile(engine, args) -> int:
         (out / f"profile_prefill_{tokens}.json").write_text(json.dumps({
             "prefill_tokens": tokens, "prompts_per_step": per_step, "input_len": args.input_len,
             "wall_ms": [1e3 * w for w in walls], "profiled_wall_ms": [1e3 * w for w in profiled_walls],
+            "prefill_graph_replays": replays,
+            "eager_wall_ms": None if eager_walls is None else [1e3 * w for w in eager_walls],
             "kernel_ms_per_step": gpu_us / 1e3, "floor_ms": floor * 1e3,
             "tflop_per_step": flops / 1e12, "gemm_tflops": args.gemm_tflops, "classes": class_record(per_class, args.num_steps)},
             indent=1, default=str))
