@@ -148,15 +148,15 @@ def prefill_profile(engine, args) -> int:
 
     # The wall time set against the floor is that of steps run without the profiler: recording every host op
     # slows the eager prefill's ~2-3k launches, so the profiled steps' wall (reported beside it) is longer.
-    walls = timed()
     graphs = engine.runner.prefill_graphs
     replays = graphs.replays if graphs is not None else None
+    walls = timed()
     eager_walls = None
     if graphs is not None:   # the same steps with the prefill CUDA graphs set aside: the eager prefill's wall
+        replays = graphs.replays - replays
         engine.runner.prefill_graphs = None
         eager_walls = timed()
         engine.runner.prefill_graphs = graphs
-        replays = graphs.replays - replays
     profiled_walls, per_class = profile_steps_of(one_step, args.num_steps)
     if args.host_profile:
         host_profile(one_step, args.num_steps, Path(args.out) / "host_prefill.txt" if args.out else None)

@@ -79,7 +79,7 @@ class EngineConfig:
                                                       "beside them) of at most this many tokens and 4 sequences "
                                                       "replay CUDA graphs, one per token bucket (16, 32, ..): an "
                                                       "eager 512-token prefill is host-bound; default 512 (at most "
-                                                      "--max-num-batched-tokens) with resident experts, where "
+                                                      "--max-num-batched-tokens and --max-model-len) with resident experts, where "
                                                       "decode graphs are captured; 0: eager", type_=int)
     enable_prefix_caching: bool = _flag(True, "automatic prefix caching: requests whose tokens start alike share "
                                               "the KV blocks of that start, computed once (vLLM's default)",

@@ -113,7 +113,9 @@ class ModelRunner:
                 logger.warning("--prefill-graph-tokens %d has no effect: prefill steps run eager with paged "
                                "experts", tokens)
             return
-        limit = PREFILL_GRAPH_TOKENS if tokens is None else tokens
+        # at most max_model_len: the padding sequence's positions and blocks stay inside the rotary table and
+        # a block-table row
+        limit = min(PREFILL_GRAPH_TOKENS if tokens is None else tokens, max_model_len)
         if max_num_batched_tokens is not None:
             limit = min(limit, max_num_batched_tokens)
         self.prefill_graphs = PrefillCudaGraphs(self.model, limit, max_seqs, self.graphs.block_tables.shape[1],
