@@ -140,7 +140,7 @@ run_part() {  # $1 = part
           --random-output-len "$TPUT_LEN" --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
           --output-json "$D/$name.w4.vllm.json" > "$D/$name.w4.vllm.log" 2>&1
         tail -3 "$D/$name.w4.vllm.log"
-        variants="resident"
+        variants=${W4_VARIANTS:-resident}   # W4_VARIANTS="paged-lossless": vLLM and the paged tier in one call
       else
         variants="paged-lossless auto"
       fi
