@@ -227,6 +227,22 @@ def test_router_counts_the_routed_ids(scoring):
         router_topk(logits, A, True, *extra, counts=torch.zeros(E, dtype=torch.float64, device=DEVICE))
 
 
+def test_router_counts_only_the_rows_below_count_rows():
+    """count_rows (a CUDA graph's real tokens, experts/activity.py): the padding rows are routed, not counted."""
+    T, E, A, real = 19, 16, 2, 7
+    g = torch.Generator(device=DEVICE).manual_seed(8)
+    logits = torch.randn(T, E, generator=g, device=DEVICE)
+    counts = torch.zeros(E, device=DEVICE)
+    w, ids = router_topk(logits, A, True, counts=counts,
+                         count_rows=torch.tensor([real], dtype=torch.int64, device=DEVICE))
+    ref_w, ref_ids = router_topk(logits, A, True)
+    assert torch.equal(w, ref_w) and torch.equal(ids, ref_ids)
+    want = torch.zeros(E, device=DEVICE).index_add_(0, ids[:real].reshape(-1), torch.ones(real * A, device=DEVICE))
+    assert torch.equal(counts, want) and counts.sum() == real * A
+    with pytest.raises(ValueError, match="count_rows"):
+        router_topk(logits, A, True, counts=counts, count_rows=torch.tensor([real], dtype=torch.int32, device=DEVICE))
+
+
 def test_router_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="experts"):
         router_topk(torch.zeros(2, 300, device=DEVICE), 2, True)

@@ -134,12 +134,16 @@ def test_prefill_graphs_on_cuda(ckpt, async_scheduling):
         if graphs is not None:
             assert graphs.buckets[-1] == (128 if name == "chunked" else 256)   # at most max_model_len
             assert graphs.replays >= len(prompts)
-        runs[name] = tokens, captured
+        # the routed tokens counted per layer: the graphs' padding rows are routed but not counted (activity.py)
+        counted = llm.engine.runner.model.experts.activity.total.sum(1).cpu()
+        runs[name] = tokens, captured, counted
         del llm
         torch.cuda.empty_cache()
-    ref_tokens, ref_logits = runs["eager"]
+    ref_tokens, ref_logits, ref_counted = runs["eager"]
+    assert ref_counted.min() > 0
     for name in ("graphs", "chunked"):
-        tokens, logits = runs[name]
+        tokens, logits, counted = runs[name]
+        assert torch.equal(counted, ref_counted), name
         assert tokens == ref_tokens, name
         assert len(logits) == len(ref_logits)
         for a, b in zip(ref_logits, logits):

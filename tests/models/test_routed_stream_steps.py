@@ -107,7 +107,8 @@ def test_stream_step_issues_no_host_sync_and_counts_its_fills(ckpt, refs, monkey
     engine = llm.engine
     engine.pager.stream_min_tokens = 1
     for moe in engine.model.moe_layers():   # as the fused router (kernels/router_topk.py) gives them on the GPU
-        moe.route = lambda x, counts=None, route=moe.route: (lambda w, i: (w, i.to(torch.int32)))(*route(x, counts))
+        moe.route = lambda x, counts=None, count_rows=None, route=moe.route: (
+            (lambda w, i: (w, i.to(torch.int32)))(*route(x, counts, count_rows)))
     got, _ = greedy_logits(llm, lengths, max_tokens=6, seed=5)
     assert len(ref) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(ref, got))
     pager, expert = engine.pager, engine.expert_store.expert_numel * 4

@@ -3,13 +3,34 @@
 The router's top-k ids are added with one index_add per layer (no host sync); the host reads the
 table only when asked (stats, plots, the precision controller every N steps). `ema` is an
 exponential moving average of tokens per step, updated by `end_step`.
+
+`counted_rows` (int64 [1] on the device): only the first counted_rows[0] tokens of a forward are counted. A CUDA
+graph's replay sets it to the step's real tokens (worker/cuda_graph.py: `padding_excluded`) so that its padding
+rows, routed like any, are not; eager forwards leave it at ALL_ROWS.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import contextlib
+
 import torch
+
+ALL_ROWS = 1 << 40   # times top-k stays inside int64
+
+
+@contextlib.contextmanager
+def padding_excluded(table, rows: int):
+    """Count only the first `rows` tokens of the forwards inside (a graph replay of a padded step); no-op for None."""
+    if table is None:
+        yield
+        return
+    table.counted_rows.fill_(rows)
+    try:
+        yield
+    finally:
+        table.counted_rows.fill_(ALL_ROWS)
 
 
 class ActivityTable:
@@ -24,13 +45,16 @@ class ActivityTable:
         # a step needs (bytes routed per step = this x expert bytes / steps; bench latency reports it)
         self.distinct_routed = torch.zeros((), dtype=torch.int64, device=device)
         self.step_distinct = torch.zeros((), dtype=torch.int64, device=device)   # the last ended step's pairs
-        self._ones = torch.ones(4096, dtype=torch.float32, device=device)
+        self.counted_rows = torch.full((1,), ALL_ROWS, dtype=torch.int64, device=device)
+        self._slots = torch.arange(4096, dtype=torch.int64, device=device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Called by the experts object (experts/interface.py) with a MoE layer's [T, A] routed expert ids."""
         flat = topk_ids.reshape(-1)
-        ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else \
-            torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
+        n = flat.numel()
+        slots = self._slots[:n] if n <= self._slots.numel() else torch.arange(n, device=flat.device)
+        # slot i is token i // A's: counted while that token is below counted_rows[0]
+        ones = (slots < self.counted_rows * topk_ids.shape[-1]).to(torch.float32)
         self.step_counts[layer].index_add_(0, flat, ones)
 
     def reset(self) -> None:

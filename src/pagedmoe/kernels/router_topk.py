@@ -33,10 +33,10 @@ MAX_TOP_K = 8
 
 @triton.jit
 def router_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, count_rows_ptr,
     num_experts, stride_l, scaling,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -75,18 +75,21 @@ def router_topk_kernel(
     tl.store(weights_ptr + t * TOP_K + offs_k, w, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=kmask)
     if COUNT:
+        if COUNT_ROWS:  # rows from count_rows[0] on are a CUDA graph's padding: routed, not counted
+            kmask = kmask & ((tl.zeros([K_PAD], tl.int64) + t) < tl.load(count_rows_ptr))
         tl.atomic_add(counts_ptr + ids, tl.full([K_PAD], 1.0, tl.float32), mask=kmask)
 
 
 def router_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
     correction_bias: Optional[torch.Tensor] = None, routed_scaling_factor: float = 1.0,
-    counts: Optional[torch.Tensor] = None,
+    counts: Optional[torch.Tensor] = None, count_rows: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k]); E <= 256, top_k <= 8.
 
     scoring "softmax" (no bias, no scaling) or "sigmoid" (correction_bias [E], routed_scaling_factor).
-    counts: a contiguous float32 [E] tensor on the logits' device that each routed id adds 1 to."""
+    counts: a contiguous float32 [E] tensor on the logits' device that each routed id adds 1 to; count_rows (an int64
+    [1] tensor there): only rows below count_rows[0] are counted (experts/activity.py: a CUDA graph's padding)."""
     if router_logits.dim() != 2 or router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"router_logits must be a float [T, E] tensor, got {tuple(router_logits.shape)} "
                          f"{router_logits.dtype}")
@@ -111,16 +114,19 @@ def router_topk(
                                or counts.device != router_logits.device):
         raise ValueError(f"counts must be a contiguous float32 [{E}] tensor on {router_logits.device}, got "
                          f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
+    if count_rows is not None and (counts is None or count_rows.shape != (1,) or count_rows.dtype != torch.int64
+                                   or count_rows.device != router_logits.device):
+        raise ValueError("count_rows must be an int64 [1] tensor on the logits' device, beside counts")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:
         return weights, ids
     router_topk_kernel[(T,)](
         router_logits, correction_bias if sigmoid else router_logits, weights, ids,
-        counts if counts is not None else weights,
+        counts if counts is not None else weights, count_rows if count_rows is not None else ids,
         E, router_logits.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=max(16, next_pow2(E)),
-        SIGMOID=sigmoid, RENORMALIZE=bool(renormalize), COUNT=counts is not None,
+        SIGMOID=sigmoid, RENORMALIZE=bool(renormalize), COUNT=counts is not None, COUNT_ROWS=count_rows is not None,
         num_warps=1 if E <= 64 else 2, enable_fp_fusion=False, **launch_args(router_logits.device),
     )
     return weights, ids

@@ -20,12 +20,23 @@ import logging
 
 import torch
 
+from pagedmoe.experts.activity import padding_excluded
 from pagedmoe.planning.kv_sizing import PREFILL_GRAPH_SEQS, decode_buckets, prefill_buckets
 from pagedmoe.models.layers.attention import AttentionMetadata
 from pagedmoe.models.moe_decoder import MoEForCausalLM
 from pagedmoe.worker.device_memory import polling_paused
 
 logger = logging.getLogger(__name__)
+
+
+def replay(graph: torch.cuda.CUDAGraph, model: MoEForCausalLM, rows: int, bucket: int) -> None:
+    """Replay a bucket's graph for a step of `rows` real tokens: the padding's routed experts are not counted in
+    the activity table (experts/activity.py)."""
+    if rows == bucket:
+        graph.replay()
+        return
+    with padding_excluded(getattr(model.experts, "activity", None), rows):
+        graph.replay()
 
 
 class DecodeCudaGraphs:
@@ -93,7 +104,7 @@ class DecodeCudaGraphs:
             self.slot_mapping[B:bucket].fill_(-1)
             self.seq_lens[B:bucket].fill_(1)
             self.block_tables[B:bucket, 0].fill_(0)
-        self.graphs[bucket].replay()
+        replay(self.graphs[bucket], self.model, B, bucket)
         return self.logits[bucket][:B]
 
 
@@ -182,7 +193,7 @@ class PrefillCudaGraphs:
         """A step of T tokens and B sequences (can_run) -> float32 logits [N, V] of its N sampling rows (a copy:
         the buffer is the next replay's)."""
         bucket = self.fill(input_ids, positions, meta, logits_indices)
-        self.graphs[bucket].replay()
+        replay(self.graphs[bucket], self.model, input_ids.shape[0], bucket)
         self.replays += 1
         return self.logits[:logits_indices.shape[0]].clone()
 

@@ -321,16 +321,18 @@ class FusedMoE(nn.Module):
     def shared_mlp(self) -> Optional[GatedMLP]:
         return None if self.shared_expert_name is None else self._modules[self.shared_expert_name]
 
-    def route(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None,
+              count_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights f32 [T, A], ids [T, A]). `counts` (fused router only): the activity table's
-        row of this layer, which the kernel adds the routed ids to."""
+        row of this layer, which the kernel adds the routed ids of the rows below count_rows[0] to."""
         if self.fused_router:  # --fused-ops: one Triton kernel (kernels/router_topk.py, layers/fused_ops.py)
             from pagedmoe.kernels.router_topk import router_topk
 
             if self.router == "softmax":
-                return router_topk(self.gate(x), self.top_k, self.renormalize, counts=counts)
+                return router_topk(self.gate(x), self.top_k, self.renormalize, counts=counts, count_rows=count_rows)
             return router_topk(self.gate(x), self.top_k, self.renormalize, "sigmoid",
-                               self.gate.e_score_correction_bias, self.routed_scaling_factor, counts=counts)
+                               self.gate.e_score_correction_bias, self.routed_scaling_factor, counts=counts,
+                               count_rows=count_rows)
         if self.router == "softmax":
             return route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         if self.router == "softmax_grouped":
@@ -385,7 +387,7 @@ class FusedMoE(nn.Module):
         activity = getattr(experts, "activity", None)
         counts = (activity.step_counts[self.moe_idx] if self.fused_router and self.ep_size == 1
                   and activity is not None else None)
-        topk_weights, topk_ids = self.route(x, counts)
+        topk_weights, topk_ids = self.route(x, counts, None if counts is None else activity.counted_rows)
         own = None
         if self.ep_size > 1:
             topk_weights, topk_ids, own = self.local_routes(topk_weights, topk_ids)
