@@ -9,9 +9,11 @@
 #   prefill profile_step.py --prefill: 8 prompts x 1024 tokens a step (8192), Qwen3-30B-A3B and Mixtral-8x7B,
 #           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
 #   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
-#   tune-mixtral  tune_fused_moe.py for Mixtral-8x7B at 1-8 and 256 / 512 tokens, kernels launched with PDL as the
-#           engine launches them (the table's Mixtral tiles of a008dde, tuned without PDL, slowed the step with it),
-#           added to the shipped table (--resume); then batch 1 / 256 and the 512-token prefill with it  ~5 min
+#   tune-mixtral  tune_fused_moe.py for Mixtral-8x7B at 256 and 128 tokens (TUNE_BATCHES, block_m TUNE_BLOCK_M),
+#           kernels launched with PDL as the engine launches them, added to the shipped table (--resume); then
+#           profile_step.py at batch 256 (PROF_BATCHES) with the shipped table and with the tuned one  ~7 min
+#   gtests  the GPU tests of the activity counting under padded graph replays (prefill graphs against eager,
+#           the counting router) and of the engines that replay graphs                          ~3 min
 #   before  profile_step.py at batch 1 without this session's decode changes (PAGEDMOE_PDL=0, no tuned fused-MoE
 #           table): Qwen3-30B-A3B and Mixtral-8x7B; then Qwen3 with the table but PDL off (PDL's own share)  ~3 min
 #   pgraphs the prefill CUDA graphs (--prefill-graph-tokens): their GPU tests and those of the tests they touch
@@ -63,18 +65,21 @@ for part in "$@"; do
       tail -20 "$D/tune.log" ;;
     tune-mixtral)
       M=benchmarks/configs/mixtral-8x7b
-      t python3 benchmarks/tune_fused_moe.py --models mixtral-8x7b --batches 1 2 4 8 256 512 --max-s 200 \
+      t python3 benchmarks/tune_fused_moe.py --models mixtral-8x7b --batches ${TUNE_BATCHES:-256 128} \
+        --block-m ${TUNE_BLOCK_M:-32 64 128} --max-s ${TUNE_MAX_S:-200} \
         --resume src/pagedmoe/data/fused_moe_NVIDIA_H200_bfloat16.json --out "$D/tune-mixtral" > "$D/tune-mixtral.log" 2>&1
       tail -8 "$D/tune-mixtral.log"
-      export PAGEDMOE_FUSED_MOE_CONFIG=$D/tune-mixtral/fused_moe_NVIDIA_H200_bfloat16.json
-      t python3 benchmarks/profile_step.py "$M" "${PROF[@]}" --batch-size 1 256 --out "$D/tuned-mixtral" \
-        > "$D/tuned-mixtral.txt" 2>&1
-      grep "=== batch" "$D/tuned-mixtral.txt"
-      t python3 benchmarks/profile_step.py "$M" --load-format dummy --expert-placement resident --prefill \
-        --input-len 512 --max-num-batched-tokens 512 --max-model-len 2048 --num-steps 5 --out "$D/tuned-mixtral-p512" \
-        > "$D/tuned-mixtral-p512.txt" 2>&1
-      grep "=== prefill" "$D/tuned-mixtral-p512.txt"
-      unset PAGEDMOE_FUSED_MOE_CONFIG ;;
+      t python3 benchmarks/profile_step.py "$M" "${PROF[@]}" --batch-size ${PROF_BATCHES:-256} --out "$D/shipped-mixtral" \
+        > "$D/shipped-mixtral.txt" 2>&1
+      grep "=== batch" "$D/shipped-mixtral.txt"
+      PAGEDMOE_FUSED_MOE_CONFIG=$D/tune-mixtral/fused_moe_NVIDIA_H200_bfloat16.json t python3 benchmarks/profile_step.py \
+        "$M" "${PROF[@]}" --batch-size ${PROF_BATCHES:-256} --out "$D/tuned-mixtral" > "$D/tuned-mixtral.txt" 2>&1
+      grep "=== batch" "$D/tuned-mixtral.txt" ;;
+    gtests)
+      t python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_prefill_graphs.py tests/kernels/test_fused_ops.py \
+        tests/unit/test_activity_rows.py tests/models/test_gpu_engine.py tests/models/test_dynamic_precision.py \
+        tests/models/test_routed_stream_steps.py > "$D/gtests.log" 2>&1
+      tail -15 "$D/gtests.log" ;;
     before)
       for m in "$Q" benchmarks/configs/mixtral-8x7b; do
         PAGEDMOE_PDL=0 PAGEDMOE_FUSED_MOE_CONFIG=off t python3 benchmarks/profile_step.py "$m" "${PROF[@]}" --backbone-gemm torch \

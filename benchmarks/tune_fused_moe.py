@@ -166,10 +166,14 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=4, help="layer copies rotated through (L2 never holds weights)")
     p.add_argument("--max-s", type=float, default=540.0, help="start no batch after this many seconds")
     p.add_argument("--quick", action="store_true", help="a tiny grid (plumbing runs)")
+    p.add_argument("--block-m", type=int, nargs="+", default=None,
+                   help=f"block_m values to try (default {OUTER['block_m']}; past twice the rows per expert skipped)")
     p.add_argument("--resume", default=None, help="a table this script wrote: keep its entries, add the rest")
     p.add_argument("--out", default="out/tune")
     args = p.parse_args(argv)
     args.grid = QUICK if args.quick else dict(w13=W13, w2=W2, outer=OUTER)
+    if args.block_m:
+        args.grid = dict(args.grid, outer=dict(args.grid["outer"], block_m=tuple(args.block_m)))
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device (use --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
