@@ -84,6 +84,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag(True, "automatic prefix caching: requests whose tokens start alike share "
                                               "the KV blocks of that start, computed once (vLLM's default)",
                                         type_=bool)
+    swap_space: Optional[float] = _flag(None, "pinned host memory in GiB for the KV of preempted requests (vLLM's "
+                                              "--swap-space): swapped out and back in instead of recomputed; 0: "
+                                              "recompute. Default: on CUDA, what max_num_seqs sequences of max_model_len "
+                                              "tokens can need beyond the KV cache, at most 16 GiB and half the host "
+                                              "memory available; 0 on CPU and under tensor parallelism",
+                                        type_=float)
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
     moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)
@@ -209,6 +215,12 @@ class EngineConfig:
                              "are its own share)")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.swap_space is not None and not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB of host memory for preempted requests' KV), got "
+                             f"{self.swap_space}")
+        if self.swap_space and self.tensor_parallel_size > 1:
+            raise ValueError("--swap-space does not support --tensor-parallel-size > 1 yet (the workers' KV caches "
+                             "would need the same copies); leave it unset or 0")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
             raise ValueError(f"host_memory_gb must be > 0 (GiB of host memory for the pinned host tier), got "
                              f"{self.host_memory_gb}")

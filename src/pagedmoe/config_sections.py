@@ -54,6 +54,7 @@ class CacheConfig:
     gpu_memory_gb: Optional[float]
     host_memory_gb: Optional[float]
     enable_prefix_caching: bool
+    swap_space: Optional[float]   # None: sized where preemption can happen on CUDA (kvcache/swap.py)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ SECTIONS = {
                                     "async_scheduling": "async_scheduling"}),
     "cache": (CacheConfig, {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
                             "gpu_memory_gb": "gpu_memory_gb", "host_memory_gb": "host_memory_gb",
-                            "enable_prefix_caching": "enable_prefix_caching"}),
+                            "enable_prefix_caching": "enable_prefix_caching", "swap_space": "swap_space"}),
     "parallel": (ParallelConfig, {"tensor_parallel_size": "tensor_parallel_size",
                                   "enable_expert_parallel": "enable_expert_parallel"}),
     "experts": (ExpertConfig, {"expert_placement": "placement", "num_gpu_experts": "num_gpu_experts",

@@ -28,6 +28,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # KV swap space (kvcache/swap.py), copied before the step's forward, in this order:
+    swap_out: list[tuple[list[int], int]] = field(default_factory=list)  # (device blocks, host start)
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (host start, device blocks)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -66,8 +66,9 @@ def _run(ckpt, async_scheduling, penalties=False, **flags):
     {},
     {"max_num_batched_tokens": 24},                          # chunked prefill
     {"num_kv_blocks": 10, "max_num_batched_tokens": 40},     # preemption by recompute
+    {"num_kv_blocks": 10, "max_num_batched_tokens": 40, "swap_space": 0.01},   # preemption by swapping
     {"enable_prefix_caching": False},
-], ids=["plain", "chunked", "preempt", "no-prefix-cache"])
+], ids=["plain", "chunked", "preempt", "swap", "no-prefix-cache"])
 @pytest.mark.parametrize("penalties", [False, True], ids=["overlapped", "penalties"])
 def test_outputs_equal_plain_steps(ckpt, flags, penalties):
     plain, _ = _run(ckpt, False, penalties, **flags)
@@ -88,6 +89,10 @@ def test_outputs_equal_plain_steps(ckpt, flags, penalties):
     stats = llm.engine.get_stats()
     if "num_kv_blocks" in flags and not penalties:
         assert stats["num_preemptions_total"] > 0
+        assert (stats["num_swapped_preemptions_total"] == stats["num_preemptions_total"]) == ("swap_space" in flags)
+    if "swap_space" in flags:  # the swapped KV is the KV: the tokens of a run that never preempts
+        unpreempted, _ = _run(ckpt, False, penalties, max_num_batched_tokens=40)
+        assert [r[0] for r in overlapped] == [r[0] for r in unpreempted]
     if flags.get("enable_prefix_caching", True):
         assert stats["prefix_cache_hits_total"] > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks       # every block came back

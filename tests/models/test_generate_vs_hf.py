@@ -53,6 +53,17 @@ def test_matches_under_preemption(reference):
     assert got == expected
 
 
+def test_matches_under_swapped_preemption(reference):
+    """--swap-space: preempted requests' KV goes to host memory and back instead of being recomputed; the tokens
+    are the reference's (swaps mixed with recomputes: tests/unit/test_scheduler.py)."""
+    path, prompts, expected = reference
+    got, engine = _generate(path, prompts, max_model_len=64, block_size=8, num_kv_blocks=8, swap_space=0.01)
+    sched = engine.scheduler
+    assert sched.num_swapped_total > 0 and sched.num_swapped_total == sched.num_preemptions_total
+    assert sched.swap.num_used_blocks == 0 and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert got == expected
+
+
 def test_matches_with_small_prefill_chunks(reference):
     path, prompts, expected = reference
     got, engine = _generate(path, prompts, max_model_len=128, max_num_batched_tokens=5, max_num_seqs=3)

@@ -82,3 +82,20 @@ def test_bf16_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_sch
         del llm
         torch.cuda.empty_cache()
     assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [3, 12, 5, 20, 1, 9, 16, 7]
+
+
+def test_float32_cuda_swapped_preemption_matches_transformers(checkpoint):
+    """--swap-space on CUDA (pinned host memory, asynchronous copies queued before the step, async scheduling and
+    decode graphs on): 8 sequences of up to 74 tokens in 12 blocks of 16 must preempt; each victim's KV goes to the
+    host and back, and the greedy tokens are transformers'."""
+    path, hf, prompts = checkpoint
+    got, llm = _run(path, prompts, dtype="float32", num_kv_blocks=12, swap_space=0.05)
+    sched = llm.engine.scheduler
+    assert llm.engine.runner.kv_swap.host.is_pinned() and llm.engine._async is not None
+    assert sched.num_swapped_total > 0 and sched.num_swapped_total == sched.num_preemptions_total
+    assert sched.swap.num_used_blocks == 0 and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    with torch.no_grad():
+        for p, tokens in zip(prompts, got):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                              pad_token_id=0)
+            assert out[0, len(p):].tolist() == tokens

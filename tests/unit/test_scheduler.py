@@ -105,3 +105,101 @@ def test_random_workload_invariants():
     assert all(r.is_finished for r in reqs)
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+# -- swap space (kvcache/swap.py) -------------------------------------------------------------------
+
+
+def test_swapped_preemption_keeps_computed_tokens_and_copies_back():
+    from pagedmoe.kvcache.swap import SwapSpace
+
+    kv = KVCacheManager(4, 4)
+    swap = SwapSpace(8)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=swap)
+    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    _run_step(sched)
+    b_blocks = list(kv.block_table("b"))
+    out = _run_step(sched)                    # a needs a third block: b is preempted, its 8 computed tokens go to the host
+    assert out.preempted_ids == ["b"]
+    assert out.swap_out == [(b_blocks, 0)]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8 and swap.holds("b")
+    assert sched.num_swapped_total == 1 and sched.num_preemptions_total == 1
+    swapped_in = None
+    while sched.has_unfinished():
+        out = _run_step(sched)
+        if out.swap_in:
+            swapped_in = out
+    # b came back into fresh blocks from host block 0, decoding its next token (no prompt recompute)
+    (start, blocks), = swapped_in.swap_in
+    assert start == 0 and len(blocks) == 2
+    s_b = next(s for s in swapped_in.scheduled if s.request is b)
+    assert s_b.num_computed_tokens == 8 and s_b.num_new_tokens == 1
+    assert a.is_finished and b.is_finished and len(b.output_token_ids) == 3
+    assert kv.num_free_blocks == 4 and swap.num_used_blocks == 0
+
+
+def test_swap_space_full_falls_back_to_recompute():
+    from pagedmoe.kvcache.swap import SwapSpace
+
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapSpace(1))  # b needs 2 host blocks
+    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    _run_step(sched)
+    out = _run_step(sched)
+    assert out.preempted_ids == ["b"] and out.swap_out == []
+    assert b.num_computed_tokens == 0 and not sched.swap.holds("b")
+
+
+def test_finished_while_swapped_releases_the_host_blocks():
+    from pagedmoe.kvcache.swap import SwapSpace
+
+    kv = KVCacheManager(4, 4)
+    swap = SwapSpace(8)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=swap)
+    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    _run_step(sched)
+    _run_step(sched)
+    assert swap.holds("b")
+    sched.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert not swap.holds("b") and swap.num_used_blocks == 0 and b not in sched.waiting
+
+
+def test_random_workload_with_swap_space():
+    """As test_random_workload_invariants, with a swap space too small for every victim: some preemptions swap,
+    some recompute; every request finishes with all its tokens, no block of either pool leaks, and a swapped
+    request resumes exactly where it stopped."""
+    from pagedmoe.kvcache.swap import SwapSpace
+
+    rng = random.Random(1)
+    kv = KVCacheManager(16, 4)
+    swap = SwapSpace(4)
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=16, swap=swap)
+    reqs, computed_at_preempt = [], {}
+    for step in range(2000):
+        if step < 60 and rng.random() < 0.5:
+            r = _req(f"r{step}", rng.randint(1, 40), max_tokens=rng.randint(1, 12))
+            reqs.append(r)
+            sched.add_request(r)
+        held = {r.request_id for r in reqs if swap.holds(r.request_id)}
+        out = _run_step(sched)
+        for rid in out.preempted_ids:
+            r = next(x for x in reqs if x.request_id == rid)
+            computed_at_preempt[rid] = r.num_computed_tokens
+        back = [s for s in out.scheduled if s.request.request_id in held]
+        assert len(back) == len(out.swap_in)
+        for s, (_, blocks) in zip(back, out.swap_in):
+            assert s.num_computed_tokens == computed_at_preempt[s.request.request_id] > 0
+            assert len(blocks) == -(-s.num_computed_tokens // 4)
+        assert out.num_batched_tokens <= 16 and len(sched.running) <= 6
+        assert swap.num_used_blocks <= swap.num_blocks
+        if not sched.has_unfinished() and step >= 60:
+            break
+    assert sched.num_swapped_total > 0 and sched.num_preemptions_total > sched.num_swapped_total
+    assert all(r.is_finished and len(r.output_token_ids) == r.max_tokens for r in reqs)
+    assert kv.num_free_blocks == kv.num_blocks and swap.num_used_blocks == 0 and swap.num_swapped == 0

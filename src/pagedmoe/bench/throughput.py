@@ -55,7 +55,8 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     bar.close()
     stats = engine.get_stats()
     num_input = num_prompts * input_len
-    delta = {k: stats[k] - stats_before[k] for k in stats if k.startswith("step_") or k == "num_preemptions_total"}
+    delta = {k: stats[k] - stats_before[k] for k in stats
+             if k.startswith("step_") or k in ("num_preemptions_total", "num_swapped_preemptions_total")}
     return {
         "elapsed_time": elapsed,
         "num_requests": num_prompts,
@@ -70,6 +71,8 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
         "mean_decode_step_ms": 1e3 * delta["step_decode_s"] / max(1, delta["step_decode_steps"]),
         "mean_decode_batch": delta["step_decode_tokens"] / max(1, delta["step_decode_steps"]),
         "num_preemptions": delta["num_preemptions_total"],
+        "num_swapped_preemptions": delta["num_swapped_preemptions_total"],
+        "prefill_step_tokens": delta["step_prefill_tokens"],
         "kv_capacity_tokens": engine.plan.kv_capacity_tokens,
         "expert_traffic": _expert_delta(experts_before, engine.expert_stats()),
         "expert_traffic_summary": engine.expert_traffic_summary(experts_before),

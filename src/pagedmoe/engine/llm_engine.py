@@ -73,7 +73,7 @@ class LLMEngine:
         if config.expert_stats:
             self._stats_saver = weakref.finalize(self, save_expert_stats, config.expert_stats, self.activity,
                                                  self.precision)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, parts.swap)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
         self.requests: dict[str, Request] = {}
@@ -283,6 +283,9 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks,
             "num_free_kv_blocks": self.kv.num_free_blocks,
             "num_preemptions_total": self.scheduler.num_preemptions_total,
+            "num_swapped_preemptions_total": self.scheduler.num_swapped_total,
+            "num_requests_swapped": self.scheduler.swap.num_swapped if self.scheduler.swap is not None else 0,
+            "swap_space_usage_perc": self.scheduler.swap.usage() if self.scheduler.swap is not None else 0.0,
             "prefix_cache_queries_total": self.kv.prefix_cache_queries,
             "prefix_cache_hits_total": self.kv.prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens_total,

@@ -4,8 +4,10 @@ One step's plan: every running request first (a decode token, or the next chunk 
 arrival order, then waiting requests first-come first-served while the token budget
 (`max_num_batched_tokens`), the sequence limit (`max_num_seqs`) and the KV blocks allow. When a running
 request needs a block and none is free, the most recently arrived running request is preempted: its
-blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt
-and the tokens it already generated.
+blocks are freed and it goes back to the front of the waiting queue. With a swap space (kvcache/swap.py,
+--swap-space) its computed KV goes to host memory first and comes back when it is readmitted (the step's
+`swap_out` / `swap_in` copies, queued before its forward); without one, or when the host has no run of
+blocks that long, it is recomputed from its prompt and the tokens it already generated.
 
 With prefix caching (kvcache/prefix_cache.py) a request is admitted after the longest run of cached
 blocks its tokens start with: those tokens are not computed again. A request whose next block another
@@ -14,23 +16,27 @@ running request is computing right now waits for it (parallel samples of one pro
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Optional
 
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.kvcache.swap import SwapSpace
 from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap: Optional[SwapSpace] = None) -> None:
         self.kv = kv
+        self.swap = swap
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        self.num_swapped_total = 0   # preemptions that swapped the KV out instead of dropping it
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -49,6 +55,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(request.request_id)
+        if self.swap is not None:
+            self.swap.release(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -84,6 +92,11 @@ class Scheduler:
         while (not out.preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if self.swap is not None and self.swap.holds(request.request_id):
+                if not self._swap_in(request, budget, out):
+                    break
+                budget -= out.scheduled[-1].num_new_tokens
+                continue
             # prefix caching: start after the blocks already cached (a waiting request has none computed)
             cached = self.kv.find_cached(request)
             if self.kv.waits_for(request, len(cached)):
@@ -106,19 +119,42 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
             victim = self.running.pop()  # lowest priority: the latest arrival still running
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        rid, computed = request.request_id, request.num_computed_tokens
+        n = -(-computed // self.kv.block_size)
+        start = self.swap.reserve(rid, n) if self.swap is not None and n else None
+        if start is not None:  # its KV goes to the host before anything reuses the blocks (this step's copies)
+            out.swap_out.append((self.kv.block_table(rid)[:n], start))
+            self.num_swapped_total += 1
+        else:
+            request.num_computed_tokens = 0
+        self.kv.free(rid)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
+
+    def _swap_in(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Readmit a swapped request: fresh blocks for its computed tokens and its next ones, its host copy
+        queued into them. False (nothing changed) when the blocks are not free."""
+        rid, start = request.request_id, request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
+        if not self.kv.allocate(rid, start + num_new):
+            return False
+        n = -(-start // self.kv.block_size)
+        out.swap_in.append((self.swap.start(rid), self.kv.block_table(rid)[:n]))
+        self.swap.release(rid)  # reused by a later swap-out only: queued after this copy on the same stream
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, start))
+        return True
 
     def update(self, scheduled: Iterable[ScheduledRequest]) -> None:
         """Record that the scheduled tokens are now in the KV cache (--async-scheduling: requests that

@@ -31,6 +31,7 @@ from pagedmoe.experts.dynamic.start import load_expert_stats, start_dynamic_prec
 from pagedmoe.extras import require
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block, kv_cache_bytes
+from pagedmoe.kvcache.swap import HostKVSwap, SwapSpace, auto_swap_blocks
 from pagedmoe.models.loader import (CheckpointError, build_model, init_dummy_weights, load_hf_config, load_weights,
                                     resolve_dtype)
 from pagedmoe.models.registry import rank_arch, spec_builder
@@ -70,6 +71,7 @@ class EngineParts:
     runner: ModelRunner
     precision: Any            # DynamicPrecisionManager under --expert-precision dynamic, else None
     memory: Any               # DeviceMemoryMonitor (worker/device_memory.py) on CUDA, else None
+    swap: Optional[SwapSpace] = None  # --swap-space: the host blocks of preempted requests' KV
 
 
 def start_engine(config: EngineConfig) -> EngineParts:
@@ -168,6 +170,7 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
         # activations and the next build (not whenever the device has memory free)
         limit = plan.budget_bytes - plan.activation_bytes - store.dynamic_build_bytes
         backing.room = lambda: limit - memory.used_bytes()
+    swap = start_swap_space(config, runner, plan.num_kv_blocks, max_model_len, device, parallel.enabled)
     activity.reset()  # CUDA-graph capture warm-ups routed tokens too
     precision = None
     stats = load_expert_stats(config.expert_stats, activity)
@@ -180,9 +183,32 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                     memory.stages["ready"] / GiB, memory.peak_bytes / GiB,
                     f" of the {plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
     parts = EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
-                        activity, plan, kv, runner, precision, memory)
+                        activity, plan, kv, runner, precision, memory, swap)
     finish_start(parts)  # rank 0 broadcasts its steps; a torchrun worker serves them here
     return parts
+
+
+def start_swap_space(config: EngineConfig, runner: ModelRunner, num_kv_blocks: int, max_model_len: int,
+                     device: torch.device, parallel: bool) -> Optional[SwapSpace]:
+    """--swap-space (GiB; unset: kvcache/swap.py's auto_swap_blocks): the pinned host blocks preempted requests'
+    KV goes to, attached to the runner; None when there are none (preemption recomputes)."""
+    block_bytes = HostKVSwap.block_bytes(runner.kv_caches)
+    if config.swap_space is None:
+        n = auto_swap_blocks(device, parallel, num_kv_blocks, config.block_size, config.max_num_seqs, max_model_len,
+                             block_bytes, detect_host_budget_bytes())
+    else:
+        n = int(config.swap_space * GiB) // block_bytes
+        if config.swap_space and n == 0:
+            raise ValueError(f"--swap-space {config.swap_space} GiB is less than one KV block "
+                             f"({block_bytes / 2**20:.2f} MiB of host memory); give at least that, or 0")
+        available = detect_host_budget_bytes()
+        if available is not None and n * block_bytes > available:
+            raise ValueError(f"--swap-space {config.swap_space} GiB is more than the host has to pin "
+                             f"({available / GiB:.2f} GiB: MemAvailable less a reserve)")
+    if n == 0:
+        return None
+    runner.kv_swap = HostKVSwap(runner.kv_caches, n)
+    return SwapSpace(n)
 
 
 def _mark(memory, stage: str) -> None:

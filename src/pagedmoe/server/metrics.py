@@ -116,7 +116,14 @@ class EngineStatsCollector:
         yield gauge("num_free_kv_blocks", "KV cache blocks free.", s.get("num_free_kv_blocks", 0))
         yield counter("prompt_tokens_total", "Prompt tokens admitted.", s.get("prompt_tokens_total", 0))
         yield counter("generation_tokens_total", "Tokens generated.", s.get("generation_tokens_total", 0))
-        yield counter("num_preemptions_total", "Preemptions (recompute) so far.", s.get("num_preemptions_total", 0))
+        yield counter("num_preemptions_total", "Preemptions so far (recomputed or swapped).",
+                      s.get("num_preemptions_total", 0))
+        yield counter("num_swapped_preemptions_total", "Of those, preemptions whose KV went to the swap space.",
+                      s.get("num_swapped_preemptions_total", 0))
+        yield gauge("num_requests_swapped", "Preempted requests whose KV is in the swap space (vLLM 0.x's name).",
+                    s.get("num_requests_swapped", 0))
+        yield gauge("swap_space_usage_perc", "Fraction of the swap space's host blocks in use (1 = full).",
+                    s.get("swap_space_usage_perc", 0.0))
         yield counter("num_engine_steps_total", "Engine steps run.", s.get("num_steps", 0))
         yield counter("prefix_cache_queries_total", "Prefix cache: tokens of admitted requests looked up.",
                       s.get("prefix_cache_queries_total", 0))

@@ -50,6 +50,7 @@ class ModelRunner:
         max_num_batched_tokens."""
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.control = None  # rank 0 under tensor parallelism: parallel/launch.py's StepBroadcast
+        self.kv_swap = None  # --swap-space: kvcache/swap.py's HostKVSwap over these KV tensors (start-up sets it)
         self.block_tables = BlockTables(-(-max_model_len // block_size), rows=max(64, max_num_seqs))
         dims = model.dims
         # kv_backing (dynamic precision on CUDA): KV tensors whose withheld tail gives its memory back; it is
@@ -201,6 +202,8 @@ class ModelRunner:
 
         pending (--async-scheduling): (tokens [M] on the device, request id -> index) of the step still in
         flight, whose tokens are the inputs of this step's rows that decode after it."""
+        if out.swap_out or out.swap_in:  # before the forward, on its stream: no sync
+            self.kv_swap.run(out.swap_out, out.swap_in)
         host = self.host_inputs(out, kv)
         if self.control is not None:  # rank 0 of a tensor-parallel group: the workers run the same step
             if host["pending_ids"]:
