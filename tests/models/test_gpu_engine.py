@@ -86,16 +86,21 @@ def test_bf16_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_sch
 
 def test_float32_cuda_swapped_preemption_matches_transformers(checkpoint):
     """--swap-space on CUDA (pinned host memory, asynchronous copies queued before the step, async scheduling and
-    decode graphs on): 8 sequences of up to 74 tokens in 12 blocks of 16 must preempt; each victim's KV goes to the
+    decode graphs on): 8 sequences of up to 74 tokens in 10 blocks of 8 must preempt; each victim's KV goes to the
     host and back, and the greedy tokens are transformers'."""
+    from pagedmoe import LLM, SamplingParams
+
     path, hf, prompts = checkpoint
-    got, llm = _run(path, prompts, dtype="float32", num_kv_blocks=12, swap_space=0.05)
+    llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=80, block_size=8, num_kv_blocks=10,
+              swap_space=0.05)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     sched = llm.engine.scheduler
     assert llm.engine.runner.kv_swap.host.is_pinned() and llm.engine._async is not None
     assert sched.num_swapped_total > 0 and sched.num_swapped_total == sched.num_preemptions_total
     assert sched.swap.num_used_blocks == 0 and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     with torch.no_grad():
-        for p, tokens in zip(prompts, got):
+        for p, o in zip(prompts, outs):
             out = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
                               pad_token_id=0)
-            assert out[0, len(p):].tolist() == tokens
+            assert out[0, len(p):].tolist() == o.outputs[0].token_ids
