@@ -110,20 +110,27 @@ def test_random_workload_invariants():
 # -- swap space (kvcache/swap.py) -------------------------------------------------------------------
 
 
-def test_swapped_preemption_keeps_computed_tokens_and_copies_back():
+def _two_prompts_over_four_blocks(swap_blocks):
+    """As test_preemption_frees_latest_arrival_and_recomputes, with a swap space of `swap_blocks` host blocks:
+    after both prefills (4 blocks of 4, all used) `a`'s first decode needs a block and `b` is preempted."""
     from pagedmoe.kvcache.swap import SwapSpace
 
     kv = KVCacheManager(4, 4)
-    swap = SwapSpace(8)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=swap)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapSpace(swap_blocks))
     a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
     sched.add_request(a)
     sched.add_request(b)
     _run_step(sched)
     b_blocks = list(kv.block_table("b"))
-    out = _run_step(sched)                    # a needs a third block: b is preempted, its 8 computed tokens go to the host
+    out = _run_step(sched)
     assert out.preempted_ids == ["b"]
-    assert out.swap_out == [(b_blocks, 0)]
+    return kv, sched, a, b, b_blocks, out
+
+
+def test_swapped_preemption_keeps_computed_tokens_and_copies_back():
+    kv, sched, a, b, b_blocks, out = _two_prompts_over_four_blocks(8)
+    swap = sched.swap
+    assert out.swap_out == [(b_blocks, 0)]    # b's 8 computed tokens go to host blocks 0-1
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8 and swap.holds("b")
     assert sched.num_swapped_total == 1 and sched.num_preemptions_total == 1
     swapped_in = None
@@ -141,33 +148,16 @@ def test_swapped_preemption_keeps_computed_tokens_and_copies_back():
 
 
 def test_swap_space_full_falls_back_to_recompute():
-    from pagedmoe.kvcache.swap import SwapSpace
-
-    kv = KVCacheManager(4, 4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapSpace(1))  # b needs 2 host blocks
-    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
-    sched.add_request(a)
-    sched.add_request(b)
-    _run_step(sched)
-    out = _run_step(sched)
-    assert out.preempted_ids == ["b"] and out.swap_out == []
+    _, sched, _, b, _, out = _two_prompts_over_four_blocks(1)   # b needs 2 host blocks
+    assert out.swap_out == [] and sched.num_swapped_total == 0
     assert b.num_computed_tokens == 0 and not sched.swap.holds("b")
 
 
 def test_finished_while_swapped_releases_the_host_blocks():
-    from pagedmoe.kvcache.swap import SwapSpace
-
-    kv = KVCacheManager(4, 4)
-    swap = SwapSpace(8)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=swap)
-    a, b = _req("a", 8, max_tokens=3), _req("b", 8, max_tokens=3)
-    sched.add_request(a)
-    sched.add_request(b)
-    _run_step(sched)
-    _run_step(sched)
-    assert swap.holds("b")
+    _, sched, _, b, _, _ = _two_prompts_over_four_blocks(8)
+    assert sched.swap.holds("b")
     sched.finish_request(b, RequestStatus.FINISHED_ABORTED)
-    assert not swap.holds("b") and swap.num_used_blocks == 0 and b not in sched.waiting
+    assert not sched.swap.holds("b") and sched.swap.num_used_blocks == 0 and b not in sched.waiting
 
 
 def test_random_workload_with_swap_space():
