@@ -156,3 +156,32 @@ def test_engine_failure_is_reported_not_hung(tiny_model_dir):
         assert_openai_error(httpx.get(server.base_url + "/health"), 503)
         again = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
         assert_openai_error(again, 503)
+
+
+def test_swap_space_metrics(tiny_model_dir):
+    """Eight concurrent requests in a KV cache of 10 blocks of 8 preempt; with --swap-space every victim's KV goes
+    to the host and back: the counters say so, the gauges are back at 0 once the engine is idle, and every request
+    gets its tokens (greedy: the same as the tokens of an engine that never preempts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[(5 * i + j) % 300 + 1 for j in range(20)] for i in range(8)]
+
+    def run(engine):
+        with ServerThread(engine) as server:
+            def one(p):
+                r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+                    "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(one, prompts))
+            return got, server.wait_idle()
+
+    got, m = run(make_engine(tiny_model_dir, max_model_len=64, block_size=8, num_kv_blocks=10, swap_space=0.01))
+    assert m["pagedmoe:num_preemptions_total"] > 0
+    assert m["pagedmoe:num_swapped_preemptions_total"] == m["pagedmoe:num_preemptions_total"]
+    assert m["pagedmoe:num_requests_swapped"] == 0 and m["pagedmoe:swap_space_usage_perc"] == 0
+    assert all(n == 20 for _, n in got)
+    reference, m0 = run(make_engine(tiny_model_dir, max_model_len=64))
+    assert m0["pagedmoe:num_preemptions_total"] == 0 and m0["pagedmoe:num_swapped_preemptions_total"] == 0
+    assert got == reference
