@@ -88,7 +88,8 @@ class EngineConfig:
                                               "--swap-space): swapped out and back in instead of recomputed; 0: "
                                               "recompute. Default: on CUDA, what max_num_seqs sequences of max_model_len "
                                               "tokens can need beyond the KV cache, at most 16 GiB and half the host "
-                                              "memory available; 0 on CPU and under tensor parallelism",
+                                              "memory available (a rank's share of it under tensor parallelism); "
+                                              "0 on CPU",
                                         type_=float)
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
@@ -218,9 +219,6 @@ class EngineConfig:
         if self.swap_space is not None and not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 (GiB of host memory for preempted requests' KV), got "
                              f"{self.swap_space}")
-        if self.swap_space and self.tensor_parallel_size > 1:
-            raise ValueError("--swap-space does not support --tensor-parallel-size > 1 yet (the workers' KV caches "
-                             "would need the same copies); leave it unset or 0")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:
             raise ValueError(f"host_memory_gb must be > 0 (GiB of host memory for the pinned host tier), got "
                              f"{self.host_memory_gb}")

@@ -36,10 +36,10 @@ def ckpts(tmp_path_factory):
 _REFS: dict = {}
 
 
-def _trace(path, device="cpu", **flags):
+def _trace(path, device="cpu", max_model_len=96, **flags):
     from pagedmoe import LLM
 
-    llm = LLM(str(path), device=device, max_model_len=96, **flags)
+    llm = LLM(str(path), device=device, max_model_len=max_model_len, **flags)
     try:
         logits, outs = greedy_logits(llm, LENGTHS, max_tokens=MAX_TOKENS, seed=5)
         return logits, [o.outputs[0].token_ids for o in outs], llm.engine
@@ -92,6 +92,20 @@ def test_two_ranks_match_one_process(ckpts, family, flags):
         stats = engine.get_stats()["experts"]
         assert stats.get("resident/float32", stats.get("resident/bf16", 0)) in (0, n * len(engine.model.moe_layers()))
         assert engine.pager is not None and engine.get_stats()["expert_bytes_h2d"] > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_two_ranks_swap_preempted_kv_as_one_process(ckpts, family):
+    """--swap-space under tensor parallelism: 4 prompts in 5 blocks of 8 preempt; rank 0's scheduler names the host
+    blocks and every rank copies its own KV shard out and back with the step. Tokens and logits are the single
+    process's under the same flags (the same schedule), and nothing is left swapped."""
+    flags = dict(max_model_len=40, block_size=8, num_kv_blocks=5, swap_space=0.01)
+    ref = _trace(ckpts[family], **flags)
+    logits, tokens, engine = _trace(ckpts[family], tensor_parallel_size=2, **flags)
+    assert ref[2].scheduler.num_swapped_total > 0
+    assert engine.scheduler.num_swapped_total == ref[2].scheduler.num_swapped_total
+    assert engine.scheduler.swap.num_used_blocks == 0
+    _assert_same(ref[:2], (logits, tokens))
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks(ckpts, tmp_path):

@@ -62,9 +62,8 @@ def test_auto_size():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     bb = 2 << 20  # 2 MiB a block
     # 256 sequences of 3072 tokens = 49152 blocks of 16 against 23763 in the cache: 25389 short, capped at 16 GiB
-    assert auto_swap_blocks(cuda, False, 23763, 16, 256, 3072, bb, None) == 16 * GiB // bb
-    assert auto_swap_blocks(cuda, False, 23763, 16, 256, 3072, bb, 8 * GiB) == 4 * GiB // bb   # half the host's
-    assert auto_swap_blocks(cuda, False, 49152, 16, 256, 3072, bb, None) == 0    # everything fits: no preemption
-    assert auto_swap_blocks(cuda, False, 49000, 16, 256, 3072, bb, None) == 152
-    assert auto_swap_blocks(cpu, False, 10, 16, 256, 3072, bb, None) == 0
-    assert auto_swap_blocks(cuda, True, 10, 16, 256, 3072, bb, None) == 0
+    assert auto_swap_blocks(cuda, 23763, 16, 256, 3072, bb, None) == 16 * GiB // bb
+    assert auto_swap_blocks(cuda, 23763, 16, 256, 3072, bb, 8 * GiB) == 4 * GiB // bb   # half the host's
+    assert auto_swap_blocks(cuda, 49152, 16, 256, 3072, bb, None) == 0    # everything fits: no preemption
+    assert auto_swap_blocks(cuda, 49000, 16, 256, 3072, bb, None) == 152
+    assert auto_swap_blocks(cpu, 10, 16, 256, 3072, bb, None) == 0

@@ -12,7 +12,8 @@ Two parts, so the scheduler stays pure Python:
   - `SwapSpace`: which host blocks each swapped request holds (contiguous runs, first fit);
   - `HostKVSwap`: the pinned host tensor and the copies between it and the KV cache tensors, queued on the
     current stream before the step's forward (swap-outs first: the blocks they free may be written by the same
-    step; then swap-ins), so they need no host sync: stream order makes the step see them.
+    step; then swap-ins), so they need no host sync: stream order makes the step see them. Under tensor
+    parallelism every rank has one over its own KV shard and runs the copies rank 0 broadcasts with the step.
 """
 from __future__ import annotations
 
@@ -119,14 +120,15 @@ class HostKVSwap:
                 cache.index_copy_(0, idx, self.host[j, start:start + len(blocks)].to(self.device, non_blocking=True))
 
 
-def auto_swap_blocks(device: torch.device, parallel: bool, num_kv_blocks: int, block_size: int, max_num_seqs: int,
+def auto_swap_blocks(device: torch.device, num_kv_blocks: int, block_size: int, max_num_seqs: int,
                      max_model_len: int, block_bytes: int, host_budget: Optional[int],
                      cap_bytes: int = 16 * GiB) -> int:
     """--swap-space unset: host blocks for the KV that cannot fit at once (max_num_seqs sequences of
     max_model_len tokens beyond the cache), at most `cap_bytes` (pinning costs ~0.5 s a GiB at start-up on the
-    H200 machine) and half of what the host can still pin; none on CPU (the KV cache is host memory already:
-    recompute there is what the tests exercise unless they ask) or under tensor parallelism."""
-    if device.type != "cuda" or parallel:
+    H200 machine) and half of what the host can still pin (`host_budget`: a rank's share under tensor
+    parallelism); none on CPU (the KV cache is host memory already: recompute there is what the tests exercise
+    unless they ask)."""
+    if device.type != "cuda":
         return 0
     overflow = max(0, -(-max_model_len // block_size) * max_num_seqs - num_kv_blocks)
     limit = cap_bytes if host_budget is None else min(cap_bytes, host_budget // 2)

@@ -171,7 +171,8 @@ class ModelRunner:
                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
                     logits_indices=torch.tensor(logits_indices, dtype=torch.int64), sampling_rows=sampling_rows,
                     max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
-                    is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled), pending_ids=pending_ids)
+                    is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled), pending_ids=pending_ids,
+                    swap_out=out.swap_out, swap_in=out.swap_in)
 
     def to_device(self, host: dict) -> StepInputs:
         dev = self.device
@@ -202,8 +203,6 @@ class ModelRunner:
 
         pending (--async-scheduling): (tokens [M] on the device, request id -> index) of the step still in
         flight, whose tokens are the inputs of this step's rows that decode after it."""
-        if out.swap_out or out.swap_in:  # before the forward, on its stream: no sync
-            self.kv_swap.run(out.swap_out, out.swap_in)
         host = self.host_inputs(out, kv)
         if self.control is not None:  # rank 0 of a tensor-parallel group: the workers run the same step
             if host["pending_ids"]:
@@ -214,6 +213,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_host(self, host: dict, pending=None) -> tuple[torch.Tensor, list[int]]:
         """One step from its host inputs (a worker rank runs the steps rank 0 broadcasts through this)."""
+        if host.get("swap_out") or host.get("swap_in"):  # --swap-space: before the forward, on its stream, no sync
+            self.kv_swap.run(host["swap_out"], host["swap_in"])
         inputs = self.to_device(host)
         placeholders = host.get("pending_ids")
         if placeholders:
