@@ -166,9 +166,12 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
             # "layer": the tiles the engine's fused-hibyte tier runs at (fused_moe_mixed: the layer's own)
             layer = fm.tuned_config(T, m["A"], m["E"], m["H"], m["I"], dtype, torch.device(dev)) or \
                 fm.default_config(T, m["A"], m["E"], m["H"], m["I"], dtype, sm_count(torch.device(dev)))
-            for label, ov in [("layer", None)] + HB_VARIANTS:
+            # "layer-warps4": the layer's tiles at 4 warps, the engine's candidate (warps4 was the fastest hibyte
+            # variant at 7 of 8 sizes on 2026-12-04, over lossless_config's tiles, which are not the layer's)
+            for label, ov in [("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS:
                 try:
-                    c2 = layer if ov is None else dataclasses.replace(cfg, **ov)
+                    c2 = (layer if ov is None else dataclasses.replace(layer, num_warps=4, num_warps2=4)
+                          if ov == "layer4" else dataclasses.replace(cfg, **ov))
                     v = dict(equal_to_bf16_gemm=bool(torch.equal(hb(0, c2), bf16(0, config=c2))))
                     v["us"] = time_graph(lambda i: hb(i, c2), len(copies))[0]
                     v["over_bf16"] = v["us"] / row["bf16_default_us"]
