@@ -160,6 +160,31 @@ def test_finished_while_swapped_releases_the_host_blocks():
     assert not sched.swap.holds("b") and sched.swap.num_used_blocks == 0 and b not in sched.waiting
 
 
+def test_swap_in_takes_its_cached_prefix_from_the_cache():
+    """With prefix caching a swapped request's blocks still cached (here the prompt prefix it shares with `a`) are
+    reused at swap-in; only the rest comes back from the host."""
+    from pagedmoe.kvcache.swap import SwapSpace
+
+    prefix = list(range(1, 9))                                   # two full blocks of 4
+    kv = KVCacheManager(5, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapSpace(8))
+    a = Request("a", prefix + [100], SamplingParams(max_tokens=12), max_tokens=12)
+    b = Request("b", prefix + [200], SamplingParams(max_tokens=6), max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = [_run_step(sched) for _ in range(40) if sched.has_unfinished()]
+    (swapped_out,) = [o for o in outs if o.swap_out]
+    (blocks, start), = swapped_out.swap_out
+    assert swapped_out.preempted_ids == ["b"] and len(blocks) == 3 and start == 0
+    (back,) = [o for o in outs if o.swap_in]
+    (s_b,) = [s for s in back.scheduled if s.request is b]
+    assert s_b.num_computed_tokens == 12
+    (host_start, dev_blocks), = back.swap_in
+    assert host_start == 2 and len(dev_blocks) == 1            # blocks 0-1 of b came from the cache
+    assert a.is_finished and b.is_finished and len(b.output_token_ids) == 6
+    assert kv.num_free_blocks == kv.num_blocks and sched.swap.num_used_blocks == 0
+
+
 def test_random_workload_with_swap_space():
     """As test_random_workload_invariants, with a swap space too small for every victim: some preemptions swap,
     some recompute; every request finishes with all its tokens, no block of either pool leaks, and a swapped

@@ -141,14 +141,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _swap_in(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
-        """Readmit a swapped request: fresh blocks for its computed tokens and its next ones, its host copy
-        queued into them. False (nothing changed) when the blocks are not free."""
-        rid, start = request.request_id, request.num_computed_tokens
+        """Readmit a swapped request: its computed blocks that are still in the prefix cache (a prefix other requests
+        share, or blocks nobody reused yet) are taken from there, fresh blocks for the rest of its computed tokens and
+        its next ones, and the host copy of that rest is queued into them. False (nothing changed) when the blocks
+        are not free."""
+        rid, start, bs = request.request_id, request.num_computed_tokens, self.kv.block_size
+        cached = self.kv.find_cached(request)[:start // bs]   # full computed blocks only
         num_new = min(request.num_tokens - start, budget)
-        if not self.kv.allocate(rid, start + num_new):
+        if not self.kv.allocate(rid, start + num_new, cached):
             return False
-        n = -(-start // self.kv.block_size)
-        out.swap_in.append((self.swap.start(rid), self.kv.block_table(rid)[:n]))
+        n = -(-start // bs)
+        if n > len(cached):
+            out.swap_in.append((self.swap.start(rid) + len(cached), self.kv.block_table(rid)[len(cached):n]))
         self.swap.release(rid)  # reused by a later swap-out only: queued after this copy on the same stream
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
