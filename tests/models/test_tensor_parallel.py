@@ -149,12 +149,16 @@ def test_torchrun_launch(ckpts, tmp_path):
         torch.save((logits, [o.outputs[0].token_ids for o in outs]), {str(out)!r})
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
-    with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-port", str(port), str(script)], check=True, env=env, timeout=120,
-                   capture_output=True)
+    for attempt in range(2):  # a port found free can be taken by a parallel test before torchrun binds it: once more
+        with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", str(port), str(script)], env=env, timeout=120, capture_output=True,
+                             text=True)
+        if run.returncode == 0 or "address already in use" not in (run.stderr + run.stdout).lower():
+            break
+    assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-4000:]}"
     _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
 
 
