@@ -195,8 +195,8 @@ def start_swap_space(config: EngineConfig, runner: ModelRunner, num_kv_blocks: i
     parallelism every rank holds as many host blocks (the fewest any rank can) over its own KV shard: rank 0's
     scheduler names them for all."""
     block_bytes = HostKVSwap.block_bytes(runner.kv_caches)
+    host = detect_host_budget_bytes()
     if config.swap_space is None:
-        host = detect_host_budget_bytes()
         n = auto_swap_blocks(device, num_kv_blocks, config.block_size, config.max_num_seqs, max_model_len,
                              block_bytes, None if host is None else host // config.tensor_parallel_size)
     else:
@@ -204,10 +204,9 @@ def start_swap_space(config: EngineConfig, runner: ModelRunner, num_kv_blocks: i
         if config.swap_space and n == 0:
             raise ValueError(f"--swap-space {config.swap_space} GiB is less than one KV block "
                              f"({block_bytes / 2**20:.2f} MiB of host memory); give at least that, or 0")
-        available = detect_host_budget_bytes()
-        if available is not None and n * block_bytes * config.tensor_parallel_size > available:
+        if host is not None and n * block_bytes * config.tensor_parallel_size > host:
             raise ValueError(f"--swap-space {config.swap_space} GiB is more than the host has to pin "
-                             f"({available / GiB:.2f} GiB: MemAvailable less a reserve)")
+                             f"({host / GiB:.2f} GiB: MemAvailable less a reserve)")
     if parallel:
         n = all_reduce_min(n)
     if n == 0:

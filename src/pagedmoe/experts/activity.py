@@ -10,10 +10,9 @@ rows, routed like any, are not; eager forwards leave it at ALL_ROWS.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-
-import contextlib
 
 import torch
 

@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-logger = logging.getLogger("pagedmoe")
+from pagedmoe.planning.kv_sizing import GiB
 
-GiB = 1 << 30
+logger = logging.getLogger("pagedmoe")
 
 
 class SwapSpace:
@@ -89,6 +89,8 @@ class HostKVSwap:
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
         self.caches = [t for pair in kv_caches for t in pair]   # K0, V0, K1, V1, ...
         first = self.caches[0]
+        if any(t.shape != first.shape or t.dtype != first.dtype for t in self.caches):
+            raise ValueError("the swap space's host layout needs every KV cache tensor of one shape and dtype")
         self.device = first.device
         pin = first.device.type == "cuda"
         t0 = time.perf_counter()
@@ -104,8 +106,9 @@ class HostKVSwap:
 
     @staticmethod
     def block_bytes(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Host bytes of one swapped block (every layer's K and V)."""
-        return sum(t[0].numel() * t.element_size() for pair in kv_caches for t in pair)
+        """Host bytes of one swapped block (every layer's K and V, the host tensor's [:, j])."""
+        first = kv_caches[0][0]
+        return 2 * len(kv_caches) * first[0].numel() * first.element_size()
 
     def run(self, swap_out: Sequence[tuple[list[int], int]], swap_in: Sequence[tuple[int, list[int]]]) -> None:
         """Queue a step's copies: each swap-out (device blocks, host start), then each swap-in (host start,
