@@ -47,13 +47,20 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))}
 
 
-def compile_kernel(kernel, names, types, const, arch, num_warps, num_stages):
-    """triton.compile for the target, pointers marked 16-byte aligned as the launcher's tensors are."""
+def compile_kernel(kernel, names, types, const, arch, num_warps, num_stages, odd=()):
+    """triton.compile for the target as the JIT specializes a launch at the model shapes: pointers 16-byte aligned
+    (the launcher's tensors are) and every integer argument a multiple of 16 (sizes, strides and splits of the
+    Mixtral / Qwen3 layers are; the JIT marks such values `tt.divisibility = 16`), except the kernel's
+    do_not_specialize arguments and those named in `odd`. Without the integers' divisibility the compiler cannot
+    prove rows aligned and loads the tiles element by element (LDG.U16, no cp.async), which is not the kernel
+    the GPU runs: the K loops counted that way before 2026-12-05 were 3-5x the real ones."""
     # constexprs left out take the kernel's defaults (e.g. PDL=False), as a launch that does not pass them
     const = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **const}
     sig = dict(zip(names, types))
     sig.update({k: "constexpr" for k in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
+    generic = set(getattr(kernel, "do_not_specialize", ())) | set(odd)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(zip(names, types))
+             if t.startswith("*") or (t[0] in "iu" and n not in generic)}
     return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 

@@ -70,6 +70,18 @@ def test_matches_decode_then_fused_moe(T, A, E, H, I, tiny, overrides):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("T,A,E,H,I,tiny", [(5, 2, 3, 128, 64, 3001), (17, 4, 4, 128, 64, 0)])
+def test_inexact_layout_stays_close_to_the_exact_one(T, A, E, H, I, tiny):
+    # exact=False skips the layout copy (mma_operand): the same weights, the MMA's K grouping left to Triton
+    x, h13, h2, weights, ids, w13, w2 = _layer(T, A, E, H, I, seed=T * 5 + 1, tiny_every=tiny)
+    exact = fused_moe_hibyte(x, h13, h2, weights, ids, block_k=64, block_k2=64)
+    fast = fused_moe_hibyte(x, h13, h2, weights, ids, block_k=64, block_k2=64, exact=False)
+    ref = fm.fused_moe(x.float(), w13.float(), w2.float(), weights, ids, config=None, block_k=64, block_k2=64)
+    tol = dict(rtol=2e-5, atol=2e-5) if ACT == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(fast.float(), ref, **tol)
+    torch.testing.assert_close(fast, exact, **tol)
+
+
 def test_refuses_other_formats():
     x, h13, h2, weights, ids, w13, w2 = _layer(1, 2, 2, 64, 64, seed=1)
     with pytest.raises(ValueError, match="must be a hibyte tensor"):

@@ -93,11 +93,15 @@ def _raw_high(high_ptr, raw_idx, rows16, offs_h, m):
 
 @triton.jit
 def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, offs_h, n_mask, like_ptr,
-                HAS_RAW: tl.constexpr, PACKED: tl.constexpr):
+                HAS_RAW: tl.constexpr, PACKED: tl.constexpr, EXACT: tl.constexpr):
     """The two [BLOCK_N, 32] halves (columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63) of a weight tile, in
     like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
     raw-tile index at this slice, or -1; base / base8: the rows' bases as int32 [BLOCK_N] / uint8 [BLOCK_N, 32].
-    PACKED: by packed byte arithmetic (inline PTX; compiled only: the interpreter runs no PTX), else per weight."""
+    PACKED: by packed byte arithmetic (inline PTX; compiled only: the interpreter runs no PTX), else per weight.
+    EXACT: the tiles reach tl.dot through mma_operand, so the MMA sums K in the bf16 kernel's grouping (its
+    outputs bit-equal to fused_moe's on the decoded weights), at the cost of a shared-memory round trip of the
+    decoded tile (STS, a barrier, LDSM). Else Triton decodes straight in the MMA operand registers from the
+    bytes' own layout (kWidth 4 under MMA v2): no round trip, sums grouped differently (bf16 GEMM tolerance)."""
     m = n_mask[:, None]
     code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0)
     lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0)
@@ -106,7 +110,13 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
         b0 = _pairs(lo0, code, base8, False)
         b1 = _pairs(lo1, code, base8, True)
         if HAS_RAW:
-            if tl.max(raw_idx, 0) >= 0:  # any raw tile among these rows (~28% of 64-row tiles on N(0, s))
+            if EXACT:
+                if tl.max(raw_idx, 0) >= 0:  # any raw tile among these rows (~28% of 64-row tiles on N(0, s))
+                    raw, hn = _raw_high(high_ptr, raw_idx, rows16, offs_h, m)
+                    rmask = tl.where(raw, 255, 0).to(tl.uint8) + tl.zeros_like(code)
+                    b0 = _raw_pairs(lo0, code, base8, hn, rmask, False)
+                    b1 = _raw_pairs(lo1, code, base8, hn, rmask, True)
+            else:  # branch-free (the select on every slice): a branch's scf.if stops Triton's layout hoisting
                 raw, hn = _raw_high(high_ptr, raw_idx, rows16, offs_h, m)
                 rmask = tl.where(raw, 255, 0).to(tl.uint8) + tl.zeros_like(code)
                 b0 = _raw_pairs(lo0, code, base8, hn, rmask, False)
@@ -124,9 +134,12 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
                 hi1 = tl.where(raw, c1 | (hn & 0xF0), hi1)
         b0 = ((hi0 << 8) | lo0.to(tl.int32)).to(tl.int16)
         b1 = ((hi1 << 8) | lo1.to(tl.int32)).to(tl.int16)
-    w0 = b0.to(tl.bfloat16, bitcast=True)
-    w1 = b1.to(tl.bfloat16, bitcast=True)
-    return mma_operand(w0.to(like_ptr.dtype.element_ty)), mma_operand(w1.to(like_ptr.dtype.element_ty))
+    w0 = b0.to(tl.bfloat16, bitcast=True).to(like_ptr.dtype.element_ty)
+    w1 = b1.to(tl.bfloat16, bitcast=True).to(like_ptr.dtype.element_ty)
+    if EXACT:
+        w0 = mma_operand(w0)
+        w1 = mma_operand(w1)
+    return w0, w1
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
@@ -136,6 +149,7 @@ def fused_moe_hibyte_kernel(
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_RAW: tl.constexpr, USE_SLOTS: tl.constexpr = False, PACKED: tl.constexpr = False,
+    EXACT: tl.constexpr = True,
 ):
     """As fused_moe_lossless_kernel (one block of one expert, GATED: silu(gate) * up), W decoded from the hibyte
     arrays. BLOCK_K a multiple of 64; K a multiple of 64 (the format's)."""
@@ -184,7 +198,7 @@ def fused_moe_hibyte_kernel(
             if HAS_RAW:
                 raw_g = tl.load(tile_raw_ptr + tcol + tr_g, mask=n_mask, other=-1)
             w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, base8_g, ks, offs_h, n_mask, a_ptr,
-                                 HAS_RAW, PACKED)
+                                 HAS_RAW, PACKED, EXACT)
             acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
             acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
             if GATED:
@@ -192,7 +206,7 @@ def fused_moe_hibyte_kernel(
                 if HAS_RAW:
                     raw_u = tl.load(tile_raw_ptr + tcol + tr_u, mask=n_mask, other=-1)
                 u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, base8_u, ks, offs_h, n_mask,
-                                     a_ptr, HAS_RAW, PACKED)
+                                     a_ptr, HAS_RAW, PACKED, EXACT)
                 acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
                 acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -201,8 +215,10 @@ def fused_moe_hibyte_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class HiByteExperts:
-    """One GEMM's experts in the hibyte format as fused_moe.py's launcher runs them (its `launch` hook)."""
+    """One GEMM's experts in the hibyte format as fused_moe.py's launcher runs them (its `launch` hook). exact:
+    the bf16 kernel's K grouping in the MMA (bit-equal outputs; see _half_tiles' EXACT)."""
     h: "hibyte.HiByteTensor"
+    exact: bool = True
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
@@ -223,7 +239,7 @@ class HiByteExperts:
             h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
-            PACKED=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, num_warps=warps, num_stages=stages)
 
 
 def hibyte_pair(w13, w2, H: int, I: int, device) -> tuple[HiByteExperts, HiByteExperts]:
@@ -248,9 +264,10 @@ def _check(h, name: str, shape: tuple, device) -> None:
 
 
 def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                     config: FusedMoEConfig | None = None, **overrides) -> torch.Tensor:
+                     config: FusedMoEConfig | None = None, exact: bool = True, **overrides) -> torch.Tensor:
     """fused_moe on experts in the hibyte format (w13 [E, 2I, H], w2 [E, H, I], one part per expert). config:
-    lossless_config's tiles (K steps of 64)."""
+    lossless_config's tiles (K steps of 64). exact=False: the decoded tiles skip the layout copy that keeps the
+    bf16 kernel's sums (faster candidate; outputs within bf16 GEMM tolerance, not bit-equal)."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_moe_hibyte runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
     E, two_i, H = w13.shape
@@ -260,7 +277,7 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     _check(w2, "w2", (E, H, I), x.device)
     cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    return fused_moe_groups(x, [(HiByteExperts(w13), HiByteExperts(w2), None)], topk_weights, topk_ids,
+    return fused_moe_groups(x, [(HiByteExperts(w13, exact), HiByteExperts(w2, exact), None)], topk_weights, topk_ids,
                             T, A, E, H, I, None, cfg, {})
 
 
