@@ -86,16 +86,18 @@ def main() -> int:
                     ["*bf16", "*u8", "*u8", "*u8", "*i32", "*i32", "*bf16", "*i32", "*i32", "*i32"] + ["i32"] * 12,
                     dict(common, ESC_CAP=cap, USE_SLOTS=False))
             hb = {k: v for k, v in common.items() if k != "EVEN_K"}
-            # candidate version 3 (codecs/hibyte.py); "k4": exact=False, no layout copy before the MMA
+            # candidate version 3 (codecs/hibyte.py); "k4": exact=False, no layout copy before the MMA; "tm": the
+            # bytes in kernels/fused_moe_hibyte.tile_major()'s layout
             for label, raw, packed, exact in (("hibyte", False, False, True), ("hibyte raw", True, False, True),
                                               ("hibyte packed", False, True, True),
                                               ("hibyte packed raw", True, True, True),
                                               ("hibyte packed k4", False, True, False),
-                                              ("hibyte packed raw k4", True, True, False)):
+                                              ("hibyte packed raw k4", True, True, False),
+                                              ("hibyte packed raw tm", True, True, True)):
                 variants[label] = (
                     fused_moe_hibyte_kernel, HIBYTE_ARGS,
                     ["*bf16", "*u8", "*u8", "*u8", "*i32", "*u8", "*bf16", "*i32", "*i32", "*i32"] + ["i32"] * 9,
-                    dict(hb, HAS_RAW=raw, USE_SLOTS=False, PACKED=packed, EXACT=exact))
+                    dict(hb, HAS_RAW=raw, USE_SLOTS=False, PACKED=packed, EXACT=exact, TILE_MAJOR=label.endswith("tm")))
             for label, (kernel, names, types, const) in variants.items():
                 compiled = compile_kernel(kernel, names, types, const, args.arch, cfg.num_warps, cfg.num_stages)
                 ops = mma_loop(sass(compiled.asm["cubin"]))

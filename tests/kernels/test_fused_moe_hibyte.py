@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from pagedmoe.codecs import hibyte  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
-from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte, fused_moe_hibyte_reference  # noqa: E402
+from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte, fused_moe_hibyte_reference, tile_major  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ACT = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -80,6 +80,17 @@ def test_inexact_layout_stays_close_to_the_exact_one(T, A, E, H, I, tiny):
     tol = dict(rtol=2e-5, atol=2e-5) if ACT == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(fast.float(), ref, **tol)
     torch.testing.assert_close(fast, exact, **tol)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_tile_major_bytes_give_the_same_outputs(exact):
+    # the candidate layout holds the same bytes, read in the same order: the same sums, bit for bit
+    x, h13, h2, weights, ids, w13, w2 = _layer(9, 2, 3, 256, 128, seed=11, tiny_every=2003)
+    tm = (tile_major(h13), tile_major(h2))
+    assert tm[0].numel() == h13.lo.numel() + h13.code.numel()
+    for cfg in (dict(block_k=64, block_k2=64), dict(block_k=128, block_k2=128, block_n=32, block_n2=16)):
+        want = fused_moe_hibyte(x, h13, h2, weights, ids, exact=exact, **cfg)
+        assert torch.equal(fused_moe_hibyte(x, h13, h2, weights, ids, exact=exact, tile_major_bytes=tm, **cfg), want)
 
 
 def test_refuses_other_formats():

@@ -59,6 +59,20 @@ _ASM_RAW_LO = tl.constexpr(_ASM_RAW.replace("SHIFT", "0").replace("HIGH", "shl.b
 _ASM_RAW_HI = tl.constexpr(_ASM_RAW.replace("SHIFT", "4").replace("HIGH", "and.b32 h, $5, 0xF0F0F0F0;"))
 
 
+TM_TILE_BYTES = tl.constexpr(16 * 96)  # tile_major(): a 16 x 64 tile's low bytes and codes, row by row
+
+
+def tile_major(h: "hibyte.HiByteTensor") -> torch.Tensor:
+    """h's low bytes and codes rearranged tile by tile (a candidate layout, bench only): per 16-row tile and
+    64-column slice, its 16 rows of 64 low bytes then 32 code bytes, 1536 contiguous bytes, tiles of a row block
+    slice after slice. The kernel's three loads of a K step then cover whole 128-byte lines of one region instead
+    of 32-byte pieces of rows K (and K / 2) bytes apart."""
+    R, C = h.lo.shape
+    lo = h.lo.view(R // 16, 16, C // 64, 64).permute(0, 2, 1, 3)
+    code = h.code.view(R // 16, 16, C // 64, 32).permute(0, 2, 1, 3)
+    return torch.cat([lo, code], dim=-1).contiguous()
+
+
 @triton.jit
 def _pairs(lo, code, base, HIGH_NIBBLE: tl.constexpr):
     """bf16 bits (int16) of coded weights by packed byte arithmetic (inline PTX, four weights a call)."""
@@ -93,7 +107,7 @@ def _raw_high(high_ptr, raw_idx, rows16, offs_h, m):
 
 @triton.jit
 def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, offs_h, n_mask, like_ptr,
-                HAS_RAW: tl.constexpr, PACKED: tl.constexpr, EXACT: tl.constexpr):
+                HAS_RAW: tl.constexpr, PACKED: tl.constexpr, EXACT: tl.constexpr, TILE_MAJOR: tl.constexpr):
     """The two [BLOCK_N, 32] halves (columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63) of a weight tile, in
     like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
     raw-tile index at this slice, or -1; base / base8: the rows' bases as int32 [BLOCK_N] / uint8 [BLOCK_N, 32].
@@ -101,11 +115,18 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
     EXACT: the tiles reach tl.dot through mma_operand, so the MMA sums K in the bf16 kernel's grouping (its
     outputs bit-equal to fused_moe's on the decoded weights), at the cost of a shared-memory round trip of the
     decoded tile (STS, a barrier, LDSM). Else Triton decodes straight in the MMA operand registers from the
-    bytes' own layout (kWidth 4 under MMA v2): no round trip, sums grouped differently (bf16 GEMM tolerance)."""
+    bytes' own layout (kWidth 4 under MMA v2): no round trip, sums grouped differently (bf16 GEMM tolerance).
+    TILE_MAJOR: lo_row / code_row address the rows in tile_major()'s layout (a slice's bytes 1536 apart)."""
     m = n_mask[:, None]
-    code = tl.load(code_row + k0 // 2 + offs_h[None, :], mask=m, other=0)
-    lo0 = tl.load(lo_row + k0 + offs_h[None, :], mask=m, other=0)
-    lo1 = tl.load(lo_row + k0 + 32 + offs_h[None, :], mask=m, other=0)
+    if TILE_MAJOR:
+        lo_off = (k0 // 64) * TM_TILE_BYTES
+        code_off = lo_off
+    else:
+        lo_off = k0
+        code_off = k0 // 2
+    code = tl.load(code_row + code_off + offs_h[None, :], mask=m, other=0)
+    lo0 = tl.load(lo_row + lo_off + offs_h[None, :], mask=m, other=0)
+    lo1 = tl.load(lo_row + lo_off + 32 + offs_h[None, :], mask=m, other=0)
     if PACKED:
         b0 = _pairs(lo0, code, base8, False)
         b1 = _pairs(lo1, code, base8, True)
@@ -142,6 +163,12 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
     return w0, w1
 
 
+@triton.jit
+def _tm_rows(rows, K):
+    """Byte offsets of rows (int64 [BLOCK_N], global over the parts) at slice 0 in tile_major()'s layout."""
+    return (rows // 16) * (K // 64) * TM_TILE_BYTES + (rows % 16) * 96
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def fused_moe_hibyte_kernel(
     a_ptr, lo_ptr, code_ptr, base_ptr, tile_raw_ptr, high_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, slot_ptr,
@@ -149,7 +176,7 @@ def fused_moe_hibyte_kernel(
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_RAW: tl.constexpr, USE_SLOTS: tl.constexpr = False, PACKED: tl.constexpr = False,
-    EXACT: tl.constexpr = True,
+    EXACT: tl.constexpr = True, TILE_MAJOR: tl.constexpr = False,
 ):
     """As fused_moe_lossless_kernel (one block of one expert, GATED: silu(gate) * up), W decoded from the hibyte
     arrays. BLOCK_K a multiple of 64; K a multiple of 64 (the format's)."""
@@ -172,15 +199,23 @@ def fused_moe_hibyte_kernel(
     e64 = expert.to(tl.int64)
     tiles_rows = part_rows // 16
     tile0 = expert * tiles_rows * (K // 64)
-    lo_g = lo_ptr + e64 * part_rows * K + offs_n[:, None] * K
-    code_g = code_ptr + e64 * part_rows * (K // 2) + offs_n[:, None] * (K // 2)
+    if TILE_MAJOR:  # lo_ptr: tile_major()'s bytes (code_ptr unused)
+        lo_g = lo_ptr + _tm_rows(e64 * part_rows + offs_n, K)[:, None]
+        code_g = lo_g + 64
+    else:
+        lo_g = lo_ptr + e64 * part_rows * K + offs_n[:, None] * K
+        code_g = code_ptr + e64 * part_rows * (K // 2) + offs_n[:, None] * (K // 2)
     base_g = tl.load(base_ptr + e64 * part_rows + offs_n, mask=n_mask, other=0).to(tl.int32)
     tr_g = offs_n // 16
     r16_g = offs_n % 16
     base8_g = tl.broadcast_to(base_g.to(tl.uint8)[:, None], (BLOCK_N, 32))
     if GATED:
-        lo_u = lo_g + N * K
-        code_u = code_g + N * (K // 2)
+        if TILE_MAJOR:
+            lo_u = lo_ptr + _tm_rows(e64 * part_rows + N + offs_n, K)[:, None]
+            code_u = lo_u + 64
+        else:
+            lo_u = lo_g + N * K
+            code_u = code_g + N * (K // 2)
         base_u = tl.load(base_ptr + e64 * part_rows + N + offs_n, mask=n_mask, other=0).to(tl.int32)
         tr_u = (offs_n + N) // 16
         r16_u = (offs_n + N) % 16
@@ -198,7 +233,7 @@ def fused_moe_hibyte_kernel(
             if HAS_RAW:
                 raw_g = tl.load(tile_raw_ptr + tcol + tr_g, mask=n_mask, other=-1)
             w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, base8_g, ks, offs_h, n_mask, a_ptr,
-                                 HAS_RAW, PACKED, EXACT)
+                                 HAS_RAW, PACKED, EXACT, TILE_MAJOR)
             acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
             acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
             if GATED:
@@ -206,7 +241,7 @@ def fused_moe_hibyte_kernel(
                 if HAS_RAW:
                     raw_u = tl.load(tile_raw_ptr + tcol + tr_u, mask=n_mask, other=-1)
                 u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, base8_u, ks, offs_h, n_mask,
-                                     a_ptr, HAS_RAW, PACKED, EXACT)
+                                     a_ptr, HAS_RAW, PACKED, EXACT, TILE_MAJOR)
                 acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
                 acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -219,6 +254,7 @@ class HiByteExperts:
     the bf16 kernel's K grouping in the MMA (bit-equal outputs; see _half_tiles' EXACT)."""
     h: "hibyte.HiByteTensor"
     exact: bool = True
+    tm: torch.Tensor | None = None  # tile_major(h), read in place of h.lo / h.code when given
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
@@ -234,12 +270,13 @@ class HiByteExperts:
                              f"multiples of 64")
         high = h.high if h.high.numel() else h.lo  # any pointer: never read without raw tiles
         fused_moe_hibyte_kernel[grid](
-            a, h.lo, h.code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
+            a, h.lo if self.tm is None else self.tm, h.code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
             block_expert if slots is None else slots, num_slots, num_blocks, N, K, k_per_split,
             h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
-            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, num_warps=warps, num_stages=stages)
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None,
+            num_warps=warps, num_stages=stages)
 
 
 def hibyte_pair(w13, w2, H: int, I: int, device) -> tuple[HiByteExperts, HiByteExperts]:
@@ -264,10 +301,12 @@ def _check(h, name: str, shape: tuple, device) -> None:
 
 
 def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                     config: FusedMoEConfig | None = None, exact: bool = True, **overrides) -> torch.Tensor:
+                     config: FusedMoEConfig | None = None, exact: bool = True, tile_major_bytes=None,
+                     **overrides) -> torch.Tensor:
     """fused_moe on experts in the hibyte format (w13 [E, 2I, H], w2 [E, H, I], one part per expert). config:
     lossless_config's tiles (K steps of 64). exact=False: the decoded tiles skip the layout copy that keeps the
-    bf16 kernel's sums (faster candidate; outputs within bf16 GEMM tolerance, not bit-equal)."""
+    bf16 kernel's sums (faster candidate; outputs within bf16 GEMM tolerance, not bit-equal). tile_major_bytes:
+    (tile_major(w13), tile_major(w2)) to read instead of the arrays as stored (the candidate layout)."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_moe_hibyte runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
     E, two_i, H = w13.shape
@@ -277,8 +316,9 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     _check(w2, "w2", (E, H, I), x.device)
     cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    return fused_moe_groups(x, [(HiByteExperts(w13, exact), HiByteExperts(w2, exact), None)], topk_weights, topk_ids,
-                            T, A, E, H, I, None, cfg, {})
+    tm13, tm2 = tile_major_bytes or (None, None)
+    return fused_moe_groups(x, [(HiByteExperts(w13, exact, tm13), HiByteExperts(w2, exact, tm2), None)],
+                            topk_weights, topk_ids, T, A, E, H, I, None, cfg, {})
 
 
 def fused_moe_hibyte_reference(x, w13, w2, topk_weights, topk_ids, *, config: FusedMoEConfig | None = None,
