@@ -160,12 +160,12 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
         if copies[0]["h13"] is None:
             raise ValueError(f"no hibyte layer: H {m['H']} and I {m['I']} must be multiples of 64")
 
-        def hb(i, c2=cfg, exact=True, tm=False):
+        def hb(i, c2=cfg, exact=True, tm=False, join_k=True):
             c = copies[i]
             if tm and "tm" not in c:
                 c["tm"] = (tile_major(c["h13"]), tile_major(c["h2"]))
             return fused_moe_hibyte(c["x"], c["h13"], c["h2"], c["weights"], c["ids"], config=c2, exact=exact,
-                                    tile_major_bytes=c["tm"] if tm else None)
+                                    tile_major_bytes=c["tm"] if tm else None, join_k=join_k)
         got, ref = hb(0).clone(), bf16(0, config=cfg).clone()
         hb_bytes = statistics.mean(torch.unique(c["ids"]).numel() * (c["h13"].nbytes + c["h2"].nbytes) / m["E"]
                                    for c in copies)
@@ -193,7 +193,7 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
             # "tm...": the same bytes in tile_major()'s candidate layout (a K step's loads cover whole lines)
             candidates = [("k4", layer), ("k4-warps4", layer4)] + ([("m32", m32), ("m32-k4", m32)]
                                                                  if layer.block_m > 32 else []) + \
-                [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4)]
+                [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4), ("halves", layer)]
             for label, ov in ([("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS +
                               candidates):
                 try:
@@ -201,11 +201,12 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
                     c2 = (layer if ov is None else layer4 if ov == "layer4" else ov
                           if isinstance(ov, FusedMoEConfig) else dataclasses.replace(cfg, **ov))
                     tm = label.startswith("tm")
-                    got, ref = hb(0, c2, exact, tm), bf16(0, config=c2)
+                    join = label != "halves"  # "halves": a dot per K = 32 half, the kernel before 2026-12-05
+                    got, ref = hb(0, c2, exact, tm, join), bf16(0, config=c2)
                     v = dict(equal_to_bf16_gemm=bool(torch.equal(got, ref)), exact=exact)
                     if not exact:
                         v.update(tolerance_check(copies[0], got, ref))
-                    v["us"] = time_graph(lambda i: hb(i, c2, exact, tm), len(copies))[0]
+                    v["us"] = time_graph(lambda i: hb(i, c2, exact, tm, join), len(copies))[0]
                     v["over_bf16"] = v["us"] / row["bf16_default_us"]
                     print(f"  {name:14s} T={T:4d} hibyte {label:8s} {v['us']:8.1f} us  ratio {v['over_bf16']:.3f}"
                           f"  equal={v['equal_to_bf16_gemm']}" + ("" if exact else

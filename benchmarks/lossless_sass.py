@@ -87,17 +87,20 @@ def main() -> int:
                     dict(common, ESC_CAP=cap, USE_SLOTS=False))
             hb = {k: v for k, v in common.items() if k != "EVEN_K"}
             # candidate version 3 (codecs/hibyte.py); "k4": exact=False, no layout copy before the MMA; "tm": the
-            # bytes in kernels/fused_moe_hibyte.tile_major()'s layout
+            # bytes in kernels/fused_moe_hibyte.tile_major()'s layout; "halves": a dot per K = 32 half (JOIN_K off,
+            # the kernel before 2026-12-05)
             for label, raw, packed, exact in (("hibyte", False, False, True), ("hibyte raw", True, False, True),
                                               ("hibyte packed", False, True, True),
                                               ("hibyte packed raw", True, True, True),
                                               ("hibyte packed k4", False, True, False),
                                               ("hibyte packed raw k4", True, True, False),
-                                              ("hibyte packed raw tm", True, True, True)):
+                                              ("hibyte packed raw tm", True, True, True),
+                                              ("hibyte packed raw halves", True, True, True)):
                 variants[label] = (
                     fused_moe_hibyte_kernel, HIBYTE_ARGS,
                     ["*bf16", "*u8", "*u8", "*u8", "*i32", "*u8", "*bf16", "*i32", "*i32", "*i32"] + ["i32"] * 9,
-                    dict(hb, HAS_RAW=raw, USE_SLOTS=False, PACKED=packed, EXACT=exact, TILE_MAJOR=label.endswith("tm")))
+                    dict(hb, HAS_RAW=raw, USE_SLOTS=False, PACKED=packed, EXACT=exact, TILE_MAJOR=label.endswith("tm"),
+                         JOIN_K=not label.endswith("halves")))
             for label, (kernel, names, types, const) in variants.items():
                 compiled = compile_kernel(kernel, names, types, const, args.arch, cfg.num_warps, cfg.num_stages)
                 ops = mma_loop(sass(compiled.asm["cubin"]))

@@ -59,10 +59,18 @@ def test_lossless_sass_counts_the_mma_loop(tmp_path):
     its loop is longer than bf16's at the same tiles, and escape patches lengthen it again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/lossless_sass.py", "--tokens", "1", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "benchmarks/lossless_sass.py", "--tokens", "1", "256", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "lossless_sass.json").read_text())["rows"]
+    # Mixtral at 256 tokens (MMA v3, 8 warps): a dot per K = 32 half on one accumulator is a "chained" dot to
+    # Triton, which gives the two dots different warp layouts and converts the fp32 accumulators between them
+    # through shared memory (37 barriers a K step against bf16's 2); one K = 64 dot a step (_join_k) has bf16's
+    got = {r["kernel"]: r for r in rows if r["model"] == "mixtral-8x7b" and r["tokens"] == 256}
+    assert got["hibyte packed raw halves"]["opcodes"]["BAR"] > 8 * got["bf16"]["opcodes"]["BAR"]
+    assert got["hibyte packed raw"]["opcodes"]["BAR"] <= 5 * got["bf16"]["opcodes"]["BAR"]
+    assert got["hibyte packed raw"]["loop_instructions"] < 0.85 * got["hibyte packed raw halves"]["loop_instructions"]
+    rows = [r for r in rows if r["tokens"] == 1]
     for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
         got = {r["kernel"]: r for r in rows if r["model"] == model}
         assert all(r["opcodes"].get("HMMA", 0) > 0 for r in got.values())

@@ -93,6 +93,17 @@ def test_tile_major_bytes_give_the_same_outputs(exact):
         assert torch.equal(fused_moe_hibyte(x, h13, h2, weights, ids, exact=exact, tile_major_bytes=tm, **cfg), want)
 
 
+def test_a_dot_per_half_matches_one_dot_per_step():
+    # join_k=False (a dot per K = 32 half, the kernel before 2026-12-05) against the default (one K = 64 dot)
+    x, h13, h2, weights, ids, w13, w2 = _layer(9, 2, 3, 256, 128, seed=12, tiny_every=2003)
+    one = fused_moe_hibyte(x, h13, h2, weights, ids, block_k=128, block_k2=128)
+    halves = fused_moe_hibyte(x, h13, h2, weights, ids, block_k=128, block_k2=128, join_k=False)
+    if ACT == torch.float32:  # the interpreter's dots sum K = 32 and K = 64 in different orders
+        torch.testing.assert_close(halves, one, rtol=2e-5, atol=2e-5)
+    else:  # the same MMA instructions in the same K order
+        assert torch.equal(halves, one)
+
+
 def test_refuses_other_formats():
     x, h13, h2, weights, ids, w13, w2 = _layer(1, 2, 2, 64, 64, seed=1)
     with pytest.raises(ValueError, match="must be a hibyte tensor"):

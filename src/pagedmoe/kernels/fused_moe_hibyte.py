@@ -164,6 +164,15 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
 
 
 @triton.jit
+def _join_k(w0, w1, BLOCK_N: tl.constexpr):
+    """The [BLOCK_N, 64] tile of a K step from its two K = 32 halves (columns 0-31, 32-63), for one K = 64 dot:
+    two dots a step on one accumulator count as chained for Triton's MMA v3 warp layout (8 warps: [8, 1] for the
+    first, [4, 2] for the second), which then converts the fp32 accumulators between them through shared memory
+    four times a K step (benchmarks/lossless_sass.py, Mixtral T = 256: 28 STS and 33 barriers a step)."""
+    return tl.reshape(tl.permute(tl.join(w0, w1), (0, 2, 1)), (BLOCK_N, 64))
+
+
+@triton.jit
 def _tm_rows(rows, K):
     """Byte offsets of rows (int64 [BLOCK_N], global over the parts) at slice 0 in tile_major()'s layout."""
     return (rows // 16) * (K // 64) * TM_TILE_BYTES + (rows % 16) * 96
@@ -176,7 +185,7 @@ def fused_moe_hibyte_kernel(
     TOP_K: tl.constexpr, GATED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_RAW: tl.constexpr, USE_SLOTS: tl.constexpr = False, PACKED: tl.constexpr = False,
-    EXACT: tl.constexpr = True, TILE_MAJOR: tl.constexpr = False,
+    EXACT: tl.constexpr = True, TILE_MAJOR: tl.constexpr = False, JOIN_K: tl.constexpr = True,
 ):
     """As fused_moe_lossless_kernel (one block of one expert, GATED: silu(gate) * up), W decoded from the hibyte
     arrays. BLOCK_K a multiple of 64; K a multiple of 64 (the format's)."""
@@ -221,30 +230,41 @@ def fused_moe_hibyte_kernel(
         r16_u = (offs_n + N) % 16
         base8_u = tl.broadcast_to(base_u.to(tl.uint8)[:, None], (BLOCK_N, 32))
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + offs_h)[None, :]
+    a64_ptrs = a_ptr + a_rows[:, None] * stride_a + (k_start + tl.arange(0, 64))[None, :]
     acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(k_start, k_end, BLOCK_K):
         for s in tl.static_range(BLOCK_K // 64):
             ks = k0 + s * 64
-            a0 = tl.load(a_ptrs + s * 64, mask=m_mask[:, None], other=0.0)
-            a1 = tl.load(a_ptrs + s * 64 + 32, mask=m_mask[:, None], other=0.0)
+            if JOIN_K:
+                a64 = tl.load(a64_ptrs + s * 64, mask=m_mask[:, None], other=0.0)
+            else:
+                a0 = tl.load(a_ptrs + s * 64, mask=m_mask[:, None], other=0.0)
+                a1 = tl.load(a_ptrs + s * 64 + 32, mask=m_mask[:, None], other=0.0)
             tcol = tile0 + (ks // 64) * tiles_rows
             raw_g = tl.full([BLOCK_N], -1, tl.int32)
             if HAS_RAW:
                 raw_g = tl.load(tile_raw_ptr + tcol + tr_g, mask=n_mask, other=-1)
             w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, base8_g, ks, offs_h, n_mask, a_ptr,
                                  HAS_RAW, PACKED, EXACT, TILE_MAJOR)
-            acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
-            acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
+            if JOIN_K:
+                acc_g = mma(acc_g, _join_k(w0, w1, BLOCK_N), a64, SWAP_AB, DOT_PRECISION)
+            else:
+                acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
+                acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
             if GATED:
                 raw_u = tl.full([BLOCK_N], -1, tl.int32)
                 if HAS_RAW:
                     raw_u = tl.load(tile_raw_ptr + tcol + tr_u, mask=n_mask, other=-1)
                 u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, base8_u, ks, offs_h, n_mask,
                                      a_ptr, HAS_RAW, PACKED, EXACT, TILE_MAJOR)
-                acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
-                acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
+                if JOIN_K:
+                    acc_u = mma(acc_u, _join_k(u0, u1, BLOCK_N), a64, SWAP_AB, DOT_PRECISION)
+                else:
+                    acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
+                    acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
+        a64_ptrs += BLOCK_K
     store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
@@ -255,6 +275,7 @@ class HiByteExperts:
     h: "hibyte.HiByteTensor"
     exact: bool = True
     tm: torch.Tensor | None = None  # tile_major(h), read in place of h.lo / h.code when given
+    join_k: bool = True  # one K = 64 dot a step (_join_k); False: a dot per K = 32 half (before 2026-12-05)
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
@@ -275,7 +296,7 @@ class HiByteExperts:
             h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
-            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None,
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None, JOIN_K=self.join_k,
             num_warps=warps, num_stages=stages)
 
 
@@ -302,11 +323,12 @@ def _check(h, name: str, shape: tuple, device) -> None:
 
 def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                      config: FusedMoEConfig | None = None, exact: bool = True, tile_major_bytes=None,
-                     **overrides) -> torch.Tensor:
+                     join_k: bool = True, **overrides) -> torch.Tensor:
     """fused_moe on experts in the hibyte format (w13 [E, 2I, H], w2 [E, H, I], one part per expert). config:
     lossless_config's tiles (K steps of 64). exact=False: the decoded tiles skip the layout copy that keeps the
     bf16 kernel's sums (faster candidate; outputs within bf16 GEMM tolerance, not bit-equal). tile_major_bytes:
-    (tile_major(w13), tile_major(w2)) to read instead of the arrays as stored (the candidate layout)."""
+    (tile_major(w13), tile_major(w2)) to read instead of the arrays as stored (the candidate layout). join_k=False:
+    a dot per K = 32 half, as before 2026-12-05 (the bench's comparison row)."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_moe_hibyte runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
     E, two_i, H = w13.shape
@@ -317,7 +339,7 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     tm13, tm2 = tile_major_bytes or (None, None)
-    return fused_moe_groups(x, [(HiByteExperts(w13, exact, tm13), HiByteExperts(w2, exact, tm2), None)],
+    return fused_moe_groups(x, [(HiByteExperts(w13, exact, tm13, join_k), HiByteExperts(w2, exact, tm2, join_k), None)],
                             topk_weights, topk_ids, T, A, E, H, I, None, cfg, {})
 
 
