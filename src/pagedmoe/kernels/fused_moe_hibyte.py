@@ -1,9 +1,9 @@
 """Triton MoE expert GEMMs on experts in the lossless candidate version 3 (codecs/hibyte.py), decoded per weight
 tile in registers, written for the fewest instructions per weight (issue 23; benchmarks/lossless_sass.py counts
 them): per 64-column slice of a [BLOCK_N, 64] weight tile,
-  - one code byte per two weights splits into the slice's two K halves (AND, shift: columns j and j + 32), and
-    each half is multiplied as its own K = 32 step, in K order (the MMA instructions and their order are those
-    of one K = 64 step);
+  - one code byte per two weights splits into the slice's two K halves (AND, shift: columns j and j + 32), joined
+    back into the slice's [BLOCK_N, 64] tile for one K = 64 dot, as the bf16 kernel's (_join_k: two dots on one
+    accumulator made Triton's MMA v3 layouts convert the accumulator between them);
   - the high byte is code + base + 120 * (code >> 3), the low byte is loaded as it is, bits = hi << 8 | lo;
   - raw tiles (a 16 x 64 tile with a weight outside its row's window): one branch per slice on "any raw tile
     among these rows", then hi = code | high << 4 on their rows (a select), no per-weight escape.
