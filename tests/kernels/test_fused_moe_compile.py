@@ -59,8 +59,8 @@ def test_lossless_sass_counts_the_mma_loop(tmp_path):
     its loop is longer than bf16's at the same tiles, and escape patches lengthen it again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/lossless_sass.py", "--tokens", "1", "256", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "benchmarks/lossless_sass.py", "--tokens", "1", "256", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "lossless_sass.json").read_text())["rows"]
     # Mixtral at 256 tokens (MMA v3, 8 warps): a dot per K = 32 half on one accumulator is a "chained" dot to

@@ -92,6 +92,8 @@ def test_tile_major_bytes_give_the_same_outputs(exact):
     for cfg in (dict(block_k=64, block_k2=64), dict(block_k=128, block_k2=128, block_n=32, block_n2=16)):
         want = fused_moe_hibyte(x, h13, h2, weights, ids, exact=exact, **cfg)
         assert torch.equal(fused_moe_hibyte(x, h13, h2, weights, ids, exact=exact, tile_major_bytes=tm, **cfg), want)
+    with pytest.raises(ValueError, match=r"tile_major_bytes\[w2\] must be tile_major\(w2\)"):
+        fused_moe_hibyte(x, h13, h2, weights, ids, tile_major_bytes=(tm[0], tm[0]))
 
 
 def test_a_dot_per_half_matches_one_dot_per_step():

@@ -296,8 +296,8 @@ class HiByteExperts:
             h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
-            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None, JOIN_K=self.join_k,
-            num_warps=warps, num_stages=stages)
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None,
+            JOIN_K=self.join_k, num_warps=warps, num_stages=stages)
 
 
 def hibyte_pair(w13, w2, H: int, I: int, device) -> tuple[HiByteExperts, HiByteExperts]:
@@ -339,6 +339,10 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     cfg = config or lossless_config(T, A, E, H, I, x.dtype, sm_count(x.device), x.device)
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     tm13, tm2 = tile_major_bytes or (None, None)
+    for h, tm, name in ((w13, tm13, "w13"), (w2, tm2, "w2")):
+        if tm is not None and (tm.dtype != torch.uint8 or tm.numel() != h.lo.numel() + h.code.numel()
+                               or not tm.is_contiguous() or tm.device != x.device):
+            raise ValueError(f"tile_major_bytes[{name}] must be tile_major({name}) (contiguous uint8 on {x.device})")
     return fused_moe_groups(x, [(HiByteExperts(w13, exact, tm13, join_k), HiByteExperts(w2, exact, tm2, join_k), None)],
                             topk_weights, topk_ids, T, A, E, H, I, None, cfg, {})
 
