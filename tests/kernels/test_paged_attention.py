@@ -190,6 +190,28 @@ def test_prefill_small_wide_tiles():
     check_prefill([70, 45, 9], [40, 45, 1], 2, 4, 64, 16, torch.float32, block_m=128, block_n=32, num_warps=8)
 
 
+@pytest.mark.parametrize("lazy", [True, False])
+def test_prefill_running_max_jumps_and_creeps(lazy):
+    # Scores that grow along the sequence, by less than the lazy rescale's 2^8 a KV tile in one head (the stale
+    # max is kept, p grows up to 256) and by far more in another (every tile moves it); fp32 against the reference.
+    seq_lens, q_lens = [96, 64], [96, 20]
+    q, kc, vc, bt, qsl, lens = make_batch(seq_lens, q_lens, 2, 2, 64, 16, torch.float32, seed=3)
+    kv = kc.view(-1, 2, 64)
+    for b, n in enumerate(seq_lens):  # key at position p: noise + slope_h * p (slope 0.01 / 0.5 per position)
+        pos = torch.arange(n, device=kv.device)
+        slots = bt[b, pos // 16].long() * 16 + pos % 16
+        kv[slots, 0] = kv[slots, 0] * 0.2 + 0.01 * pos[:, None]
+        kv[slots, 1] = kv[slots, 1] * 0.2 + 0.5 * pos[:, None]
+    q.abs_()  # q . k then rises with the key's position
+    scale = 64 ** -0.5
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention_prefill(q, kc, vc, bt, qsl, lens, scale, max(q_lens), out=out, block_m=32, block_n=16,
+                               num_warps=4, lazy_rescale=lazy)
+    ref = reference(q, kc, vc, bt, qsl, lens, scale)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_backend_small():
     check_backend([9, 20], [9, 4], 2, 2, 64, 8, torch.float32)
     check_backend([9, 20, 1], [1, 1, 1], 2, 2, 64, 8, torch.float32)

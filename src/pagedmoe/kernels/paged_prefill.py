@@ -26,6 +26,7 @@ from ._attention_checks import (
 )
 
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" (see paged_decode.py)
+RESCALE_LOG2 = tl.constexpr(8.0)  # lazy rescale: the running max moves when a row's grows by more than 2^8
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _attend_tile(
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     q_pos, kv_end, scale_log2e, offs_d, d_mask,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
@@ -54,13 +55,27 @@ def _attend_tile(
         k = tl.load(k_ptrs)  # interior tile, full head: no mask at all
     else:
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [M, N], log2 units
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
     if MASKED:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)  # log2 units (scale_log2e > 0: the max commutes)
+    if LAZY_RESCALE:
+        # The running max (and acc's scale) moves only when some row's grew by more than RESCALE_LOG2: below it,
+        # p = 2^(s - m_i) stays <= 2^RESCALE_LOG2 (exact in fp32, and in bf16 / fp16 for the PV dot), and the
+        # [BLOCK_M, HEAD_DIM] rescale of acc, a quarter of the tile's instructions at 32 keys, is skipped
+        # whenever no row's max jumped. acc and l_i always share one scale, so acc / l_i is the same softmax.
+        if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s * scale_log2e - m_i[:, None])  # one FFMA a score
+    l_i = l_i + tl.sum(p, 1)
     if MASKED:
         if HEAD_DIM == HEAD_DIM_PAD:
             v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
@@ -70,8 +85,8 @@ def _attend_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -85,7 +100,7 @@ def paged_attention_prefill_kernel(
     stride_o_t, stride_o_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr = True,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -125,13 +140,13 @@ def paged_attention_prefill_kernel(
             q, acc, m_i, l_i, n0, bt_row, k_base, v_base, block_size,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             q_pos, kv_end, scale_log2e, offs_d, d_mask,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, DOT_PRECISION, LAZY_RESCALE)
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, bt_row, k_base, v_base, block_size,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             q_pos, kv_end, scale_log2e, offs_d, d_mask,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, DOT_PRECISION, LAZY_RESCALE)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_o_t + heads * stride_o_h
@@ -154,13 +169,15 @@ def paged_attention_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    lazy_rescale: bool = True,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
 
     This step's K/V must already be in the cache (``write_kv`` first). query_start_loc [B + 1] int32,
     seq_lens [B] int32, block_tables [B, max_blocks] int32; max_query_len (host int) is the longest
     q_len in the batch and sizes the grid: a smaller value leaves rows unwritten (not checked, that
-    would need a host sync). block_m, block_n, num_warps, num_stages override the tuning.
+    would need a host sync). block_m, block_n, num_warps, num_stages override the tuning. lazy_rescale=False
+    rescales the running sums at every KV tile (the kernel before 2026-12-05).
     """
     _, block_size, num_kv_heads, head_dim = check_caches(k_cache, v_cache)
     _, group = check_query(q, k_cache)
@@ -208,7 +225,7 @@ def paged_attention_prefill(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), LAZY_RESCALE=lazy_rescale,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
