@@ -112,8 +112,8 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
     like_ptr's dtype. lo_row / code_row: [BLOCK_N, 1] pointers to the rows' first byte; raw_idx: each row's
     raw-tile index at this slice, or -1; base / base8: the rows' bases as int32 [BLOCK_N] / uint8 [BLOCK_N, 32].
     PACKED: by packed byte arithmetic (inline PTX; compiled only: the interpreter runs no PTX), else per weight.
-    EXACT: the tiles reach tl.dot through mma_operand, so the MMA sums K in the bf16 kernel's grouping (its
-    outputs bit-equal to fused_moe's on the decoded weights), at the cost of a shared-memory round trip of the
+    EXACT (with the caller's _operand): the tiles reach tl.dot through mma_operand, so the MMA sums K in the bf16
+    kernel's grouping (its outputs bit-equal to fused_moe's on the decoded weights), at the cost of a shared-memory round trip of the
     decoded tile (STS, a barrier, LDSM). Else Triton decodes straight in the MMA operand registers from the
     bytes' own layout (kWidth 4 under MMA v2): no round trip, sums grouped differently (bf16 GEMM tolerance).
     TILE_MAJOR: lo_row / code_row address the rows in tile_major()'s layout (a slice's bytes 1536 apart)."""
@@ -157,10 +157,17 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
         b1 = ((hi1 << 8) | lo1.to(tl.int32)).to(tl.int16)
     w0 = b0.to(tl.bfloat16, bitcast=True).to(like_ptr.dtype.element_ty)
     w1 = b1.to(tl.bfloat16, bitcast=True).to(like_ptr.dtype.element_ty)
-    if EXACT:
-        w0 = mma_operand(w0)
-        w1 = mma_operand(w1)
     return w0, w1
+
+
+@triton.jit
+def _operand(w, EXACT: tl.constexpr):
+    """A decoded tile as the dot's operand: through mma_operand when EXACT (the copy must wrap the very tile the
+    dot takes: one made per half and joined after leaves the joined tile's layout to Triton, and on the H200 the
+    MMA then summed K in another grouping, 1-2 ulp off the bf16 kernel at the Mixtral shapes, 2026-12-05)."""
+    if EXACT:
+        w = mma_operand(w)
+    return w
 
 
 @triton.jit
@@ -248,10 +255,10 @@ def fused_moe_hibyte_kernel(
             w0, w1 = _half_tiles(lo_g, code_g, high_ptr, raw_g, r16_g, base_g, base8_g, ks, offs_h, n_mask, a_ptr,
                                  HAS_RAW, PACKED, EXACT, TILE_MAJOR)
             if JOIN_K:
-                acc_g = mma(acc_g, _join_k(w0, w1, BLOCK_N), a64, SWAP_AB, DOT_PRECISION)
+                acc_g = mma(acc_g, _operand(_join_k(w0, w1, BLOCK_N), EXACT), a64, SWAP_AB, DOT_PRECISION)
             else:
-                acc_g = mma(acc_g, w0, a0, SWAP_AB, DOT_PRECISION)
-                acc_g = mma(acc_g, w1, a1, SWAP_AB, DOT_PRECISION)
+                acc_g = mma(acc_g, _operand(w0, EXACT), a0, SWAP_AB, DOT_PRECISION)
+                acc_g = mma(acc_g, _operand(w1, EXACT), a1, SWAP_AB, DOT_PRECISION)
             if GATED:
                 raw_u = tl.full([BLOCK_N], -1, tl.int32)
                 if HAS_RAW:
@@ -259,10 +266,10 @@ def fused_moe_hibyte_kernel(
                 u0, u1 = _half_tiles(lo_u, code_u, high_ptr, raw_u, r16_u, base_u, base8_u, ks, offs_h, n_mask,
                                      a_ptr, HAS_RAW, PACKED, EXACT, TILE_MAJOR)
                 if JOIN_K:
-                    acc_u = mma(acc_u, _join_k(u0, u1, BLOCK_N), a64, SWAP_AB, DOT_PRECISION)
+                    acc_u = mma(acc_u, _operand(_join_k(u0, u1, BLOCK_N), EXACT), a64, SWAP_AB, DOT_PRECISION)
                 else:
-                    acc_u = mma(acc_u, u0, a0, SWAP_AB, DOT_PRECISION)
-                    acc_u = mma(acc_u, u1, a1, SWAP_AB, DOT_PRECISION)
+                    acc_u = mma(acc_u, _operand(u0, EXACT), a0, SWAP_AB, DOT_PRECISION)
+                    acc_u = mma(acc_u, _operand(u1, EXACT), a1, SWAP_AB, DOT_PRECISION)
         a_ptrs += BLOCK_K
         a64_ptrs += BLOCK_K
     store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
