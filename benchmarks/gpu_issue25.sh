@@ -8,6 +8,7 @@
 #           --async-scheduling; then batch 1 with --backbone-gemm triton                        ~2 min
 #   prefill profile_step.py --prefill: 8 prompts x 1024 tokens a step (8192), Qwen3-30B-A3B and Mixtral-8x7B,
 #           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
+#   tune-attn  benchmarks/tune_prefill_attention.py: the prefill attention tiles, lazy rescale against eager  ~3 min
 #   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
 #   tune-mixtral  tune_fused_moe.py for Mixtral-8x7B at 256 and 128 tokens (TUNE_BATCHES, block_m TUNE_BLOCK_M),
 #           kernels launched with PDL as the engine launches them, added to the shipped table (--resume); then
@@ -54,12 +55,18 @@ for part in "$@"; do
         --out "$D/prof-triton" > "$D/prof-triton.txt" 2>&1
       grep -A14 "=== batch" "$D/prof-triton.txt" | head -18 ;;
     prefill)
-      for m in "$Q" benchmarks/configs/mixtral-8x7b; do
+      # Mixtral-8x7B resident (87 GiB of bf16 weights) needs an H200; an H100 (78 GiB) profiles Qwen3 only
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      models=("$Q"); [ "${mib:-0}" -gt 100000 ] && models+=(benchmarks/configs/mixtral-8x7b)
+      for m in "${models[@]}"; do
         t python3 benchmarks/profile_step.py "$m" --load-format dummy --expert-placement resident --prefill \
           --input-len 1024 --max-model-len 2048 --num-steps 5 --out "$D/prefill-$(basename "$m")" \
           > "$D/prefill-$(basename "$m").txt" 2>&1
         grep -A14 "=== prefill" "$D/prefill-$(basename "$m").txt" | head -16
       done ;;
+    tune-attn)
+      t env OUT="$D" python3 benchmarks/tune_prefill_attention.py > "$D/tune_prefill_attention.log" 2>&1
+      grep -E "===|^  auto|^best|w8s2|flash" "$D/tune_prefill_attention.log" | head -40 ;;
     tune)
       t python3 benchmarks/tune_fused_moe.py --models qwen3-30b-a3b mixtral-8x7b --max-s $((RUN_TIMEOUT - 40)) --out "$D/tune" > "$D/tune.log" 2>&1
       tail -20 "$D/tune.log" ;;

@@ -6,7 +6,10 @@ Two launches, one control plane (the scheduler, the KV block tables and sampling
   localhost port;
 - `torchrun --nproc-per-node N script.py` (RANK / WORLD_SIZE / MASTER_ADDR set): every rank runs the
   script; `LLM(...)` returns on rank 0 and, on the others, serves rank 0's steps and exits the process
-  when rank 0 shuts down (its script past `LLM(...)` never runs there).
+  when rank 0 shuts down (its script past `LLM(...)` never runs there). A worker rank ends with `os._exit`
+  after flushing its streams and logs (exit_worker): the interpreter's teardown could otherwise destroy
+  gloo's C++ objects while their threads still run and abort the rank ("terminate called without an
+  active exception"), which torchrun reports as a failed launch.
 Start-up runs on every rank alike (each builds its shard, plans its budget, profiles, and the ranks agree
 on the smallest KV block count), so the collectives inside it meet. Then each step rank 0 broadcasts the
 step's host inputs (worker/model_runner.py::host_inputs) over a gloo group and every rank runs the same
@@ -131,6 +134,18 @@ def serve_steps(parts) -> None:
     dist.destroy_process_group()
 
 
+def exit_worker(code: int = 0) -> None:
+    """End a worker rank's process once its group is gone: flush what it printed and logged, then skip the
+    interpreter's teardown (see the module docstring)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 _LIVE: list = []  # rank 0's StepBroadcast while its workers run
 
 
@@ -175,4 +190,4 @@ def finish_start(parts) -> None:
         parts.runner.control = StepBroadcast()
     elif state.torchrun:
         serve_steps(parts)
-        sys.exit(0)
+        exit_worker()

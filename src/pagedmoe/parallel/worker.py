@@ -9,12 +9,13 @@ import pickle
 import sys
 
 from pagedmoe.engine.startup import start_engine
-from pagedmoe.parallel.launch import join_group, serve_steps
+from pagedmoe.parallel.launch import exit_worker, join_group, serve_steps
 
 
 def worker_main(config, rank: int, port: int) -> None:
     join_group(config, rank, port)
     serve_steps(start_engine(config))
+    exit_worker()
 
 
 if __name__ == "__main__":
