@@ -99,15 +99,19 @@ def profile_steps_of(step, num_steps: int) -> tuple[list[float], dict]:
     with profile(activities=activities) as prof:
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            step()
-            sync()
+            with torch.profiler.record_function(STEP_MARK):
+                step()
+                sync()
             walls.append(time.perf_counter() - t0)
+    if cuda:
+        print_gaps(gpu_gaps(prof.events()), num_steps)
     per_class = defaultdict(lambda: {"us": 0.0, "launches": 0, "kernels": defaultdict(float)})
     for evt in prof.events():
         # on a CPU-only machine (smoke runs) the CPU ops stand in for kernels
-        if cuda and evt.device_type != torch.autograd.DeviceType.CUDA:
+        if cuda and (evt.device_type != torch.autograd.DeviceType.CUDA or evt.name == STEP_MARK):
             continue
-        if not cuda and (evt.cpu_parent is not None or not evt.name.startswith("aten::")):
+        top_level = evt.cpu_parent is None or evt.cpu_parent.name == STEP_MARK
+        if not cuda and (not top_level or not evt.name.startswith("aten::")):
             continue
         us = (evt.device_time if hasattr(evt, "device_time") else evt.cuda_time) if cuda else evt.cpu_time
         c = per_class[kernel_class(evt.name)]
@@ -115,6 +119,49 @@ def profile_steps_of(step, num_steps: int) -> tuple[list[float], dict]:
         c["launches"] += 1
         c["kernels"][evt.name[:90]] += us
     return walls, per_class
+
+
+STEP_MARK = "profile_step.step"
+GAP_MIN_US = 20.0   # idle stretches of the GPU shorter than this are launch spacing, not stalls
+
+
+def gpu_gaps(events) -> dict:
+    """Where each profiled step's GPU stood idle: from the step's start (host) to its first kernel (lead), between
+    its kernels (idle: the union of kernel intervals subtracted, stretches >= GAP_MIN_US listed with the
+    kernels either side), and from its last kernel to the step's end (tail, the host's sync and bookkeeping)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == STEP_MARK and e.device_type != cuda)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == cuda and e.name != STEP_MARK)
+    out = {"lead_us": 0.0, "idle_us": 0.0, "tail_us": 0.0, "small_idle_us": 0.0, "gaps": []}
+    for s0, s1 in steps:
+        ks = [k for k in kernels if s0 <= k[0] <= s1]
+        if not ks:
+            continue
+        out["lead_us"] += ks[0][0] - s0
+        busy_end, prev = ks[0][1], ks[0][2]
+        for k0, k1, name in ks[1:]:
+            gap = k0 - busy_end
+            if gap >= GAP_MIN_US:
+                out["idle_us"] += gap
+                out["gaps"].append((gap, prev[:50], name[:50]))
+            elif gap > 0:
+                out["small_idle_us"] += gap
+            if k1 > busy_end:
+                busy_end, prev = k1, name
+        out["tail_us"] += max(0.0, s1 - busy_end)
+    out["gaps"].sort(reverse=True)
+    return out
+
+
+def print_gaps(g: dict, num_steps: int) -> None:
+    print(f"GPU idle per step: lead (step start to first kernel) {g['lead_us'] / num_steps / 1e3:.3f} ms, "
+          f"stalls >= {GAP_MIN_US:g} us {g['idle_us'] / num_steps / 1e3:.3f} ms "
+          f"({len(g['gaps']) / num_steps:.1f} a step), shorter gaps {g['small_idle_us'] / num_steps / 1e3:.3f} ms, "
+          f"tail (last kernel to step end) {g['tail_us'] / num_steps / 1e3:.3f} ms")
+    for gap, before, after in g["gaps"][:8]:
+        print(f"  {gap:9.1f} us idle after {before} before {after}")
 
 
 def prefill_profile(engine, args) -> int:

@@ -62,6 +62,49 @@ def test_moe_sum_reads_rows_through_the_permutation():
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("tile", [dict(), dict(block_t=4, block_h=256, num_warps=4, unroll=True),
+                                  dict(block_t=16, block_h=128, num_warps=4)])
+def test_moe_sum_tiles_and_unroll_give_the_same_sums(tile):
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    T, A, H, E = 21, 4, 300, 6
+    ids = torch.randint(0, E, (T, A), generator=g, device=DEVICE)
+    ids[2, 1] = E                                     # a slot routed outside [0, E): masked, never read
+    w = torch.rand(T, A, generator=g, device=DEVICE)
+    y = torch.randn(2, T * A, H, generator=g, device=DEVICE)   # two splits: the loop over S as well
+    rows = torch.randperm(T * A, generator=g, device=DEVICE)
+    ref = (y.sum(0)[rows].view(T, A, H).double() * (w * (ids < E)).double()[..., None]).sum(1).float()
+    for splits in (1, 2):
+        default = fm.moe_sum(y[:splits], w, ids, torch.empty(T, H, device=DEVICE), splits, E, rows=rows)
+        out = fm.moe_sum(y[:splits], w, ids, torch.full((T, H), float("nan"), device=DEVICE), splits, E,
+                         rows=rows, **tile)
+        assert torch.equal(out, default)              # same k order, same float32 sums: the same bits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [dict(), dict(block_r=4, block_h=128, num_warps=2), dict(block_r=1, block_h=1024)])
+def test_gather_rows_is_x_at_order_div_a(tile):
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    T, A, H = 13, 3, 200                              # H over a 128-column tile, rows over a 4-row tile
+    x = torch.randn(T, H + 8, generator=g, device=DEVICE)[:, :H]   # a row stride other than H
+    order = torch.randperm(T * A, generator=g, device=DEVICE)
+    out = fm.gather_rows(x, order, A, **tile)
+    assert torch.equal(out, x[order // A]) and out.is_contiguous()
+    assert fm.gather_rows(x, order[:0], A).shape == (0, H)
+
+
+def test_gather_rows_refuses_bad_operands():
+    with pytest.raises(ValueError, match="unit column stride"):
+        fm.gather_rows(torch.randn(8, 4, device=DEVICE).t(), torch.arange(4, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        fm.gather_rows(torch.randn(8, 4, device=DEVICE), torch.zeros(2, 2, dtype=torch.long, device=DEVICE), 1)
+
+
+def test_silu_mul_tiles_give_the_same_bits():
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    gate_up = torch.randn(23, 2 * 160, generator=g, device=DEVICE)
+    assert torch.equal(fm.silu_mul(gate_up, block_m=2, block_i=256, num_warps=2), fm.silu_mul(gate_up))
+
+
 def _layer(T, A, E, H, I, dtype, seed):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(T, H, generator=g, device=DEVICE).to(dtype)

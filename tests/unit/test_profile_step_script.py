@@ -31,3 +31,30 @@ def test_decode_profile_per_batch(tmp_path):
     assert "=== batch 2" in out
     r = json.loads((tmp_path / "profile_b2.json").read_text())
     assert r["batch_size"] == 2 and r["kernel_ms_per_step"] > 0 and "moe" in r["classes"]
+
+
+def _event(name, start, end, cuda):
+    from types import SimpleNamespace
+
+    import torch
+
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_gpu_gaps_splits_a_step_into_lead_stalls_and_tail():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_step as ps
+    finally:
+        sys.path.pop(0)
+    events = [_event(ps.STEP_MARK, 0, 1000, False), _event(ps.STEP_MARK, 0, 1000, True),   # the mark's GPU twin
+              _event("a", 100, 300, True), _event("b", 305, 400, True),          # 5 us: launch spacing
+              _event("c", 350, 380, True),                                       # inside b: no gap
+              _event("d", 500, 900, True),                                       # 100 us stall after b
+              _event("aten::mm", 950, 960, False),                               # host op: not a kernel
+              _event(ps.STEP_MARK, 2000, 2500, False), _event("e", 2010, 2400, True)]
+    g = ps.gpu_gaps(events)
+    assert g["lead_us"] == 100 + 10 and g["tail_us"] == 100 + 100
+    assert g["idle_us"] == 100 and g["small_idle_us"] == 5
+    assert g["gaps"] == [(100, "b", "d")]

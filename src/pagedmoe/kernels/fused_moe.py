@@ -44,11 +44,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # moe_sum tile: 8 tokens x 512 columns; fixed, so one compile serves every batch size.
 SUM_BLOCK_T, SUM_BLOCK_H = 8, 512
 # silu_mul tile (grouped_mm's activation): 8 rows x 512 columns, fixed likewise.
+SILU_BLOCK_M, SILU_BLOCK_I = 8, 512
 # Steps of at most this many tokens skip moe_align: each slot is its own block (fused_moe_kernel's SLOT_BLOCKS; one
 # token's top-k experts are distinct, so this is moe_align's layout in another block order). At batch 1 on the
 # H200 moe_align took 5.0 us a layer for Qwen3-30B-A3B (0.241 ms of a 4.36 ms step) and 2.6 us for Mixtral-8x7B.
 SLOT_BLOCKS_MAX_TOKENS = 1
-SILU_BLOCK_M, SILU_BLOCK_I = 8, 512
+# gather_rows tile (grouped_mm's token rows in expert order): 8 rows x 512 columns until measured otherwise.
+GATHER_BLOCK_R, GATHER_BLOCK_H = 8, 512
 
 
 # Sizes that change with the batch are not specialised on (=1, %16): one compile serves every
@@ -136,16 +138,42 @@ def fused_moe_kernel(
     store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
+@triton.jit
+def _slot_sum(y_ptr, weights_ptr, ids_ptr, row_ptr, rows, k, offs_h, t_mask, h_mask, num_splits, num_experts,
+              stride_ys, stride_ym, stride_wt, stride_it,
+              TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PERMUTED: tl.constexpr,
+              ONE_SPLIT: tl.constexpr):
+    """w[t, k] * sum_s y[s, r, h] for slot k of the tile's tokens (moe_sum_kernel's term, float32)."""
+    ids = tl.load(ids_ptr + rows * stride_it + k, mask=t_mask, other=-1)
+    # NOTE: slots routed outside [0, E) were never computed (moe_align drops them): their y rows
+    # are garbage, so they are masked out here, not multiplied by zero.
+    valid = t_mask & (ids >= 0) & (ids < num_experts)
+    w = tl.load(weights_ptr + rows * stride_wt + k, mask=valid, other=0.0).to(tl.float32)
+    y_rows = rows * TOP_K + k
+    if PERMUTED:
+        y_rows = tl.load(row_ptr + y_rows, mask=t_mask, other=0).to(tl.int64)
+    ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_h[None, :]
+    if ONE_SPLIT:
+        part = tl.load(ptrs, mask=valid[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+    else:
+        part = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        for _ in range(num_splits):
+            part += tl.load(ptrs, mask=valid[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+            ptrs += stride_ys
+    return w[:, None] * part
+
+
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def moe_sum_kernel(
     y_ptr, weights_ptr, ids_ptr, out_ptr, row_ptr,
     T, H, num_splits, num_experts,
     stride_ys, stride_ym, stride_wt, stride_it, stride_ot,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PERMUTED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ONE_SPLIT: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):
     """out[t, h] = sum_k w[t, k] * sum_s y[s, r, h] over a [BLOCK_T, BLOCK_H] tile, r = t * TOP_K + k, or
-    when PERMUTED r = row[t * TOP_K + k] (y's rows in another order, e.g. sorted by expert)."""
+    when PERMUTED r = row[t * TOP_K + k] (y's rows in another order, e.g. sorted by expert). ONE_SPLIT: S = 1
+    (no loop over splits); UNROLL: the k loop unrolled (its loads in flight together), same order, same sums."""
     pdl_enter(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -153,21 +181,16 @@ def moe_sum_kernel(
     h_mask = offs_h < H
     rows = offs_t.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    for k in range(TOP_K):  # a loop, not unrolled: unrolled, the [BLOCK_T, BLOCK_H] pointers spill
-        ids = tl.load(ids_ptr + rows * stride_it + k, mask=t_mask, other=-1)
-        # NOTE: slots routed outside [0, E) were never computed (moe_align drops them): their y rows
-        # are garbage, so they are masked out here, not multiplied by zero.
-        valid = t_mask & (ids >= 0) & (ids < num_experts)
-        w = tl.load(weights_ptr + rows * stride_wt + k, mask=valid, other=0.0).to(tl.float32)
-        y_rows = rows * TOP_K + k
-        if PERMUTED:
-            y_rows = tl.load(row_ptr + y_rows, mask=t_mask, other=0).to(tl.int64)
-        ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_h[None, :]
-        part = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-        for _ in range(num_splits):
-            part += tl.load(ptrs, mask=valid[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-            ptrs += stride_ys
-        acc += w[:, None] * part
+    if UNROLL:
+        for k in tl.static_range(TOP_K):
+            acc += _slot_sum(y_ptr, weights_ptr, ids_ptr, row_ptr, rows, k, offs_h, t_mask, h_mask, num_splits,
+                             num_experts, stride_ys, stride_ym, stride_wt, stride_it,
+                             TOP_K, BLOCK_T, BLOCK_H, PERMUTED, ONE_SPLIT)
+    else:
+        for k in range(TOP_K):  # a loop by default: unrolled with the splits loop, the [BLOCK_T, BLOCK_H] pointers spill
+            acc += _slot_sum(y_ptr, weights_ptr, ids_ptr, row_ptr, rows, k, offs_h, t_mask, h_mask, num_splits,
+                             num_experts, stride_ys, stride_ym, stride_wt, stride_it,
+                             TOP_K, BLOCK_T, BLOCK_H, PERMUTED, ONE_SPLIT)
     tl.store(out_ptr + rows[:, None] * stride_ot + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_mask[:, None] & h_mask[None, :])
 
@@ -398,17 +421,18 @@ def w2_splits(cfg: FusedMoEConfig, num_blocks: int, T: int, A: int, E: int, H: i
 
 
 def moe_sum(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-            splits: int, E: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+            splits: int, E: int, rows: torch.Tensor | None = None, *, block_t: int = SUM_BLOCK_T,
+            block_h: int = SUM_BLOCK_H, num_warps: int = 8, unroll: bool = False) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * sum_s y[s, t * A + k] (moe_sum_kernel, one launch), y [S, N, H]; with `rows`,
-    y's row of slot t * A + k is rows[t * A + k]."""
+    y's row of slot t * A + k is rows[t * A + k]. The tile and unroll change the speed, not the sums."""
     T, A = topk_ids.shape
     H = out.shape[1]
-    moe_sum_kernel[(triton.cdiv(T, SUM_BLOCK_T), triton.cdiv(H, SUM_BLOCK_H))](
+    moe_sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
         y, topk_weights, topk_ids, out, topk_ids if rows is None else rows,
         T, H, splits, E,
         y.stride(0), y.stride(1), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=A, BLOCK_T=SUM_BLOCK_T, BLOCK_H=SUM_BLOCK_H, PERMUTED=rows is not None, num_warps=8,
-        **launch_args(y.device),
+        TOP_K=A, BLOCK_T=block_t, BLOCK_H=block_h, PERMUTED=rows is not None, ONE_SPLIT=splits == 1,
+        UNROLL=unroll, num_warps=num_warps, **launch_args(y.device),
     )
     return out
 
@@ -427,13 +451,44 @@ def silu_mul_kernel(x_ptr, out_ptr, M, I, stride_xm, stride_om, BLOCK_M: tl.cons
 
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+@triton.jit(do_not_specialize=["R"])
+def gather_rows_kernel(x_ptr, order_ptr, out_ptr, R, H, stride_xt, stride_or, DIV: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[r] = x[order[r] // DIV] over a [BLOCK_R, BLOCK_H] tile (a copy: the same bits)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r_mask = offs_r < R
+    src = (tl.load(order_ptr + offs_r, mask=r_mask, other=0) // DIV).to(tl.int64)
+    mask = r_mask[:, None] & (offs_h < H)[None, :]
+    v = tl.load(x_ptr + src[:, None] * stride_xt + offs_h[None, :], mask=mask)
+    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_or + offs_h[None, :], v, mask=mask)
+
+
+def gather_rows(x: torch.Tensor, order: torch.Tensor, div: int, *, block_r: int = GATHER_BLOCK_R,
+                block_h: int = GATHER_BLOCK_H, num_warps: int = 4) -> torch.Tensor:
+    """x[order // div] ([len(order), H], x's dtype) in one launch: the grouped path's token rows in expert order,
+    order being the slots t * div + k sorted by expert (torch would first divide, then gather: two kernels)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("gather_rows: x must be 2-D with a unit column stride")
+    if order.dim() != 1:
+        raise ValueError("gather_rows: order must be 1-D")
+    R, H = order.shape[0], x.shape[1]
+    out = torch.empty(R, H, dtype=x.dtype, device=x.device)
+    if R:
+        gather_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block_h))](
+            x, order, out, R, H, x.stride(0), out.stride(0), DIV=div, BLOCK_R=block_r, BLOCK_H=block_h,
+            num_warps=num_warps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, *, block_m: int = SILU_BLOCK_M, block_i: int = SILU_BLOCK_I,
+             num_warps: int = 4) -> torch.Tensor:
     """silu(gate) * up of gate_up [M, 2I] (gate columns, then up) as one launch: [M, I] in gate_up's dtype."""
     M, two_i = gate_up.shape
     I = two_i // 2
     if gate_up.stride(1) != 1:
         raise ValueError("silu_mul: gate_up needs a unit column stride")
     out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
-    silu_mul_kernel[(triton.cdiv(M, SILU_BLOCK_M), triton.cdiv(I, SILU_BLOCK_I))](
-        gate_up, out, M, I, gate_up.stride(0), out.stride(0), BLOCK_M=SILU_BLOCK_M, BLOCK_I=SILU_BLOCK_I, num_warps=4)
+    silu_mul_kernel[(triton.cdiv(M, block_m), triton.cdiv(I, block_i))](
+        gate_up, out, M, I, gate_up.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps)
     return out
