@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention import BF16_FLOPS_PER_S, measure_copy_bandwidth  # noqa: E402
 from timing import time_graph  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels.fused_moe_config import FusedMoEConfig  # noqa: E402
 from pagedmoe.models.layers import moe  # noqa: E402
 from pagedmoe.planning.kv_sizing import grouped_mm_chunk_tokens  # noqa: E402
 
@@ -36,7 +37,15 @@ SHAPES = {   # E, top-k, hidden, moe intermediate, tokens (None: one grouped_mm 
 }
 GATHER_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 256, 2), (2, 2048, 8), (1, 2048, 4)]
 SILU_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (2, 1024, 4), (1, 2048, 8)]
+# (block_m, block_n, block_k, warps, stages, block_n2, block_k2) of the Triton fused_moe at prefill sizes
+TRITON_TILES = [(64, 128, 64, 4, 4, 128, 64), (128, 128, 64, 8, 3, 128, 64), (128, 64, 64, 4, 4, 128, 64),
+                (64, 64, 64, 4, 4, 64, 128), (128, 256, 64, 8, 3, 256, 64)]
 SUM_TILES = [(8, 512, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4), (1, 2048, 8), (4, 512, 4)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within bf16 GEMM tolerance (another kernel's reduction order): max error <= 2% of b's largest entry."""
+    return bool(((a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()).item())
 
 
 def routing(T: int, A: int, E: int, dev):
@@ -126,6 +135,15 @@ def sweep(name: str, bw: float) -> dict:
     floor = (gemm_floor(2 * I, H) + gemm_floor(H, I) + gather_floor + silu_floor + sum_floor)
     measure("chunk", "engine", lambda: moe._grouped_mm_chunk(x, w13, w2, tw, ids, chunk_out), floor,
             check=lambda: (moe._grouped_mm_chunk(x, w13, w2, tw, ids, chunk_out), torch.equal(chunk_out, ref_sum))[1])
+    # The Triton path (kernels/fused_moe.py, the decode path's kernels) at this size: the gather read through the
+    # sorted slots inside the w13 GEMM and silu(gate) * up in its epilogue, so two of the grouped path's passes
+    # over the routed rows go; large-M tiles. Checked against the grouped chunk within bf16 tolerance (other sums).
+    for bm, bn, bk, nw, ns, bn2, bk2 in TRITON_TILES:
+        cfg = FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                             block_n2=bn2, block_k2=bk2, num_warps2=nw, num_stages2=ns, split_k=1)
+        fn = lambda cfg=cfg: fm.fused_moe(x, w13, w2, tw, ids, out=chunk_out, config=cfg)  # noqa: E731
+        measure("chunk", f"triton-m{bm}n{bn}k{bk}w{nw}s{ns}-n{bn2}k{bk2}", fn, floor,
+                check=lambda fn=fn: _close(fn(), ref_sum))
     best = {}
     for key, r in rows.items():
         stage = key.split("/")[0]

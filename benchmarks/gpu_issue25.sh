@@ -8,6 +8,8 @@
 #           --async-scheduling; then batch 1 with --backbone-gemm triton                        ~2 min
 #   prefill profile_step.py --prefill: 8 prompts x 1024 tokens a step (8192), Qwen3-30B-A3B and Mixtral-8x7B,
 #           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
+#   prefill-stages  tune_prefill_attention.py --quick (ours against torch's cuDNN / flash attention) and
+#           bench_prefill_moe.py on Qwen3-30B-A3B (the grouped MoE by stage, the Triton path beside it)  ~3 min
 #   tune-attn  benchmarks/tune_prefill_attention.py: the prefill attention tiles, lazy rescale against eager  ~3 min
 #   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
 #   tune-mixtral  tune_fused_moe.py for Mixtral-8x7B at 256 and 128 tokens (TUNE_BATCHES, block_m TUNE_BLOCK_M),
@@ -64,6 +66,13 @@ for part in "$@"; do
           > "$D/prefill-$(basename "$m").txt" 2>&1
         grep -A14 "=== prefill" "$D/prefill-$(basename "$m").txt" | head -16
       done ;;
+    prefill-stages)
+      # where the Qwen3 8192-token prefill's non-GEMM time goes: the attention against torch's cuDNN / flash
+      # kernels (quick: our auto and best tiles only) and the grouped MoE by stage with the Triton path beside it
+      t env OUT="$D" python3 benchmarks/tune_prefill_attention.py --quick > "$D/tune_prefill_attention.log" 2>&1
+      grep -E "===|auto|m128|torch|best" "$D/tune_prefill_attention.log" | head -24
+      t env OUT="$D" python3 benchmarks/bench_prefill_moe.py --shapes qwen3-30b-a3b > "$D/bench_prefill_moe.log" 2>&1
+      cat "$D/bench_prefill_moe.log" | head -60 ;;
     tune-attn)
       t env OUT="$D" python3 benchmarks/tune_prefill_attention.py > "$D/tune_prefill_attention.log" 2>&1
       grep -E "===|^  auto|^best|w8s2|flash" "$D/tune_prefill_attention.log" | head -40 ;;

@@ -15,7 +15,9 @@ breakdown before and after.
 
 `--prefill`: the same breakdown for prefill steps instead: each profiled step prefills fresh prompts of
 --input-len tokens filling --max-num-batched-tokens, and the step's time is set against its compute floor
-(FLOPs of the active weights and the causal attention, planning/model_shape.py, at --gemm-tflops):
+(FLOPs of the active weights and the causal attention, the lm_head at each prompt's last token only as the engine
+computes it: planning/model_shape.py::step_flops, at --gemm-tflops; before 2026-12-07 the floor counted the lm_head
+at every token, 10% too high for Qwen3-30B-A3B at 8 x 1024):
 
     python benchmarks/profile_step.py benchmarks/configs/qwen3-30b-a3b --load-format dummy \
         --expert-placement resident --prefill --input-len 1024 --max-model-len 2048 --out $OUT/prof
@@ -208,7 +210,8 @@ def prefill_profile(engine, args) -> int:
     if args.host_profile:
         host_profile(one_step, args.num_steps, Path(args.out) / "host_prefill.txt" if args.out else None)
     shape = ModelShape.from_hf_config(engine.config.model or default_model_path())
-    flops = tokens * shape.flops_per_token(args.input_len / 2)  # causal: the mean context is half the prompt
+    # causal: the mean context is half the prompt; logits only at each prompt's last token (one row a prompt)
+    flops = shape.step_flops(tokens, args.input_len / 2, sampled_rows=per_step)
     floor = flops / (args.gemm_tflops * 1e12)
     wall = sorted(walls)[len(walls) // 2]
     profiled = sorted(profiled_walls)[len(profiled_walls) // 2]

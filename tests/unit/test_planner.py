@@ -34,6 +34,19 @@ def test_mixtral_sizes_by_hand():
     assert MIXTRAL.active_params_per_token == (1_605_636_096 - 32000 * 4096 - norms) + 32 * 2 * EXPERT // 2
 
 
+def test_prefill_step_flops_count_the_lm_head_at_sampled_rows_only():
+    # Qwen3-30B-A3B, 8 prompts x 1024 tokens: by hand, per token 48 layers of q/k/v/o (2048 x 128 x (2 x 32 + 2 x 4)),
+    # the router (128 x 2048) and 8 experts of 3 x 2048 x 768; attention 4 x 32 heads x 128 x the mean context
+    q = ModelShape.from_hf_config(CONFIGS / "qwen3-30b-a3b")
+    per_token = 48 * (2048 * 128 * (2 * 32 + 2 * 4) + 128 * 2048 + 8 * 3 * 2048 * 768)
+    attention = 4 * 48 * 32 * 128 * 512
+    lm_head = 151936 * 2048
+    assert q.step_flops(8192, 512, 8) == pytest.approx(8192 * (2 * per_token + attention) + 8 * 2 * lm_head)
+    # a decode step samples every row: the same as flops_per_token at each of them
+    assert q.step_flops(64, 300, 64) == pytest.approx(64 * q.flops_per_token(300))
+    assert q.step_flops(8192, 512, 8) < 0.91 * 8192 * q.flops_per_token(512)     # the lm_head was ~10% of it
+
+
 def test_from_hf_config_matches_hand_built_shape():
     assert ModelShape.from_hf_config(CONFIGS / "mixtral-8x7b") == MIXTRAL
     q = ModelShape.from_hf_config(str(CONFIGS / "qwen3-30b-a3b"))

@@ -232,3 +232,9 @@ class ModelShape:
             return 2.0 * self.active_params_per_token + self.num_layers * self.num_heads * per_head * context_len
         attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * context_len
         return 2.0 * self.active_params_per_token + attention
+
+    def step_flops(self, tokens: int, context_len: float, sampled_rows: int) -> float:
+        """FLOPs of a step of `tokens` tokens at mean context `context_len` of which only `sampled_rows` go through
+        the lm_head (a prefill needs logits at each prompt's last token only; a decode step samples every row)."""
+        lm_head = 2.0 * self.vocab_size * self.hidden_size
+        return tokens * (self.flops_per_token(context_len) - lm_head) + sampled_rows * lm_head
