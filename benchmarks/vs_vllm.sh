@@ -12,7 +12,8 @@
 #   tput  whole GPU: `vllm bench throughput --gpu-memory-utilization 0.97` vs `pagedmoe bench throughput`
 #         resident at the same memory (--gpu-memory-gb = 0.97 x the device); random 1024 in / 1024 out,
 #         512 prompts, --max-num-seqs 256 --max-num-batched-tokens 8192, full runs (no steady-state projection)
-#   w4    weights + 4 GiB: vLLM at --gpu-memory-utilization = budget / device memory vs pagedmoe at
+#   w4    weights + 4 GiB (W4_VARIANTS: the pagedmoe variants after vLLM, default resident, "" none; W4_VLLM=0 skips
+#         vLLM; W4P_VARIANTS: part w4p's, default "paged-lossless auto"): vLLM at --gpu-memory-utilization = budget / device memory vs pagedmoe at
 #         --gpu-memory-gb budget: resident (part w4), paged + lossless GPU tier and the planner's auto choice
 #         (part w4p); W4_PROMPTS prompts (default 96: more than either engine holds at once, about 20k KV tokens
 #         for vLLM, 82 sequences for paged + lossless; 40, the issue's count, favoured the engine that holds fewer)
@@ -134,15 +135,18 @@ run_part() {  # $1 = part
       tail -3 "$D/$name.tput.pagedmoe.log" ;;
     w4|w4p)
       local util gib variants; util=$(meta "$key" w4_utilization); gib=$(meta "$key" w4_budget_gib)
-      if [ "$regime" = w4 ]; then
+      if [ "$regime" = w4 ] && [ "${W4_VLLM:-1}" = 0 ]; then   # W4_VLLM=0: the pagedmoe variants alone
+        variants=${W4_VARIANTS-resident}
+      elif [ "$regime" = w4 ]; then
         echo "--- $name w4 vllm (utilization $util = $gib GiB)"
         vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
           --random-output-len "$TPUT_LEN" --num-prompts "$W4_PROMPTS" --gpu-memory-utilization "$util" \
           --output-json "$D/$name.w4.vllm.json" > "$D/$name.w4.vllm.log" 2>&1
         tail -3 "$D/$name.w4.vllm.log"
-        variants=${W4_VARIANTS:-resident}   # W4_VARIANTS="paged-lossless": vLLM and the paged tier in one call
+        # W4_VARIANTS="paged-lossless": vLLM and the paged tier in one call; W4_VARIANTS="": vLLM alone
+        variants=${W4_VARIANTS-resident}
       else
-        variants="paged-lossless auto"
+        variants=${W4P_VARIANTS:-paged-lossless auto}
       fi
       local variant flags
       for variant in $variants; do
@@ -150,6 +154,7 @@ run_part() {  # $1 = part
           resident) flags=(--expert-placement resident) ;;
           paged-lossless) flags=(--expert-placement paged --expert-compression lossless) ;;
           auto) flags=(--expert-placement auto --expert-compression lossless) ;;
+          *) echo "unknown variant $variant (resident, paged-lossless, auto)" >&2; return 2 ;;
         esac
         echo "--- $name w4 pagedmoe $variant (--gpu-memory-gb $gib)"
         pm bench throughput "$m" "${COMMON_PM[@]}" --num-prompts "$W4_PROMPTS" --input-len "$TPUT_LEN" --output-len "$TPUT_LEN" \

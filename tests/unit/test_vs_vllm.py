@@ -127,6 +127,37 @@ def test_dry_run_on_cpu(tmp_path):
     assert meta["device_gib"] == 8.0 and meta["w4_utilization"] == pytest.approx(meta["w4_budget_gib"] / 8, abs=1e-4)
 
 
+def _stub_site(tmp_path) -> Path:
+    site = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
+    site.mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text('__version__ = "stub"\n')
+    (site.parent / "__init__.py").write_text("")
+    (site / "__init__.py").write_text("")
+    (site / "main.py").write_text(STUB)
+    return tmp_path / "site"
+
+
+@pytest.mark.parametrize("switches, vllm_runs, variants", [
+    ({"W4_VARIANTS": ""}, 1, []),                             # vLLM alone
+    ({"W4_VLLM": "0", "W4_VARIANTS": "resident"}, 0, ["resident"]),   # pagedmoe alone
+    ({"W4_VLLM": "0", "W4_VARIANTS": "bogus"}, 0, []),         # refused before it runs
+])
+def test_w4_switches_pick_the_runs(tmp_path, switches, vllm_runs, variants):
+    """W4_VARIANTS="" runs vLLM alone in part w4, W4_VLLM=0 the pagedmoe variants alone (a long Mixtral part split
+    over two device calls)."""
+    args_log = tmp_path / "vllm_args.txt"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), VLLM_SITE=str(_stub_site(tmp_path)), STUB_ARGS_LOG=str(args_log),
+               QWEN3_MODEL="src/pagedmoe/default_model", DEVICE_GIB="8", PM_EXTRA="--device cpu --dtype float32",
+               MAX_LEN="64", TPUT_LEN="4", W4_PROMPTS="2", OMP_NUM_THREADS="1", **switches)
+    proc = subprocess.run(["bash", "benchmarks/vs_vllm.sh", "w4-qwen3"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert (proc.returncode == 0) == (switches["W4_VARIANTS"] != "bogus"), proc.stdout + proc.stderr
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("--- ")]
+    assert len([r for r in runs if " vllm " in r]) == vllm_runs, proc.stdout
+    assert [r.split(" pagedmoe ")[1].split()[0] for r in runs if " pagedmoe " in r] == variants, proc.stdout
+    assert (len(args_log.read_text().splitlines()) if args_log.exists() else 0) == vllm_runs
+
+
 def test_pack_out_keeps_everything_in_one_archive(tmp_path):
     """benchmarks/pack_out.sh (vs_vllm.sh with PACK=1): the folder becomes one .tgz holding every file, its summary
     files are copied beside it, and the folder is gone (a device call returns only a few files)."""
