@@ -27,6 +27,13 @@ from pagedmoe.worker.host_copy import to_device_async
 logger = logging.getLogger(__name__)
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts end to end, int64 (no copy for one part)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -131,8 +138,18 @@ class ModelRunner:
         (the workers have no scheduler and no block tables of their own)."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions: list[int] = []   # the current run of decode rows (lists: one value a row is cheapest)
         slots: list[int] = []
+        pos_parts: list[torch.Tensor] = []   # in row order: runs of decode rows, then each chunk row's tensor
+        slot_parts: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if positions:
+                pos_parts.append(torch.tensor(positions, dtype=torch.int64))
+                slot_parts.append(torch.tensor(slots, dtype=torch.int64))
+                positions.clear()
+                slots.clear()
+
         qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
@@ -153,10 +170,15 @@ class ModelRunner:
                     input_ids.append(req.token_ids(start, start + 1)[0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            else:
+            else:  # a prompt or a chunk of one: its positions and slots as tensor ops, not per token in Python
+                # (8 prompts x 1024 tokens took ~7.6 ms of host time a step per token, ~1 ms this way)
                 input_ids.extend(req.token_ids(start, start + n))
-                positions.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                flush()
+                pos = torch.arange(start, start + n, dtype=torch.int64)
+                first = start // bs
+                blocks = torch.tensor(table[first:(start + n - 1) // bs + 1], dtype=torch.int64)
+                pos_parts.append(pos)
+                slot_parts.append(blocks[pos // bs - first] * bs + pos % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -165,9 +187,9 @@ class ModelRunner:
                 sampling_rows.append(row)
         block_tables = self.block_tables.gather([s.request.request_id for s in out.scheduled], tables,
                                                 max(map(len, tables)), kv.has)
+        flush()
         return dict(input_ids=torch.tensor(input_ids, dtype=torch.int64),
-                    positions=torch.tensor(positions, dtype=torch.int64),
-                    slots=torch.tensor(slots, dtype=torch.int64), qsl=torch.tensor(qsl, dtype=torch.int32),
+                    positions=_cat(pos_parts), slots=_cat(slot_parts), qsl=torch.tensor(qsl, dtype=torch.int32),
                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
                     logits_indices=torch.tensor(logits_indices, dtype=torch.int64), sampling_rows=sampling_rows,
                     max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
