@@ -93,16 +93,20 @@ def test_list_and_calls():
     assert sorted(p for call in planned for p in call) == sorted(parts)  # every part in exactly one call
 
 
-def test_dry_run_on_cpu(tmp_path):
-    """The script end to end: stand-in vLLM, the tiny default model on CPU, tiny workloads."""
+def _stub_site(tmp_path) -> Path:
     site = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
     site.mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text('__version__ = "stub"\n')
     (site.parent / "__init__.py").write_text("")
     (site / "__init__.py").write_text("")
     (site / "main.py").write_text(STUB)
+    return tmp_path / "site"
+
+
+def test_dry_run_on_cpu(tmp_path):
+    """The script end to end: stand-in vLLM, the tiny default model on CPU, tiny workloads."""
     args_log = tmp_path / "vllm_args.txt"
-    env = dict(os.environ, OUT=str(tmp_path / "out"), VLLM_SITE=str(tmp_path / "site"), STUB_ARGS_LOG=str(args_log),
+    env = dict(os.environ, OUT=str(tmp_path / "out"), VLLM_SITE=str(_stub_site(tmp_path)), STUB_ARGS_LOG=str(args_log),
                QWEN3_MODEL="src/pagedmoe/default_model", DEVICE_GIB="8", PM_EXTRA="--device cpu --dtype float32",
                MAX_LEN="64", TPUT_PROMPTS="2", TPUT_LEN="4", LAT_IN="6", LAT_OUT="3", PROF_BATCHES="1",
                PROF_LEN="4", PM_FUSED="on", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
@@ -125,16 +129,6 @@ def test_dry_run_on_cpu(tmp_path):
     assert calls[1].startswith("bench latency") and "--batch-size 1 --input-len 6 --output-len 3" in calls[1]
     meta = json.loads((d / "qwen3-30b-a3b.meta.json").read_text())
     assert meta["device_gib"] == 8.0 and meta["w4_utilization"] == pytest.approx(meta["w4_budget_gib"] / 8, abs=1e-4)
-
-
-def _stub_site(tmp_path) -> Path:
-    site = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
-    site.mkdir(parents=True)
-    (tmp_path / "site" / "vllm" / "__init__.py").write_text('__version__ = "stub"\n')
-    (site.parent / "__init__.py").write_text("")
-    (site / "__init__.py").write_text("")
-    (site / "main.py").write_text(STUB)
-    return tmp_path / "site"
 
 
 @pytest.mark.parametrize("switches, vllm_runs, variants", [
