@@ -71,3 +71,17 @@ def test_decode_only_and_single_prompt_steps():
         host = ModelRunner.host_inputs(SimpleNamespace(block_size=BS, block_tables=BlockTables(16)), out, kv)
         ids, pos, slots = _reference(out, tables)
         assert (host["input_ids"].tolist(), host["positions"].tolist(), host["slots"].tolist()) == (ids, pos, slots)
+
+
+def test_fresh_marks_steps_of_whole_prompts_only():
+    """AttentionMetadata.fresh (a prefill whose keys are all its own) holds for whole prompts, not when any row
+    has cached context (a chunk, a decode row)."""
+    rng = random.Random(2)
+    rows = _rows(rng)
+    tables = {r.request_id: list(range(10, 10 + -(-(start + n) // BS))) for r, start, n in rows}
+    kv = SimpleNamespace(block_table=lambda rid: tables[rid], has=lambda rid: True)
+    for pick, fresh in (([2, 4], True), ([2], True), ([2, 1], False), ([4, 0], False), ([0, 3], False)):
+        out = SchedulerOutput([ScheduledRequest(rows[i][0], rows[i][2], rows[i][1]) for i in pick])
+        runner = SimpleNamespace(block_size=BS, block_tables=BlockTables(16), device=torch.device("cpu"))
+        inputs = ModelRunner.to_device(runner, ModelRunner.host_inputs(runner, out, kv))
+        assert inputs.meta.fresh is fresh, pick

@@ -24,6 +24,7 @@ An ExpertOperand is a tagged type; the MoE layer dispatches on `kind`:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, Union
 
@@ -33,7 +34,8 @@ import torch
 # 31.7 ms vs 44.0 ms with grouped_mm); larger prefill chunks run faster through grouped_mm
 # (18.0k vs 11.6k prefill tokens/s at 16k-token chunks). docs/benchmarks.md has the figures. The pager
 # reads it too: under --quantized-gemm direct, larger forwards dequantise for grouped_mm.
-TRITON_MAX_TOKENS = 512
+# PAGEDMOE_TRITON_MAX_TOKENS moves the crossover for measurements (benchmarks/gpu_issue25.sh prefill-variants).
+TRITON_MAX_TOKENS = int(os.environ.get("PAGEDMOE_TRITON_MAX_TOKENS", "512"))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ code builds the metadata once per step (``PagedAttentionMetadata`` is the protoc
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,6 +27,37 @@ __all__ = [
     "paged_attention_decode", "paged_attention_decode_kernel", "paged_attention_decode_reduce_kernel",
     "paged_attention_prefill", "paged_attention_prefill_kernel", "choose_num_splits",
 ]
+
+
+# The kernel of a fresh prefill (every sequence a whole prompt, no cached context): "triton" (our paged prefill
+# kernel, the default), or torch's varlen kernels over this step's keys gathered from the cache: "flash"
+# (FlashAttention-2, GQA native), "cudnn" (cuDNN, KV heads repeated to the query heads), "cudnn-gqa" (cuDNN, KV
+# heads as they are). PAGEDMOE_PREFILL_ATTENTION picks one for measurements (benchmarks/tune_prefill_attention.py
+# times them alone, gpu_issue25.sh prefill-variants in the engine's step).
+PREFILL_ATTENTION = os.environ.get("PAGEDMOE_PREFILL_ATTENTION", "triton")
+PREFILL_KERNELS = ("triton", "flash", "cudnn", "cudnn-gqa")
+if PREFILL_ATTENTION not in PREFILL_KERNELS:
+    raise ValueError(f"PAGEDMOE_PREFILL_ATTENTION must be one of {PREFILL_KERNELS}, got {PREFILL_ATTENTION!r}")
+
+
+def fresh_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                            scale: float, kernel: str) -> torch.Tensor:
+    """Causal attention of a fresh prefill (every sequence from position 0) through torch's varlen kernels: this
+    step's keys and values are gathered from the caches at slot_mapping (all >= 0: no padding rows) into
+    contiguous [T, Hkv, D] rows, then `kernel` ("flash", "cudnn", "cudnn-gqa") attends q [T, Hq, D]."""
+    _, _, hkv, d = k_cache.shape
+    k = k_cache.view(-1, hkv, d).index_select(0, slot_mapping)
+    v = v_cache.view(-1, hkv, d).index_select(0, slot_mapping)
+    cu = query_start_loc.to(torch.int32)
+    if kernel == "flash":
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_query_len, max_query_len, 0.0, True,
+                                                       False, scale=scale)[0]
+    group = q.shape[1] // hkv
+    if kernel == "cudnn" and group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_query_len, max_query_len, False, 0.0,
+                                                   True, scale=scale)[0]
 
 
 @runtime_checkable
@@ -74,6 +106,9 @@ class TritonAttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode or prefill over caches that already hold this step's k, v (written by a fused kernel)."""
+        if getattr(meta, "fresh", False) and PREFILL_ATTENTION != "triton" and k_cache.is_contiguous():
+            return fresh_prefill_attention(q, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
+                                           meta.max_query_len, scale, PREFILL_ATTENTION)
         if meta.is_decode_only:
             return paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out, max_seq_len=meta.max_seq_len

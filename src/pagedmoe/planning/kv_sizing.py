@@ -5,6 +5,7 @@ The planner (planning/planner.py) *models* the same split from the config alone,
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,7 +82,8 @@ FRAGMENTATION_FRACTION = 0.10       # torch's pool rounds blocks up and keeps fr
 # Prefill CUDA graphs (worker/cuda_graph.py::PrefillCudaGraphs): steps of up to this many tokens by default
 # (--prefill-graph-tokens) and of up to PREFILL_GRAPH_SEQS sequences
 PREFILL_GRAPH_TOKENS = 512
-PREFILL_GRAPH_SEQS = 4
+# PAGEDMOE_PREFILL_GRAPH_SEQS raises the sequence count for measurements (an 8 x 1024-token prefill step has 8)
+PREFILL_GRAPH_SEQS = int(os.environ.get("PAGEDMOE_PREFILL_GRAPH_SEQS", "4"))
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

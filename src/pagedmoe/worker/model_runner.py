@@ -209,6 +209,7 @@ class ModelRunner:
             is_decode_only=host["is_decode_only"],
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
+            fresh=not host["is_decode_only"] and torch.equal(seq_lens_cpu, qsl_cpu[1:] - qsl_cpu[:-1]),
         )
         return StepInputs(
             input_ids=to_device_async(host["input_ids"], dev),
