@@ -340,6 +340,9 @@ def test_fresh_prefill_through_torch_kernels_gpu(kernel):
     slots = torch.cat([bt[b, torch.arange(n, device=bt.device) // bs].long() * bs
                        + torch.arange(n, device=bt.device) % bs for b, n in enumerate(q_lens)])
     scale = 128 ** -0.5
-    out = pa.fresh_prefill_attention(q, kc, vc, slots, qsl, max(q_lens), scale, kernel)
+    # q as the engine has it: the first Hq heads of the fused q/k/v projection's rows (row stride (Hq + 2 Hkv) D)
+    qkv = torch.full((q.shape[0], 32 + 2 * 4, 128), float("nan"), dtype=q.dtype, device=q.device)
+    qkv[:, :32] = q
+    out = pa.fresh_prefill_attention(qkv[:, :32], kc, vc, slots, qsl, max(q_lens), scale, kernel)
     err = rel_err(out, reference(q, kc, vc, bt, qsl, lens, scale))
     assert out.shape == q.shape and err < TOL[BF16], f"{kernel}: rel err {err:.2e}"

@@ -54,6 +54,9 @@ def fresh_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_query_len, max_query_len, 0.0, True,
                                                        False, scale=scale)[0]
     group = q.shape[1] // hkv
+    # cuDNN's ragged layout assumes packed [T, H, D] rows (its offsets are cumulative lengths x H x D); the engine's q
+    # is a column slice of the fused q/k/v output (a wider row stride): packed first
+    q = q.contiguous()
     if kernel == "cudnn" and group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_query_len, max_query_len, False, 0.0,
