@@ -329,7 +329,7 @@ def test_backend_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["flash", "cudnn", "cudnn-gqa"])
+@pytest.mark.parametrize("kernel", ["cudnn-dense", "flash", "cudnn", "cudnn-gqa"])
 def test_fresh_prefill_through_torch_kernels_gpu(kernel):
     """A fresh prefill (every sequence from position 0) through torch's varlen kernels: this step's keys gathered
     from the cache at the slot mapping, then flash / cuDNN; against the fp32 reference. Sequences of odd lengths,
@@ -343,6 +343,23 @@ def test_fresh_prefill_through_torch_kernels_gpu(kernel):
     # q as the engine has it: the first Hq heads of the fused q/k/v projection's rows (row stride (Hq + 2 Hkv) D)
     qkv = torch.full((q.shape[0], 32 + 2 * 4, 128), float("nan"), dtype=q.dtype, device=q.device)
     qkv[:, :32] = q
-    out = pa.fresh_prefill_attention(qkv[:, :32], kc, vc, slots, qsl, max(q_lens), scale, kernel)
+    out = pa.fresh_prefill_attention(qkv[:, :32], kc, vc, slots, qsl, max(q_lens), scale, kernel, qsl.cpu())
     err = rel_err(out, reference(q, kc, vc, bt, qsl, lens, scale))
     assert out.shape == q.shape and err < TOL[BF16], f"{kernel}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("q_lens", [[5, 5, 5], [7, 1, 12, 3]], ids=["equal", "padded"])
+def test_dense_prefill_layout(q_lens):
+    """The cudnn-dense path's layout ([B, S, H, D] views, or sequences right-padded to the longest and gathered
+    back) run through SDPA's math backend, against the paged reference: GQA 4, q a slice of wider rows."""
+    from torch.nn.attention import SDPBackend
+
+    q, kc, vc, bt, qsl, lens = make_batch(q_lens, q_lens, 2, 4, 16, 4, torch.float32, device="cpu")
+    qkv = torch.full((q.shape[0], 8 + 2 * 2, 16), float("nan"))
+    qkv[:, :8] = q
+    slots = torch.cat([bt[b, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4 for b, n in enumerate(q_lens)])
+    k = kc.view(-1, 2, 16)[slots]
+    v = vc.view(-1, 2, 16)[slots]
+    out = pa._dense_cudnn(qkv[:, :8], k, v, qsl, 0.25, backend=SDPBackend.MATH)
+    ref = reference(q, kc, vc, bt, qsl, lens, 0.25)
+    assert out.shape == q.shape and rel_err(out, ref) < TOL[torch.float32]
