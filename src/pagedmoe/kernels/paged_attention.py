@@ -152,7 +152,9 @@ class TritonAttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode or prefill over caches that already hold this step's k, v (written by a fused kernel)."""
-        if getattr(meta, "fresh", False) and PREFILL_ATTENTION != "triton" and k_cache.is_contiguous():
+        # torch's fused kernels take half precision only (an fp32 engine keeps ours)
+        if (getattr(meta, "fresh", False) and PREFILL_ATTENTION != "triton" and k_cache.is_contiguous()
+                and q.dtype in (torch.bfloat16, torch.float16)):
             return fresh_prefill_attention(q, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
                                            meta.max_query_len, scale, PREFILL_ATTENTION, meta.query_start_loc_cpu)
         if meta.is_decode_only:
