@@ -171,7 +171,7 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:  # a prompt or a chunk of one: its positions and slots as tensor ops, not per token in Python
-                # (8 prompts x 1024 tokens took ~7.6 ms of host time a step per token, ~1 ms this way)
+                # (host_inputs of 8 prompts x 1024 tokens: 7.6 ms per token, 2.3 ms this way, on the CPU machine)
                 input_ids.extend(req.token_ids(start, start + n))
                 flush()
                 pos = torch.arange(start, start + n, dtype=torch.int64)

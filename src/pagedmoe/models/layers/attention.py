@@ -32,7 +32,7 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # host copies: the torch path reads them without a device sync
     seq_lens_cpu: torch.Tensor
     # every sequence is a whole prompt from position 0 (no cached context): a fresh prefill, whose keys are all
-    # this step's own (kernels/paged_attention.py may then run a dense varlen kernel)
+    # this step's own (kernels/paged_attention.py may then run torch's fused attention over them)
     fresh: bool = False
 
 
