@@ -60,6 +60,33 @@ def test_bf16_prefill_logits_close_to_transformers(checkpoint):
     assert rel < 3e-2, rel
 
 
+@pytest.mark.parametrize("kernel", ["cudnn-dense", "flash"])
+def test_bf16_fresh_prefill_through_torch_kernels_close_to_transformers(checkpoint, monkeypatch, kernel):
+    """PAGEDMOE_PREFILL_ATTENTION's kernels in the engine: a step of whole prompts of different lengths (the dense
+    path pads them) gives last-token logits close to transformers', as the Triton kernel's are; chunked steps
+    after it keep the Triton kernel."""
+    from pagedmoe.kernels import paged_attention as pa
+    from pagedmoe.sampling_params import SamplingParams
+
+    path, hf, prompts = checkpoint
+    monkeypatch.setattr(pa, "PREFILL_ATTENTION", kernel)
+    called = []
+    fresh = pa.fresh_prefill_attention
+    monkeypatch.setattr(pa, "fresh_prefill_attention", lambda *a: called.append(a[7]) or fresh(*a))
+    _, llm = _run(path, prompts[:1], max_tokens=1, dtype="bfloat16", enforce_eager=True)
+    captured = spy_logits(llm.engine)
+    batch = [prompts[3], prompts[1], prompts[5]]   # 64, 31 and 40 tokens: one fresh step
+    llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    assert called and set(called) == {kernel}
+    ours = captured[0]
+    with torch.no_grad():
+        for i, p in enumerate(batch):
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+            rel = ((ours[i].cpu() - ref).norm() / ref.norm()).item()
+            assert rel < 3e-2, (i, rel)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bf16_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduling):
     """Sequences that finish at different steps take the decode batch through the buckets 8, 4, 2, 1: every
