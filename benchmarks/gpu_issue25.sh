@@ -81,8 +81,8 @@ for part in "$@"; do
       # (prefill-stages first; flash when it has not run), the Triton fused MoE at 8192 tokens
       # (PAGEDMOE_TRITON_MAX_TOKENS), and the step replayed from a prefill CUDA graph (8 sequences, 8192 tokens)
       best=$(python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['shapes']['qwen3-30b-a3b']['variants']; \
-ok = {k: v['us'] for k, v in d.items() if k.startswith('torch-') and 'us' in v and 'paged' not in k}; \
-print(min(ok, key=ok.get).replace('torch-', '').replace('-varlen', ''))" "$D/tune_prefill_attention.json" 2>/dev/null || echo flash)
+ok = {k: v['us'] for k, v in d.items() if k.startswith('torch-') and 'us' in v}; \
+print(min(ok, key=ok.get).removeprefix('torch-'))" "$D/tune_prefill_attention.json" 2>/dev/null || echo flash)
       PV=(--load-format dummy --expert-placement resident --prefill --input-len 1024 --num-steps 5)
       for v in base "attn-$best" triton-moe graphs; do
         case $v in

@@ -328,17 +328,24 @@ def test_backend_gpu():
     check_backend([600, 17, 1000], [1, 1, 1], 8, 4, 128, 16, BF16)
 
 
+def _fresh_slots(block_tables, q_lens, block_size):
+    """The cache slots of a fresh prefill's tokens (positions 0 .. n - 1 of each sequence), in step order."""
+    rows = []
+    for b, n in enumerate(q_lens):
+        pos = torch.arange(n, device=block_tables.device)
+        rows.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["cudnn-dense", "flash", "cudnn", "cudnn-gqa"])
 def test_fresh_prefill_through_torch_kernels_gpu(kernel):
-    """A fresh prefill (every sequence from position 0) through torch's varlen kernels: this step's keys gathered
-    from the cache at the slot mapping, then flash / cuDNN; against the fp32 reference. Sequences of odd lengths,
+    """A fresh prefill (every sequence from position 0) through torch's kernels: this step's keys gathered from the
+    cache at the slot mapping, then cuDNN (dense, padded here; or varlen) / flash; against the fp32 reference. Sequences of odd lengths,
     GQA 8 (Qwen3-30B-A3B's 32 / 4 heads)."""
     q_lens = [700, 33, 1, 129]
     q, kc, vc, bt, qsl, lens = make_batch(q_lens, q_lens, 4, 8, 128, 16, BF16)
-    bs = kc.shape[1]
-    slots = torch.cat([bt[b, torch.arange(n, device=bt.device) // bs].long() * bs
-                       + torch.arange(n, device=bt.device) % bs for b, n in enumerate(q_lens)])
+    slots = _fresh_slots(bt, q_lens, kc.shape[1])
     scale = 128 ** -0.5
     # q as the engine has it: the first Hq heads of the fused q/k/v projection's rows (row stride (Hq + 2 Hkv) D)
     qkv = torch.full((q.shape[0], 32 + 2 * 4, 128), float("nan"), dtype=q.dtype, device=q.device)
@@ -357,7 +364,7 @@ def test_dense_prefill_layout(q_lens):
     q, kc, vc, bt, qsl, lens = make_batch(q_lens, q_lens, 2, 4, 16, 4, torch.float32, device="cpu")
     qkv = torch.full((q.shape[0], 8 + 2 * 2, 16), float("nan"))
     qkv[:, :8] = q
-    slots = torch.cat([bt[b, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4 for b, n in enumerate(q_lens)])
+    slots = _fresh_slots(bt, q_lens, 4)
     k = kc.view(-1, 2, 16)[slots]
     v = vc.view(-1, 2, 16)[slots]
     out = pa._dense_cudnn(qkv[:, :8], k, v, qsl, 0.25, backend=SDPBackend.MATH)
