@@ -10,8 +10,8 @@
 #           by kernel class against the compute floor (issue 25 item 3: >= 0.7 of it)             ~2 min
 #   prefill-stages  tune_prefill_attention.py --quick (ours against torch's cuDNN / flash attention) and
 #           bench_prefill_moe.py on Qwen3-30B-A3B (the grouped MoE by stage, the Triton path beside it)  ~3 min
-#   prefill-variants  Qwen3's 8192-token prefill step as it is, with torch's fastest fresh-prefill attention (after
-#           prefill-stages), with the Triton fused MoE at 8192 tokens, and replayed from a prefill CUDA graph  ~5 min
+#   prefill-variants  Qwen3's 8192-token prefill step as it is, with our Triton prefill attention instead of cuDNN's,
+#           with the Triton fused MoE at 8192 tokens, and replayed from a prefill CUDA graph  ~5 min
 #   tune-attn  benchmarks/tune_prefill_attention.py: the prefill attention tiles, lazy rescale against eager  ~3 min
 #   tune    benchmarks/tune_fused_moe.py for both shapes (fused_moe tiles per batch; --max-s per shape)  ~8 min
 #   tune-mixtral  tune_fused_moe.py for Mixtral-8x7B at 256 and 128 tokens (TUNE_BATCHES, block_m TUNE_BLOCK_M),
@@ -76,18 +76,15 @@ for part in "$@"; do
       t env OUT="$D" python3 benchmarks/bench_prefill_moe.py --shapes qwen3-30b-a3b > "$D/bench_prefill_moe.log" 2>&1
       cat "$D/bench_prefill_moe.log" | head -60 ;;
     prefill-variants)
-      # Qwen3's 8192-token prefill step (profile_step.py --prefill) as it is and with each candidate switched on:
-      # the fresh-prefill attention through torch's kernel that tune_prefill_attention.py --quick timed fastest
-      # (prefill-stages first; flash when it has not run), the Triton fused MoE at 8192 tokens
-      # (PAGEDMOE_TRITON_MAX_TOKENS), and the step replayed from a prefill CUDA graph (8 sequences, 8192 tokens)
-      best=$(python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['shapes']['qwen3-30b-a3b']['variants']; \
-ok = {k: v['us'] for k, v in d.items() if k.startswith('torch-') and 'us' in v}; \
-print(min(ok, key=ok.get).removeprefix('torch-'))" "$D/tune_prefill_attention.json" 2>/dev/null || echo flash)
+      # Qwen3's 8192-token prefill step (profile_step.py --prefill) as it is (PAGEDMOE_PREFILL_ATTENTION=auto: cuDNN's
+      # dense attention on a Hopper GPU) and with each candidate switched on: our Triton prefill attention (the
+      # default before session33), the Triton fused MoE at 8192 tokens (PAGEDMOE_TRITON_MAX_TOKENS), and the step
+      # replayed from a prefill CUDA graph (8 sequences, 8192 tokens; a graph's attention is ours)
       PV=(--load-format dummy --expert-placement resident --prefill --input-len 1024 --num-steps 5)
-      for v in base "attn-$best" triton-moe graphs; do
+      for v in base attn-triton triton-moe graphs; do
         case $v in
           base) envs=(); extra=(--max-model-len 2048) ;;
-          attn-*) envs=(PAGEDMOE_PREFILL_ATTENTION="$best"); extra=(--max-model-len 2048) ;;
+          attn-triton) envs=(PAGEDMOE_PREFILL_ATTENTION=triton); extra=(--max-model-len 2048) ;;
           triton-moe) envs=(PAGEDMOE_TRITON_MAX_TOKENS=8192); extra=(--max-model-len 2048) ;;
           graphs) envs=(PAGEDMOE_PREFILL_GRAPH_SEQS=8); extra=(--max-model-len 8192 --prefill-graph-tokens 8192) ;;
         esac

@@ -4,8 +4,8 @@ bf16, block 16. Each variant is checked against the fp32 reference (rel err) bef
 replay, rotating cache copies); TFLOP/s and floor / measured against the 753 TFLOP/s bf16 GEMM ceiling.
 Rows ending in `-lazy`: the same tiles with the opt-in lazy rescale of the running max (lazy_rescale=True).
 Rows `torch-KERNEL`: kernels/paged_attention.py::fresh_prefill_attention with each of torch's kernels the engine can
-take for a fresh prefill (PAGEDMOE_PREFILL_ATTENTION=KERNEL: cudnn-dense, flash, cudnn, cudnn-gqa), the gather of the
-step's keys from the cache included. Before 2026-12-07 (benchmarks/results/session32) these rows called torch's
+take for a fresh prefill (PAGEDMOE_PREFILL_ATTENTION=KERNEL: cudnn-dense, flash; cuDNN's varlen path cannot be
+captured), the gather of the step's keys from the cache included. Before 2026-12-07 (benchmarks/results/session32) these rows called torch's
 kernels on keys laid out beforehand and were named torch-cudnn-dense, torch-flash, torch-cudnn-varlen[-gqa].
 
     PYTHONPATH=src python benchmarks/tune_prefill_attention.py [--batch 8 --q-len 1024]   # $OUT/tune_prefill_attention.json
@@ -78,7 +78,9 @@ def sweep(hkv: int, batch: int, q_len: int, quick: bool = False) -> dict:
     pos = torch.arange(q_len, device=bt.device)
     slots = (bt[:, pos // ba.BS].long() * ba.BS + pos % ba.BS).flatten()
     qsl_cpu = qsl.cpu()
-    for kernel in pa.PREFILL_KERNELS[1:]:
+    # cuDNN's varlen path ("cudnn", "cudnn-gqa") is left out: it builds its graph at every call (47 ms,
+    # session32) and breaks a CUDA-graph capture, which left the process unable to run the next shape (session33)
+    for kernel in ("cudnn-dense", "flash"):
         rows[f"torch-{kernel}"] = measure(f"torch-{kernel}", lambda kernel=kernel: lambda i: pa.fresh_prefill_attention(
             q[i], *caches[i], slots, qsl, q_len, ba.SCALE, kernel, qsl_cpu))
     return dict(hkv=hkv, batch=batch, q_len=q_len, flops=flops, floor_us=floor_us, variants=rows)

@@ -370,3 +370,38 @@ def test_dense_prefill_layout(q_lens):
     out = pa._dense_cudnn(qkv[:, :8], k, v, qsl, 0.25, backend=SDPBackend.MATH)
     ref = reference(q, kc, vc, bt, qsl, lens, 0.25)
     assert out.shape == q.shape and rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_fresh_kernel_choice(monkeypatch):
+    """Which kernel a step's attention takes: auto keeps ours off the GPU (the CPU q here) and for any step that is
+    not a fresh prefill with its host query_start_loc; a named kernel is taken for fresh half-precision steps only;
+    auto pads to dense only while the padded work stays within DENSE_PADDING_WORK."""
+    from types import SimpleNamespace
+
+    qsl = torch.tensor([0, 1024, 2048], dtype=torch.int32)
+    meta = SimpleNamespace(fresh=True, query_start_loc_cpu=qsl)
+    q, cache = torch.zeros(2048, 4, 128, dtype=BF16), torch.zeros(8, 16, 1, 128, dtype=BF16)
+    choose = pa.TritonAttentionBackend.fresh_kernel
+    monkeypatch.setattr(pa, "PREFILL_ATTENTION", "auto")
+    assert choose(q, cache, meta) is None  # a CPU tensor: no cuDNN
+    monkeypatch.setattr(pa, "PREFILL_ATTENTION", "flash")
+    assert choose(q, cache, meta) == "flash"
+    assert choose(q.float(), cache.float(), meta) is None
+    assert choose(q, cache, SimpleNamespace(fresh=False, query_start_loc_cpu=qsl)) is None
+    assert choose(q, cache, SimpleNamespace(fresh=True, query_start_loc_cpu=None)) is None   # a graph's metadata
+    assert choose(q, cache[:, :8], meta) is None
+    monkeypatch.setattr(pa, "PREFILL_ATTENTION", "triton")
+    assert choose(q, cache, meta) is None
+    assert pa.dense_padding_ok([1024] * 8) and pa.dense_padding_ok([1024, 900])
+    assert not pa.dense_padding_ok([64, 31, 40]) and not pa.dense_padding_ok([1024, 16])
+
+
+@pytest.mark.gpu
+def test_auto_picks_cudnn_dense_on_hopper():
+    """auto's GPU conditions: a Hopper GPU, bf16, head size 128, equal lengths -> cudnn-dense; head size 96 or
+    fp32 -> ours."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("auto takes cudnn-dense on Hopper or later only")
+    q = torch.zeros(16, 4, 128, dtype=BF16, device="cuda")
+    assert pa.dense_prefill_ok(q, [8, 8])
+    assert not pa.dense_prefill_ok(q[..., :96], [8, 8]) and not pa.dense_prefill_ok(q.float(), [8, 8])

@@ -31,17 +31,38 @@ __all__ = [
 
 
 # The kernel of a fresh prefill (every sequence a whole prompt, no cached context): "triton" (our paged prefill
-# kernel, the default), or torch's kernels over this step's keys gathered from the cache: "cudnn-dense" (cuDNN's
-# fused attention on [B, S, H, D] views of the step, sequences right-padded to the longest when their lengths differ;
-# GQA through enable_gqa), "flash" (varlen FlashAttention-2), "cudnn" / "cudnn-gqa" (cuDNN's varlen path, KV heads
-# repeated or as they are). On the H100 at 8 x 1024 tokens (Qwen3-30B-A3B's heads; tune_prefill_attention.py --quick,
-# benchmarks/results/session32): cudnn-dense 155.5 us, triton 269.2, flash 314.4; cuDNN's varlen path is right but
-# rebuilds its graph every call (47 ms) and cannot be captured. PAGEDMOE_PREFILL_ATTENTION picks one; the default
-# stays triton until the engine's step is measured with it (gpu_issue25.sh prefill-variants).
-PREFILL_ATTENTION = os.environ.get("PAGEDMOE_PREFILL_ATTENTION", "triton")
-PREFILL_KERNELS = ("triton", "cudnn-dense", "flash", "cudnn", "cudnn-gqa")
+# kernel), or torch's kernels over this step's keys gathered from the cache: "cudnn-dense" (cuDNN's fused attention
+# on [B, S, H, D] views of the step, sequences right-padded to the longest when their lengths differ; GQA through
+# enable_gqa), "flash" (varlen FlashAttention-2), "cudnn" / "cudnn-gqa" (cuDNN's varlen path, KV heads repeated or as
+# they are). On the H100 at 8 x 1024 tokens (Qwen3-30B-A3B's heads; tune_prefill_attention.py --quick,
+# benchmarks/results/session32/33): cudnn-dense 155.5-168.3 us, triton 266.5-269.2, flash 314.4-332.2; cuDNN's varlen
+# path is right but rebuilds its graph every call (47 ms) and cannot be captured. In the engine's 8192-token prefill
+# step of Qwen3-30B-A3B cudnn-dense took the step from 123.8 to 118.2 ms (session33). PAGEDMOE_PREFILL_ATTENTION
+# picks one; "auto" (the default) takes cudnn-dense where `dense_prefill_ok` holds, triton elsewhere.
+PREFILL_ATTENTION = os.environ.get("PAGEDMOE_PREFILL_ATTENTION", "auto")
+PREFILL_KERNELS = ("auto", "triton", "cudnn-dense", "flash", "cudnn", "cudnn-gqa")
 if PREFILL_ATTENTION not in PREFILL_KERNELS:
     raise ValueError(f"PAGEDMOE_PREFILL_ATTENTION must be one of {PREFILL_KERNELS}, got {PREFILL_ATTENTION!r}")
+# auto pads a step to dense [B, S] only while the padded causal work B * S^2 stays within this factor of the real
+# work sum(len^2): cudnn-dense was 1.6x faster than ours on equal lengths
+DENSE_PADDING_WORK = 1.5
+
+
+def dense_prefill_ok(q: torch.Tensor, lengths: list[int]) -> bool:
+    """Whether auto runs a fresh prefill of these prompt lengths through cudnn-dense: half precision on a Hopper or
+    later GPU (where it was measured), head size 64 or 128 (cuDNN's fused kernels on every version torch ships), and
+    little padding (dense_padding_ok)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(q.device) < (9, 0):
+        return False
+    return dense_padding_ok(lengths)
+
+
+def dense_padding_ok(lengths: list[int]) -> bool:
+    """The causal work of sequences right-padded to the longest, B * S^2, within DENSE_PADDING_WORK of their own,
+    sum(len^2)."""
+    return len(lengths) * max(lengths) ** 2 <= DENSE_PADDING_WORK * sum(n * n for n in lengths)
 
 
 def fresh_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -152,11 +173,10 @@ class TritonAttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode or prefill over caches that already hold this step's k, v (written by a fused kernel)."""
-        # torch's fused kernels take half precision only (an fp32 engine keeps ours)
-        if (getattr(meta, "fresh", False) and PREFILL_ATTENTION != "triton" and k_cache.is_contiguous()
-                and q.dtype in (torch.bfloat16, torch.float16)):
+        kernel = self.fresh_kernel(q, k_cache, meta)
+        if kernel is not None:
             return fresh_prefill_attention(q, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
-                                           meta.max_query_len, scale, PREFILL_ATTENTION, meta.query_start_loc_cpu)
+                                           meta.max_query_len, scale, kernel, meta.query_start_loc_cpu)
         if meta.is_decode_only:
             return paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out, max_seq_len=meta.max_seq_len
@@ -165,5 +185,18 @@ class TritonAttentionBackend:
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             meta.max_query_len, out=out,
         )
+
+    @staticmethod
+    def fresh_kernel(q: torch.Tensor, k_cache: torch.Tensor, meta: PagedAttentionMetadata) -> str | None:
+        """torch's kernel for this step (PREFILL_ATTENTION), or None for ours: only a fresh prefill with its host
+        query_start_loc (a CUDA graph's metadata has none: its sequences change between replays) over a contiguous
+        cache, and only in half precision (torch's fused kernels; an fp32 engine keeps ours)."""
+        qsl_cpu = getattr(meta, "query_start_loc_cpu", None)
+        if (PREFILL_ATTENTION == "triton" or not getattr(meta, "fresh", False) or qsl_cpu is None
+                or not k_cache.is_contiguous() or q.dtype not in (torch.bfloat16, torch.float16)):
+            return None
+        if PREFILL_ATTENTION != "auto":
+            return PREFILL_ATTENTION
+        return "cudnn-dense" if dense_prefill_ok(q, (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()) else None
 
     __call__ = forward
