@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention import BF16_FLOPS_PER_S, measure_copy_bandwidth  # noqa: E402
 from timing import time_graph  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels import moe_align as ma  # noqa: E402
 from pagedmoe.kernels.fused_moe_config import FusedMoEConfig  # noqa: E402
 from pagedmoe.models.layers import moe  # noqa: E402
 from pagedmoe.planning.kv_sizing import grouped_mm_chunk_tokens  # noqa: E402
@@ -101,6 +102,18 @@ def sweep(name: str, bw: float) -> dict:
         c = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         return o, torch.cumsum(c, 0, dtype=torch.int32)
     measure("sort", "torch", sort_stage, mem(R * (8 + 1 + 8)))
+    # the Triton path's sort (kernels/moe_align.py): its kernel (O(R^2) counting) against the torch sort it takes
+    # above ALIGN_SORT_MIN_SLOTS slots; both exact against each other
+    ref_align = ma.moe_align_ref(ids, E, 64)
+    for label, cut in (("kernel-m64", R), ("sort-m64", 0)):
+        def align(cut=cut):
+            saved, ma.ALIGN_SORT_MIN_SLOTS = ma.ALIGN_SORT_MIN_SLOTS, cut
+            try:
+                return ma.moe_align(ids, E, 64)
+            finally:
+                ma.ALIGN_SORT_MIN_SLOTS = saved
+        measure("align", label, align, mem(R * 8),
+                check=lambda align=align: all(torch.equal(a, b) for a, b in zip(align(), ref_align)))
 
     gather_floor = mem(2 * R * H * 2)   # every routed row read and written once
     measure("gather", "torch", lambda: x[order // A], gather_floor)

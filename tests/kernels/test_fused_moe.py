@@ -92,6 +92,39 @@ def test_align_skips_ids_outside_experts():
     assert set(slots.tolist()) == {0, 3, 4, 5, 6, 7, 8}  # slots 1 and 2 (ids 9, -1) go nowhere; 8 = padding
 
 
+@pytest.mark.parametrize("T,A,E,block_m", [(1, 2, 8, 16), (17, 4, 16, 16), (64, 8, 128, 64), (300, 8, 128, 16),
+                                            (2048, 8, 128, 128), (5, 2, 4, 16)])
+def test_align_sorted_matches_reference(T, A, E, block_m):
+    """The sort path (moe_align_sorted, taken above ALIGN_SORT_MIN_SLOTS slots) gives the kernel's layout exactly,
+    ids outside [0, E) included (every tenth slot here: they go nowhere)."""
+    from pagedmoe.kernels.moe_align import moe_align_sorted
+
+    g = torch.Generator().manual_seed(T + A)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]).long()
+    ids.view(-1)[::10] = torch.tensor([E, -1]).repeat(ids.numel())[:ids.view(-1)[::10].numel()]
+    ids = ids.to(DEVICE)
+    nb = max_num_blocks(ids.numel(), E, block_m)
+    slots = torch.full((nb * block_m,), -7, dtype=torch.int32, device=DEVICE)
+    blocks = torch.full((nb,), -7, dtype=torch.int32, device=DEVICE)
+    moe_align_sorted(ids.view(-1), E, block_m, slots, blocks)
+    ref_slots, ref_blocks = moe_align_ref(ids, E, block_m)
+    assert torch.equal(slots, ref_slots) and torch.equal(blocks, ref_blocks)
+
+
+def test_align_takes_the_sort_path_above_its_threshold(monkeypatch):
+    """moe_align hands large steps to the sort path; its result equals the kernel's (the reference's)."""
+    from pagedmoe.kernels import moe_align as ma
+
+    called = []
+    sort = ma.moe_align_sorted
+    monkeypatch.setattr(ma, "moe_align_sorted", lambda *a: called.append(a[0].numel()) or sort(*a))
+    monkeypatch.setattr(ma, "ALIGN_SORT_MIN_SLOTS", 64)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(40)]).to(DEVICE)
+    slots, blocks = ma.moe_align(ids, 16, 16)
+    ref_slots, ref_blocks = moe_align_ref(ids, 16, 16)
+    assert called == [160] and torch.equal(slots, ref_slots) and torch.equal(blocks, ref_blocks)
+
+
 # ---------------------------------------------------------------- fused MoE, interpreter sizes
 
 @pytest.mark.parametrize("T,A,E,H,I,overrides", [

@@ -26,6 +26,10 @@ from ._attention_checks import next_pow2
 from .pdl import launch_args, pdl_enter
 
 ALIGN_CHUNK = 64  # slots per program, and ids per inner step
+# Above this many slots moe_align sorts with torch ops (moe_align_sorted) instead: the kernel's programs each count
+# all N ids, O(N^2 / CHUNK) work, fine at decode sizes but most of the Triton path's 8.6 ms at a prefill of 8192
+# tokens (65,536 slots of Qwen3-30B-A3B) on the H100 (bench_prefill_moe.py, benchmarks/results/session33).
+ALIGN_SORT_MIN_SLOTS = 8192
 
 
 def max_num_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -108,12 +112,37 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     if num_slots == 0:
         return sorted_slots, block_expert
+    if num_slots > ALIGN_SORT_MIN_SLOTS:
+        return moe_align_sorted(ids, num_experts, block_m, sorted_slots, block_expert)
     e_pad = max(16, next_pow2(num_experts))
     moe_align_kernel[(triton.cdiv(num_slots, ALIGN_CHUNK),)](
         ids, sorted_slots, block_expert, num_slots, num_experts, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, CHUNK_B=16,
         num_warps=8 if e_pad >= 128 else 4, **launch_args(ids.device),
     )
+    return sorted_slots, block_expert
+
+
+def moe_align_sorted(ids: torch.Tensor, num_experts: int, block_m: int, sorted_slots: torch.Tensor,
+                     block_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's layout from a stable sort of the flat ids (torch ops, no host sync: graph-capturable), into the
+    given outputs. Slot ids outside [0, E) sort after every expert (key E) and are written to a spare row."""
+    N, E, dev = ids.numel(), num_experts, ids.device
+    key = torch.where((ids >= 0) & (ids < E), ids, E)
+    sorted_key, order = torch.sort(key, stable=True)
+    start = torch.searchsorted(sorted_key, torch.arange(E + 1, device=dev, dtype=sorted_key.dtype))  # [E + 1]
+    num_blk = (start[1:] - start[:-1] + block_m - 1) // block_m
+    blk_end = torch.cumsum(num_blk, 0)
+    blk_start = torch.cat([blk_end.new_zeros(1), blk_end, blk_end[-1:]])   # key E: past every real row
+    first = torch.cat([start, start[-1:]])
+    dest = blk_start[sorted_key] * block_m + torch.arange(N, device=dev) - first[sorted_key]
+    spare = sorted_slots.numel()
+    dest = torch.where(sorted_key < E, dest, spare)
+    rows = torch.full((spare + 1,), N, dtype=torch.int32, device=dev)
+    rows.scatter_(0, dest, order.to(torch.int32))
+    sorted_slots.copy_(rows[:spare])
+    e_b = torch.searchsorted(blk_end, torch.arange(block_expert.numel(), device=dev, dtype=blk_end.dtype), right=True)
+    block_expert.copy_(torch.where(e_b < E, e_b, -1))
     return sorted_slots, block_expert
 
 
