@@ -139,3 +139,65 @@ def test_all_rows_from_the_engine_generator_draw_as_the_gathered_rows_did():
     out = Sampler(11, torch.device("cpu")).sample(logits, mixed, [None] * 6).token_ids
     want = torch.multinomial(torch.softmax(logits[:5], -1), 1, generator=torch.Generator().manual_seed(11))
     assert out == want.squeeze(-1).tolist() + [int(logits[5].argmax())]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_filters_by_row_chunks_equal_the_whole_batch(monkeypatch, rows):
+    """processed_logits on FILTER_ROWS rows at a time (the sampler's memory bound) gives the whole batch's result,
+    logits and probabilities, top-k by torch.topk or by a full sort, rows that keep everything beside rows that
+    filter; ties at the k-th value stay; the input is left as it was."""
+    from pagedmoe.worker import sampler as sm
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 60, generator=g) * 2).round()    # rounded: ties
+    before = logits.clone()
+    ks, ps = [1, 5, -1, 60, 17, -1, 59], [0.1, 0.5, 1.0, 0.9, 0.99, 0.3, 0.7]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in zip([1.0, 0.7, 1.5, 1.0, 2.0, 1.0, 0.9], ks, ps, [0, 0.05, 0, 0, 0.2, 0, 0])]
+    whole = apply_min_p(apply_top_p(apply_top_k(
+        logits / torch.tensor([p.temperature for p in params]).unsqueeze(-1), torch.tensor(ks)),
+        torch.tensor(ps)), torch.tensor([p.min_p for p in params]))
+    monkeypatch.setattr(sm, "FILTER_ROWS", rows)
+    for topk_max in (1024, 0):
+        monkeypatch.setattr(sm, "TOPK_MAX", topk_max)
+        assert torch.equal(processed_logits(logits, params), whole)
+        assert torch.equal(processed_logits(logits, params, probs=True), torch.softmax(whole, dim=-1))
+    assert torch.equal(logits, before)
+    top_k = apply_top_k(logits, torch.tensor(ks))
+    for i, k in enumerate(ks):
+        k = 60 if k <= 0 else k
+        kth = logits[i].sort(descending=True).values[k - 1]
+        assert _kept(top_k[i]) == set(torch.nonzero(logits[i] >= kth).flatten().tolist())
+
+
+def test_processed_logits_top_k_without_a_device_read(monkeypatch):
+    """processed_logits hands apply_top_k the largest top_k from the host parameters (no read of the device
+    tensor); rows without top-k keep every token."""
+    from pagedmoe.worker import sampler as sm
+
+    seen = []
+    real = sm.apply_top_k
+    monkeypatch.setattr(sm, "apply_top_k", lambda lg, k, k_max=None: seen.append(k_max) or real(lg, k, k_max))
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_k=9)]
+    out = processed_logits(logits, params)
+    assert seen == [9]
+    assert [len(_kept(r)) for r in out] == [4, 40, 9]
+
+
+def test_logprobs_by_row_chunks():
+    """The logprob tensors, computed FILTER_ROWS rows at a time, equal the whole batch's log_softmax: top values
+    and ids, the sampled token's logprob and its rank, over more rows than one chunk."""
+    from pagedmoe.worker import sampler as sm
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2 * sm.FILTER_ROWS + 5, 50, generator=g)
+    tokens = torch.randint(0, 50, (logits.shape[0],), generator=g)
+    params = [SamplingParams(logprobs=3)] * logits.shape[0]
+    top_vals, top_ids, chosen, ranks = Sampler._logprob_tensors(logits, tokens, params)
+    lp = torch.log_softmax(logits, dim=-1)
+    want_vals, want_ids = lp.topk(3, dim=-1)
+    assert torch.equal(top_vals, want_vals) and torch.equal(top_ids, want_ids)
+    assert torch.equal(chosen, lp[torch.arange(len(tokens)), tokens])
+    assert torch.equal(ranks, (lp > chosen.unsqueeze(-1)).sum(-1) + 1)
