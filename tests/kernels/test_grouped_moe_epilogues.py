@@ -63,7 +63,7 @@ def test_moe_sum_reads_rows_through_the_permutation():
 
 
 @pytest.mark.parametrize("tile", [dict(), dict(block_t=4, block_h=256, num_warps=4, unroll=True),
-                                  dict(block_t=16, block_h=128, num_warps=4)])
+                                  dict(block_t=16, block_h=128, num_warps=4), moe.GROUPED_TILES["sum"]])
 def test_moe_sum_tiles_and_unroll_give_the_same_sums(tile):
     g = torch.Generator(device=DEVICE).manual_seed(3)
     T, A, H, E = 21, 4, 300, 6
@@ -81,7 +81,8 @@ def test_moe_sum_tiles_and_unroll_give_the_same_sums(tile):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tile", [dict(), dict(block_r=4, block_h=128, num_warps=2), dict(block_r=1, block_h=1024)])
+@pytest.mark.parametrize("tile", [dict(), dict(block_r=4, block_h=128, num_warps=2), dict(block_r=1, block_h=1024),
+                                  moe.GROUPED_TILES["gather"]])
 def test_gather_rows_is_x_at_order_div_a(tile):
     g = torch.Generator(device=DEVICE).manual_seed(4)
     T, A, H = 13, 3, 200                              # H over a 128-column tile, rows over a 4-row tile
@@ -103,6 +104,7 @@ def test_silu_mul_tiles_give_the_same_bits():
     g = torch.Generator(device=DEVICE).manual_seed(5)
     gate_up = torch.randn(23, 2 * 160, generator=g, device=DEVICE)
     assert torch.equal(fm.silu_mul(gate_up, block_m=2, block_i=256, num_warps=2), fm.silu_mul(gate_up))
+    assert torch.equal(fm.silu_mul(gate_up, **moe.GROUPED_TILES["silu"]), fm.silu_mul(gate_up))
 
 
 def _layer(T, A, E, H, I, dtype, seed):

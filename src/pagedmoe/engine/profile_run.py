@@ -8,6 +8,8 @@ launches). The KV cache is then sized for the budget less this (vLLM profiles th
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedmoe.engine.request import Request
@@ -16,6 +18,9 @@ from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
+
+logger = logging.getLogger("pagedmoe")
+GiB = 1 << 30
 
 
 def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -58,12 +63,17 @@ def profile_step_bytes(model, block_size: int, device: torch.device, dtype: torc
         allocated0, reserved0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         used0 = memory.used_bytes() if memory is not None else 0
     logits, _ = runner.execute(SchedulerOutput(scheduled), kv)
-    # the sampler's working copies at their largest: top-k and top-p sort the float32 logits, logprobs
+    if cuda:
+        torch.cuda.synchronize(device)
+        forward_peak = torch.cuda.max_memory_allocated(device) - allocated0
+    # the sampler's working copies at their largest: top-k and top-p filter the float32 logits, logprobs
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * logits.shape[0]
     Sampler(0, device).sample(logits, params, [None] * logits.shape[0])
     del logits
     if cuda:
         torch.cuda.synchronize(device)
+        logger.info("profile step: torch's peak allocation %.2f GiB in the forward, %.2f GiB with the sampler",
+                    forward_peak / GiB, (torch.cuda.max_memory_allocated(device) - allocated0) / GiB)
     if model.pager is not None:
         model.pager.end_step()     # every event of the step is done
         model.pager.reset_stats()  # not traffic of the workload

@@ -181,6 +181,15 @@ def _narrow_sort_key(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return ids.to(torch.int16) if num_experts <= 2 ** 15 else ids
 
 
+# The grouped path's Triton passes over the routed rows (copies and fixed-order sums: the tile changes the speed,
+# not a bit). At 8192 tokens of Qwen3-30B-A3B on the H100 (bench_prefill_moe.py, benchmarks/results/session33) the
+# gather took 115.7-118.4 us against torch's x[order // A] 161.5-164.1, the combine 101.8-105.9 against the default
+# tile's 120.4-123.9, silu_mul 100.9-102.2 against 103.7-106.0: ~3 ms of a 118-124 ms prefill step.
+GROUPED_TILES = {"gather": dict(block_r=16, block_h=256, num_warps=4),
+                 "silu": dict(block_m=2, block_i=1024, num_warps=4),
+                 "sum": dict(block_t=1, block_h=2048, num_warps=8)}
+
+
 def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     """out = the routed experts of x's tokens. On CUDA the activation (fp32 silu(gate) * up, one rounding) and
     the combine (per token, a fixed-order fp32 sum of its slots' rows read through the inverse permutation, no
@@ -189,19 +198,23 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     E = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(_narrow_sort_key(flat_ids, E), stable=True)
-    token_idx = order // A
     # scatter_add rather than bincount: bincount sizes its output from the data (a host sync on CUDA,
     # which would also break CUDA-graph capture).
     counts = torch.zeros(E, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     # NOTE: each transient is dropped as soon as the next is made (grouped_mm_row_bytes counts what overlaps)
-    gate_up = torch._grouped_mm(x[token_idx], w13.transpose(1, 2), offs=offs)   # [T*A, 2I]
     fused = _triton_epilogues(x)
     if fused:
-        from pagedmoe.kernels.fused_moe import moe_sum, silu_mul
+        from pagedmoe.kernels.fused_moe import gather_rows, moe_sum, silu_mul
 
-        h = silu_mul(gate_up)                                          # [T*A, I]
+        xs = gather_rows(x, order, A, **GROUPED_TILES["gather"])       # x[order // A] in one launch
+    else:
+        xs = x[order // A]
+    gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)    # [T*A, 2I]
+    del xs
+    if fused:
+        h = silu_mul(gate_up, **GROUPED_TILES["silu"])                 # [T*A, I]
         del gate_up
     else:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -212,11 +225,11 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     if fused:
         slot_row = torch.empty_like(order)
         slot_row[order] = torch.arange(order.numel(), device=order.device)   # y's row of slot t * A + k
-        moe_sum(y.unsqueeze(0), topk_weights, topk_ids, out, 1, E, rows=slot_row)
+        moe_sum(y.unsqueeze(0), topk_weights, topk_ids, out, 1, E, rows=slot_row, **GROUPED_TILES["sum"])
         return
     y = y.float().mul_(topk_weights.reshape(-1)[order, None])
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    acc.index_add_(0, token_idx, y)
+    acc.index_add_(0, order // A, y)
     out.copy_(acc)
 
 
