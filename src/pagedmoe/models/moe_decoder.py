@@ -200,10 +200,9 @@ class MoEForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: Optional[torch.Tensor] = None, logits_out: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        """-> float32 logits [T (or len(logits_indices)), V], written into `logits_out` when given (the CUDA
-        graphs' one output buffer, worker/cuda_graph.py)."""
+                logits_indices: Optional[torch.Tensor] = None, hidden_only: bool = False) -> torch.Tensor:
+        """-> float32 logits [T (or len(logits_indices)), V]; with hidden_only the final-normed hidden states those
+        logits come from (compute_logits): the CUDA graphs' output, worker/cuda_graph.py."""
         h = self.model.embed_tokens(input_ids)
         experts = self.experts
         if experts is not None:
@@ -226,8 +225,10 @@ class MoEForCausalLM(nn.Module):
             h, _ = fused_add_rmsnorm(h, residual, self.model.norm.weight, self.model.norm.eps)
         else:
             h = self.model.norm(h)
-        if logits_out is not None:
-            return logits_out.copy_(self.lm_head(h))   # the same float32 values as .float()
+        return h if hidden_only else self.compute_logits(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, H] -> float32 logits [N, V]."""
         return self.lm_head(h).float()
 
     # -- weight loading ------------------------------------------------------------------------

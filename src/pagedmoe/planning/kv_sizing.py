@@ -105,16 +105,15 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 def graph_pool_bytes(buckets: list[int], hidden_size: int, moe_intermediate_size: int, top_k: int,
                      vocab_size: int, dtype_bytes: int, prefill_tokens: int = 0) -> int:
     """The CUDA graphs' memory: one step's activations at the largest decode bucket or the largest prefill graph's
-    tokens (the graphs share the pool, largest first; no sampler copies: sampling runs outside the graph) with the
-    decode bucket's logits in the model dtype, plus the one float32 logits buffer of the largest bucket every
-    graph writes into (worker/cuda_graph.py). Measured on the H200 when each bucket kept its own float32 logits:
-    0.91 GiB for Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it those logits (sum(buckets) x V x 4 bytes)."""
+    tokens (the graphs share the pool, largest first). The graphs end at the hidden states: the lm_head, the
+    logits and the sampler run after the replay and are a step's transients, which the profile step measures
+    (worker/cuda_graph.py). Measured on the H200 when each bucket kept its own float32 logits: 0.91 GiB for
+    Qwen3-30B-A3B's 15 buckets up to 256, 0.71 GiB of it those logits (sum(buckets) x V x 4 bytes); until
+    2026-12-07 one shared float32 buffer and the largest bucket's bf16 logits, 0.22 GiB."""
     if not buckets:
         return 0
-    top = max(buckets)
-    act = estimate_activation_bytes(max(top, prefill_tokens), 0, hidden_size, moe_intermediate_size, top_k,
-                                    vocab_size, dtype_bytes)
-    return act + top * vocab_size * dtype_bytes + top * vocab_size * 4
+    return estimate_activation_bytes(max(max(buckets), prefill_tokens), 0, hidden_size, moe_intermediate_size,
+                                     top_k, vocab_size, dtype_bytes)
 
 
 def start_up_reserve_bytes(activation_bytes: int, max_num_seqs: int, hidden_size: int, moe_intermediate_size: int,

@@ -4,10 +4,11 @@ token bucket (PrefillCudaGraphs, below).
 A decode step launches a few hundred small kernels; on the H200 their launch gaps are a large part
 of a step at small batch. Each bucket's graph reads its inputs from static buffers; a step of B
 sequences copies its inputs into the first B rows of the smallest bucket >= B and pads the rest
-(slot -1: no KV write; context length 1 over block 0: harmless, discarded). Every graph writes its float32
-logits into the first rows of one buffer [largest bucket, V] (allocated outside the graphs' pool): one
-bucket's logits at a time, read (gathered by the runner) before the next replay on the same stream. Each
-graph keeping its own, as the graphs' outputs, held 0.71 GiB for Qwen3-30B-A3B's 15 buckets up to 256.
+(slot -1: no KV write; context length 1 over block 0: harmless, discarded). A graph ends at the final-normed
+hidden states [bucket, H]; the lm_head runs after the replay on the real rows (MoEForCausalLM.compute_logits),
+as vLLM does: float32 logits are a step's transient, not graph memory. Graphs that wrote their logits held
+0.71 GiB for Qwen3-30B-A3B's 15 buckets up to 256 each keeping its own, then 0.22 GiB with one shared float32
+buffer [256, V] and the largest bucket's bf16 logits in the pool.
 
 # NOTE: the attention grid is sized by max_model_len (an upper bound of every context) so one
 # graph stays valid as contexts grow; the MoE path must be free of host syncs (grouped_mm).
@@ -53,8 +54,7 @@ class DecodeCudaGraphs:
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(B, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.logits_buf: torch.Tensor | None = None   # [largest bucket, V] float32, every graph's output
+        self.hidden: dict[int, torch.Tensor] = {}   # each graph's output: [bucket, H] in the pool
         self.pool = None
 
     def _meta(self, B: int) -> AttentionMetadata:
@@ -72,15 +72,11 @@ class DecodeCudaGraphs:
             pager = getattr(self.model, "pager", None)
             with pager.no_host_copies() if pager is not None else contextlib.nullcontext():
                 for _ in range(2):  # compile kernels and settle the allocator outside capture
-                    out = self.model(self.input_ids[:B], self.positions[:B], meta)
-            if self.logits_buf is None:   # the largest bucket comes first
-                self.logits_buf = torch.empty_like(out)
-            del out
+                    self.model(self.input_ids[:B], self.positions[:B], meta, hidden_only=True)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with polling_paused(), torch.cuda.graph(graph, pool=self.pool):
-                self.logits[B] = self.model(self.input_ids[:B], self.positions[:B], meta,
-                                            logits_out=self.logits_buf[:B])
+                self.hidden[B] = self.model(self.input_ids[:B], self.positions[:B], meta, hidden_only=True)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[B] = graph
@@ -91,7 +87,7 @@ class DecodeCudaGraphs:
         return bool(self.graphs) and num_seqs <= self.buckets[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode-only step of B sequences -> logits [B, V] (a view into the graph's output)."""
+        """Decode-only step of B sequences -> float32 logits [B, V] (the lm_head after the replay)."""
         B = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= B)
         self.input_ids[:B].copy_(input_ids)
@@ -105,7 +101,7 @@ class DecodeCudaGraphs:
             self.seq_lens[B:bucket].fill_(1)
             self.block_tables[B:bucket, 0].fill_(0)
         replay(self.graphs[bucket], self.model, B, bucket)
-        return self.logits[bucket][:B]
+        return self.model.compute_logits(self.hidden[bucket][:B])
 
 
 class PrefillCudaGraphs:
@@ -120,8 +116,8 @@ class PrefillCudaGraphs:
       - the padding tokens T .. bucket-1 form sequence S, a fresh prompt of their own (positions 0.., context 0,
         slot -1: no KV write) over block 0, as the decode graphs' padding rows read block 0: finite values (the
         cache starts zeroed and holds only what real steps wrote), so their routing stays in range.
-    The attention grid is sized by the bucket (max_query_len = bucket) and S + 1 sequences; the logits of the
-    sampling rows (at most S) go into the decode graphs' logits buffer. Captured in the decode graphs' pool,
+    The attention grid is sized by the bucket (max_query_len = bucket) and S + 1 sequences; a graph ends at the
+    hidden states of the sampling rows (at most S), the lm_head runs after it. Captured in the decode graphs' pool,
     after them (worker/model_runner.py), with resident experts only: a pager's copies are planned per forward.
     """
 
@@ -141,6 +137,7 @@ class PrefillCudaGraphs:
         self.block_tables = torch.zeros(S + 1, max_blocks_per_seq, dtype=torch.int32, device=device)  # row S: 0s
         self.logits_indices = torch.zeros(S, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}   # each graph's output: [S, H] in the pool
         self.replays = 0
 
     def _meta(self, T: int) -> AttentionMetadata:
@@ -164,22 +161,21 @@ class PrefillCudaGraphs:
         self.seq_lens.copy_(lens.pin_memory() if pinned else lens, non_blocking=pinned)
 
     @torch.inference_mode()
-    def capture(self, pool, logits_buf: torch.Tensor) -> None:
-        """Largest bucket first, into `pool` (the decode graphs'); every graph writes its S rows of logits into
-        logits_buf (the decode graphs' output buffer: one step's logits at a time)."""
-        S = self.max_seqs
-        self.logits = logits_buf[:S]
+    def capture(self, pool) -> None:
+        """Largest bucket first, into `pool` (the decode graphs'); each graph's output is the hidden states of the
+        S sampling rows."""
         one = torch.ones(1, dtype=torch.int32)
         for T in reversed(self.buckets):
             # one sequence of T - 1 tokens and one padding token: every program of the grid's shape runs once
             self._set_sequences(T - 1, T, torch.tensor([0, T - 1], dtype=torch.int32), one * (T - 1))
             meta = self._meta(T)
             for _ in range(2):  # compile kernels and settle the allocator outside capture
-                self.model(self.input_ids[:T], self.positions[:T], meta, self.logits_indices)
+                self.model(self.input_ids[:T], self.positions[:T], meta, self.logits_indices, hidden_only=True)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with polling_paused(), torch.cuda.graph(graph, pool=pool):
-                self.model(self.input_ids[:T], self.positions[:T], meta, self.logits_indices, logits_out=self.logits)
+                self.hidden[T] = self.model(self.input_ids[:T], self.positions[:T], meta, self.logits_indices,
+                                            hidden_only=True)
             self.graphs[T] = graph
         torch.cuda.synchronize()
         logger.info("captured prefill CUDA graphs for steps of up to %d sequences and %s tokens", S, self.buckets)
@@ -190,12 +186,12 @@ class PrefillCudaGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor:
-        """A step of T tokens and B sequences (can_run) -> float32 logits [N, V] of its N sampling rows (a copy:
-        the buffer is the next replay's)."""
+        """A step of T tokens and B sequences (can_run) -> float32 logits [N, V] of its N sampling rows (the
+        lm_head after the replay)."""
         bucket = self.fill(input_ids, positions, meta, logits_indices)
         replay(self.graphs[bucket], self.model, input_ids.shape[0], bucket)
         self.replays += 1
-        return self.logits[:logits_indices.shape[0]].clone()
+        return self.model.compute_logits(self.hidden[bucket][:logits_indices.shape[0]])
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
              logits_indices: torch.Tensor) -> int:

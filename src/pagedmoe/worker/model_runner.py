@@ -128,7 +128,7 @@ class ModelRunner:
             limit = min(limit, max_num_batched_tokens)
         self.prefill_graphs = PrefillCudaGraphs(self.model, limit, max_seqs, self.graphs.block_tables.shape[1],
                                                 max_model_len, self.device)
-        self.prefill_graphs.capture(self.graphs.pool, self.graphs.logits_buf)
+        self.prefill_graphs.capture(self.graphs.pool)
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         return self.to_device(self.host_inputs(out, kv))
