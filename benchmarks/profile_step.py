@@ -183,6 +183,20 @@ def prefill_profile(engine, args) -> int:
         while engine.has_unfinished_requests():
             engine.step()
 
+    def back_to_back() -> float:
+        """Mean wall of --num-steps prefill steps queued at once and run back to back (the throughput run's
+        measure: with --async-scheduling a step's host work overlaps the step before it on the GPU)."""
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        for p in random_prompts(per_step * args.num_steps, args.input_len, vocab, args.seed + next(seq)):
+            engine.add_request(f"prefill-{next(seq)}", None, params, prompt_token_ids=p)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        # per prefill step: per_step whole prompts fill each (an async engine's last call only collects)
+        return (time.perf_counter() - t0) / args.num_steps
+
     def timed() -> list[float]:
         one_step()  # warm-up (Triton compiles)
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -200,6 +214,7 @@ def prefill_profile(engine, args) -> int:
     graphs = engine.runner.prefill_graphs
     replays = graphs.replays if graphs is not None else None
     walls = timed()
+    pipelined = back_to_back()
     eager_walls = None
     if graphs is not None:   # the same steps with the prefill CUDA graphs set aside: the eager prefill's wall
         replays = graphs.replays - replays
@@ -220,6 +235,9 @@ def prefill_profile(engine, args) -> int:
           f"(median; {profiled * 1e3:.3f} under the profiler), kernels {gpu_us / 1e3:.3f} ms; compute floor "
           f"{floor * 1e3:.3f} ms ({flops / 1e12:.2f} TFLOP at {args.gemm_tflops:g} TFLOP/s): floor / wall = "
           f"{floor / wall:.2f}, {tokens / wall:,.0f} tokens/s")
+    print(f"back to back ({args.num_steps * per_step} prompts queued at once, async scheduling "
+          f"{'on' if engine._async is not None else 'off'}): {pipelined * 1e3:.3f} ms per step, "
+          f"floor / wall {floor / pipelined:.2f}")
     if eager_walls is not None:
         eager = sorted(eager_walls)[len(eager_walls) // 2]
         print(f"prefill CUDA graphs: {replays} replays in {args.num_steps + 1} steps; the same steps eager "
@@ -231,6 +249,7 @@ def prefill_profile(engine, args) -> int:
         (out / f"profile_prefill_{tokens}.json").write_text(json.dumps({
             "prefill_tokens": tokens, "prompts_per_step": per_step, "input_len": args.input_len,
             "wall_ms": [1e3 * w for w in walls], "profiled_wall_ms": [1e3 * w for w in profiled_walls],
+            "back_to_back_ms": pipelined * 1e3,
             "prefill_graph_replays": replays,
             "eager_wall_ms": None if eager_walls is None else [1e3 * w for w in eager_walls],
             "kernel_ms_per_step": gpu_us / 1e3, "floor_ms": floor * 1e3,

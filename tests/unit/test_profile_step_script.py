@@ -22,7 +22,8 @@ def test_prefill_profile_against_its_compute_floor(tmp_path):
     assert "=== prefill 4 x 16 = 64 tokens" in out and "compute floor" in out
     r = json.loads((tmp_path / "profile_prefill_64.json").read_text())
     assert r["prompts_per_step"] == 4 and len(r["wall_ms"]) == 2 and len(r["profiled_wall_ms"]) == 2
-    assert "under the profiler" in out
+    assert "under the profiler" in out and "back to back (8 prompts queued at once" in out
+    assert r["back_to_back_ms"] > 0
     assert r["floor_ms"] > 0 and r["tflop_per_step"] > 0 and r["classes"]["moe"]["launches_per_step"] > 0
 
 
