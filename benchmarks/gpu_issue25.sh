@@ -90,7 +90,7 @@ for part in "$@"; do
         esac
         t env "${envs[@]}" python3 benchmarks/profile_step.py "$Q" "${PV[@]}" "${extra[@]}" --out "$D/pv-$v" \
           > "$D/pv-$v.txt" 2>&1
-        echo "--- $v ${envs[*]} ${extra[*]}"; grep -E "^=== prefill|GPU idle|prefill CUDA graphs|Error" "$D/pv-$v.txt" | head -5
+        echo "--- $v ${envs[*]} ${extra[*]}"; grep -E "^=== prefill|GPU idle|back to back|prefill CUDA graphs|Error" "$D/pv-$v.txt" | head -5
       done ;;
     tune-attn)
       t env OUT="$D" python3 benchmarks/tune_prefill_attention.py > "$D/tune_prefill_attention.log" 2>&1
