@@ -17,6 +17,9 @@
 #         --gpu-memory-gb budget: resident (part w4), paged + lossless GPU tier and the planner's auto choice
 #         (part w4p); W4_PROMPTS prompts (default 96: more than either engine holds at once, about 20k KV tokens
 #         for vLLM, 82 sequences for paged + lossless; 40, the issue's count, favoured the engine that holds fewer)
+#   pf    prefill: the whole GPU as tput, PF_PROMPTS (default 1024) random prompts of 1024 tokens, 1 token out each:
+#         total tokens/s (prompt + the one sampled token), both engines chunking at 8192 tokens a step (issue 25,
+#         item 3: the prefill against its compute floor, here against vLLM's)
 #   lat   batch 1, 512 in + 64 out: `vllm bench latency` (Avg latency) vs `pagedmoe bench latency --batch-size 1`
 #         (prefill + every decode step), pagedmoe with --fused-ops PM_FUSED (default on; "off on" for both); then
 #         benchmarks/profile_step.py at batch 1 and 256 for the per-kernel-class breakdown, each PM_FUSED value
@@ -35,7 +38,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 D=$OUT/vs_vllm
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
-W4_PROMPTS=${W4_PROMPTS:-96}
+W4_PROMPTS=${W4_PROMPTS:-96} PF_PROMPTS=${PF_PROMPTS:-1024}
 PM_FUSED=${PM_FUSED:-on}
 TPUT_PROMPTS=${TPUT_PROMPTS:-512} TPUT_LEN=${TPUT_LEN:-1024} LAT_IN=${LAT_IN:-512} LAT_OUT=${LAT_OUT:-64}
 PROF_BATCHES=${PROF_BATCHES:-1 256} PROF_LEN=${PROF_LEN:-512}
@@ -60,13 +63,16 @@ declare -A PARTS=(
   [w4p-qwen3]="~4.5 min | the same budget and prompts: pagedmoe paged+lossless (0.7 + ~1.3 at ~1300 tok/s), auto (0.7 + ~1.3)"
   [w4-mixtral]="~8 min | the same for Mixtral-8x7B (weights + 4 = 91 GiB; few sequences fit, so slower per prompt)"
   [w4p-mixtral]="~4.5 min | the same for Mixtral-8x7B (paged+lossless ~880 tok/s in the sweep)"
+  [pf-qwen3]="~3 min | prefill, whole GPU, 1024 x 1024 in / 1 out: vLLM (0.7 + ~0.3 at ~65k tok/s) + pagedmoe (0.7 + ~0.3)"
+  [pf-mixtral]="~4 min | the same for Mixtral-8x7B (~20k tok/s: ~0.9 min each)"
 )
-ORDER=(tput-qwen3 lat-qwen3 w4-qwen3 w4p-qwen3 tput-mixtral lat-mixtral w4-mixtral w4p-mixtral)
+ORDER=(tput-qwen3 lat-qwen3 w4-qwen3 w4p-qwen3 pf-qwen3 tput-mixtral lat-mixtral w4-mixtral w4p-mixtral pf-mixtral)
 # Calls of <= 10 min (the device tool's limit; each part is cut at RUN_TIMEOUT per run), ~34 min in all, more
 # than one session's 30 min of device time with the wheels' staging (~1.5 min): session 1 runs calls 1-2 (Qwen3,
 # ~15.5 min: the issue's headline shape), session 2 calls 3-5 (Mixtral, ~18.5 min). A part's vLLM runs after
 # the first of its model on the same warm machine reuse the compile cache, so keep a model's calls together.
-CALLS=("tput-qwen3" "lat-qwen3 w4p-qwen3" "w4-qwen3" "tput-mixtral" "lat-mixtral w4p-mixtral" "w4-mixtral")
+CALLS=("tput-qwen3" "lat-qwen3 w4p-qwen3" "w4-qwen3 pf-qwen3" "tput-mixtral" "lat-mixtral w4p-mixtral" "w4-mixtral"
+       "pf-mixtral")
 
 vllm() {  # the vLLM CLI on the carried wheels
   env PYTHONPATH="$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 \
@@ -162,6 +168,18 @@ run_part() {  # $1 = part
           > "$D/$name.w4.pagedmoe-$variant.log" 2>&1
         tail -3 "$D/$name.w4.pagedmoe-$variant.log"
       done ;;
+    pf)
+      local gib; gib=$(meta "$key" tput_gib)
+      echo "--- $name pf vllm (utilization 0.97)"
+      vllm bench throughput --model "$vdir" "${COMMON_VLLM[@]}" --dataset-name random --random-input-len "$TPUT_LEN" \
+        --random-output-len 1 --num-prompts "$PF_PROMPTS" --gpu-memory-utilization 0.97 \
+        --output-json "$D/$name.pf.vllm.json" > "$D/$name.pf.vllm.log" 2>&1
+      tail -3 "$D/$name.pf.vllm.log"
+      echo "--- $name pf pagedmoe resident (--gpu-memory-gb $gib)"
+      pm bench throughput "$m" "${COMMON_PM[@]}" --num-prompts "$PF_PROMPTS" --input-len "$TPUT_LEN" --output-len 1 \
+        --expert-placement resident --gpu-memory-gb "$gib" --output-json "$D/$name.pf.pagedmoe.json" \
+        > "$D/$name.pf.pagedmoe.log" 2>&1
+      tail -3 "$D/$name.pf.pagedmoe.log" ;;
     lat)
       echo "--- $name lat vllm"
       vllm bench latency --model "$vdir" "${COMMON_VLLM[@]}" --batch-size 1 --input-len "$LAT_IN" --output-len "$LAT_OUT" \

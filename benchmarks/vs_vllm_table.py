@@ -3,7 +3,7 @@
     python benchmarks/vs_vllm_table.py DIR [DIR...] [--out PREFIX]
 
 Each DIR holds the logs one or more `vs_vllm.sh` calls wrote, named MODEL.REGIME.ENGINE.log (REGIME: tput,
-w4, lat; ENGINE: vllm, or pagedmoe[-VARIANT]), beside MODEL.REGIME.ENGINE.json where the engine wrote one
+w4, pf, lat; ENGINE: vllm, or pagedmoe[-VARIANT]), beside MODEL.REGIME.ENGINE.json where the engine wrote one
 and MODEL.meta.json (budgets). Parsed lines (the last match in a log wins; a run that printed none is listed
 as failed, with its log's last line):
   vLLM and pagedmoe `bench throughput`:  Throughput: X requests/s, Y total tokens/s, Z output tokens/s
@@ -29,6 +29,7 @@ PM_DECODE = re.compile(r"Batch 1: decode step \(median of (\d+)\) ([\d.]+) ms")
 PM_REQUEST = re.compile(r"Batch 1: request latency ([\d.]+) ms")
 REGIMES = {"tput": "whole GPU, offline throughput (output tok/s)",
            "w4": "weights + 4 GiB, offline throughput (output tok/s)",
+           "pf": "prefill, whole GPU, 1024 in / 1 out, offline throughput (total tok/s)",
            "lat": "batch 1, 512 in + 64 out, request latency (s)"}
 
 
@@ -90,7 +91,10 @@ def parse_run(log: Path) -> dict:
 
 
 def figure(run: dict) -> Optional[float]:
-    return run.get("latency_s") if run["regime"] == "lat" else run.get("output_tokens_per_s")
+    """The regime's figure: latency, prompt + output tokens/s for the prefill regime, else output tokens/s."""
+    if run["regime"] == "lat":
+        return run.get("latency_s")
+    return run.get("total_tokens_per_s" if run["regime"] == "pf" else "output_tokens_per_s")
 
 
 def collect(dirs: list[Path]) -> dict:

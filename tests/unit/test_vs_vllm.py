@@ -84,8 +84,8 @@ elif sys.argv[1:3] == ["bench", "latency"]:
 def test_list_and_calls():
     out = subprocess.run(["bash", str(ROOT / "benchmarks" / "vs_vllm.sh"), "list"], capture_output=True, text=True,
                          check=True).stdout
-    parts = [line.split()[0] for line in out.splitlines() if line.startswith(("tput-", "w4-", "w4p-", "lat-"))]
-    assert sorted(parts) == sorted(f"{r}-{m}" for r in ("tput", "w4", "w4p", "lat") for m in ("qwen3", "mixtral"))
+    parts = [line.split()[0] for line in out.splitlines() if line.startswith(("tput-", "w4-", "w4p-", "pf-", "lat-"))]
+    assert sorted(parts) == sorted(f"{r}-{m}" for r in ("tput", "w4", "w4p", "pf", "lat") for m in ("qwen3", "mixtral"))
     calls = subprocess.run(["bash", str(ROOT / "benchmarks" / "vs_vllm.sh"), "calls"], capture_output=True,
                            text=True, check=True, cwd=ROOT).stdout
     planned = [line.split("vs_vllm.sh ")[1].split('"')[0].split() for line in calls.splitlines()
@@ -168,3 +168,24 @@ def test_pack_out_keeps_everything_in_one_archive(tmp_path):
     with tarfile.open(tmp_path / "vs_vllm.tgz") as tar:
         assert {m.name for m in tar.getmembers() if m.isfile()} == {
             "vs_vllm/table.md", "vs_vllm/a.log", "vs_vllm/prof/profile_b1.json"}
+
+
+def test_prefill_part_compares_total_tokens(tmp_path):
+    """Part pf: both engines at the whole GPU on prompts with one output token each; the table sets pagedmoe's
+    prompt + output tokens/s against vLLM's (the stand-in prints 4096 total, 2048 output)."""
+    args_log = tmp_path / "vllm_args.txt"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), VLLM_SITE=str(_stub_site(tmp_path)), STUB_ARGS_LOG=str(args_log),
+               QWEN3_MODEL="src/pagedmoe/default_model", DEVICE_GIB="8", PM_EXTRA="--device cpu --dtype float32",
+               MAX_LEN="64", TPUT_LEN="8", PF_PROMPTS="3", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "benchmarks/vs_vllm.sh", "pf-qwen3"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    call = args_log.read_text().splitlines()[0]
+    assert "--random-output-len 1 --num-prompts 3 --gpu-memory-utilization 0.97" in call
+    table = json.loads((tmp_path / "out" / "vs_vllm" / "table.json").read_text())
+    (row,) = table["rows"]
+    ours = row["pagedmoe"]["pagedmoe"]
+    assert row["regime"] == "pf" and row["vllm"] == 4096.0 and ours["error"] is None
+    run = next(r for r in table["runs"] if r["engine"] == "pagedmoe")
+    assert ours["value"] == run["total_tokens_per_s"] > run["output_tokens_per_s"]
+    assert ours["ratio_over_vllm"] == pytest.approx(ours["value"] / 4096.0)
