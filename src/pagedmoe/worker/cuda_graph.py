@@ -86,8 +86,10 @@ class DecodeCudaGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode-only step of B sequences -> float32 logits [B, V] (the lm_head after the replay)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode-only step of B sequences -> float32 logits [B, V], or of the rows logits_indices names (the
+        lm_head after the replay, on those rows only)."""
         B = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= B)
         self.input_ids[:B].copy_(input_ids)
@@ -101,7 +103,8 @@ class DecodeCudaGraphs:
             self.seq_lens[B:bucket].fill_(1)
             self.block_tables[B:bucket, 0].fill_(0)
         replay(self.graphs[bucket], self.model, B, bucket)
-        return self.model.compute_logits(self.hidden[bucket][:B])
+        hidden = self.hidden[bucket][:B]
+        return self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
 
 
 class PrefillCudaGraphs:

@@ -247,10 +247,10 @@ class ModelRunner:
             # NOTE: queued behind the step that sampled `tokens` (one stream): no host sync
             inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, to_device_async(src, self.device)))
         if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(host["seq_lens"])):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
             if self.model.pager is not None:
                 self.model.pager.account_replay()
-            return logits[inputs.logits_indices].float(), inputs.sampling_rows
+            return logits, inputs.sampling_rows
         graphs, meta = self.prefill_graphs, inputs.meta
         if (graphs is not None and not meta.is_decode_only
                 and graphs.can_run(inputs.input_ids.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1])):
