@@ -18,7 +18,7 @@ from pagedmoe.worker.penalties import apply_penalties
 # The filters work on at most this many rows at a time, all of them in one pass, into one new [N, V] tensor: a sort
 # of [N, V] float32 logits holds its values and int64 indices (12 bytes a logit) beside the softmax and its running
 # sum, and each filter made its own copy: 1.17 GB above the logits at 256 rows of Qwen3's 151,936 tokens (top-k,
-# top-p and logprobs asked; 0.2 GB by row chunks, measured on the CPU). Start-up's profile step measures the sampler
+# top-p and logprobs asked; 0.31 GB by row chunks, measured on the CPU). Start-up's profile step measures the sampler
 # at its largest and keeps that out of the KV cache (engine/profile_run.py): the 60.87 GiB Qwen3-30B-A3B run of
 # 2026-12-07 had 0.57 GiB of KV cache. Row by row the result is the same.
 FILTER_ROWS = 32
