@@ -402,9 +402,13 @@ def plan_kv_cache(config: EngineConfig, model, device: torch.device, dtype: torc
         torch.cuda.empty_cache()  # loading's temporaries: what the run re-grows is the reserve's to hold
         measured = memory.mark("loaded")
         overhead = max(0, measured - (weight_bytes - pending))
-        reserve = overhead + start_up_reserve_bytes(
+        estimated = start_up_reserve_bytes(
             act, c.max_num_seqs, dims.hidden_size, dims.moe_intermediate_size, dims.top_k, dims.vocab_size,
             dtype.itemsize, cuda_graphs=not eager, build_bytes=store.dynamic_build_bytes)
+        reserve = overhead + estimated
+        logger.info("reserve %.2f GiB: %.2f GiB measured beyond the weights (context, modules, torch's cache), "
+                    "%.2f GiB estimated (graph pool, workspaces, fragmentation, builds)", reserve / GiB,
+                    overhead / GiB, estimated / GiB)
         return size_kv_cache(budget, weight_bytes, act, per_block, c.block_size, max_model_len, useful, reserve)
     if c.gpu_memory_gb is not None:
         budget = int(c.gpu_memory_gb * GiB)
