@@ -163,6 +163,9 @@ def test_filters_by_row_chunks_equal_the_whole_batch(monkeypatch, rows):
         assert torch.equal(processed_logits(logits, params), whole)
         assert torch.equal(processed_logits(logits, params, probs=True), torch.softmax(whole, dim=-1))
     assert torch.equal(logits, before)
+    plain = [SamplingParams(temperature=1.0)] * 7
+    assert processed_logits(logits, plain) is logits
+    assert torch.equal(processed_logits(logits, plain, probs=True), torch.softmax(logits, dim=-1))
     top_k = apply_top_k(logits, torch.tensor(ks))
     for i, k in enumerate(ks):
         k = 60 if k <= 0 else k

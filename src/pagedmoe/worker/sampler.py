@@ -80,8 +80,8 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams], probs: 
     top_k = to_device([p.top_k for p in params], device) if k_max else None
     top_p = to_device([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None
     min_p = to_device([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in params) else None
-    if temp is None and top_k is None and top_p is None and min_p is None and not probs:
-        return logits
+    if temp is None and top_k is None and top_p is None and min_p is None:
+        return torch.softmax(logits, dim=-1) if probs else logits   # one kernel, nothing beside its result
 
     def rows(i: int, j: int) -> torch.Tensor:
         x = logits[i:j] if temp is None else logits[i:j] / temp[i:j]
@@ -91,14 +91,17 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams], probs: 
             x = apply_top_p(x, top_p[i:j])
         if min_p is not None:
             x = apply_min_p(x, min_p[i:j])
-        return torch.softmax(x, dim=-1) if probs else x
+        return x
 
     N = logits.shape[0]
     if N <= FILTER_ROWS:
-        return rows(0, N)
+        return torch.softmax(rows(0, N), dim=-1) if probs else rows(0, N)
     out = torch.empty_like(logits)
     for i in range(0, N, FILTER_ROWS):
-        out[i:i + FILTER_ROWS] = rows(i, i + FILTER_ROWS)
+        if probs:   # written in place: no copy of the chunk
+            torch.softmax(rows(i, i + FILTER_ROWS), dim=-1, out=out[i:i + FILTER_ROWS])
+        else:
+            out[i:i + FILTER_ROWS] = rows(i, i + FILTER_ROWS)
     return out
 
 
