@@ -207,7 +207,7 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     fused = _triton_epilogues(x)
     if fused:
         from pagedmoe.kernels.fused_moe import gather_rows, moe_sum, silu_mul
-
+    if fused and x.stride(1) == 1:
         xs = gather_rows(x, order, A, **GROUPED_TILES["gather"])       # x[order // A] in one launch
     else:
         xs = x[order // A]
