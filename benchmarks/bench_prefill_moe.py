@@ -102,6 +102,12 @@ def sweep(name: str, bw: float) -> dict:
         c = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         return o, torch.cumsum(c, 0, dtype=torch.int32)
     measure("sort", "torch", sort_stage, mem(R * (8 + 1 + 8)))
+
+    def sort_searchsorted():   # the engine's since 2026-12-07: end rows from the sorted keys, no counting
+        keys, o = torch.sort(flat.to(torch.uint8), stable=True)
+        return o, torch.searchsorted(keys, torch.arange(E, device=dev, dtype=keys.dtype), right=True, out_int32=True)
+    measure("sort", "searchsorted", sort_searchsorted, mem(R * (8 + 1 + 8)),
+            check=lambda: all(torch.equal(a, b) for a, b in zip(sort_searchsorted(), (order, offs))))
     # the Triton path's sort (kernels/moe_align.py): its kernel (O(R^2) counting) against the torch sort it takes
     # above ALIGN_SORT_MIN_SLOTS slots; both exact against each other
     ref_align = ma.moe_align_ref(ids, E, 64)

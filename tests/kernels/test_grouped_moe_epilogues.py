@@ -165,3 +165,8 @@ def test_the_narrow_sort_key_gives_the_same_stable_order(num_experts, key_bytes)
     key = moe._narrow_sort_key(ids, num_experts)
     assert key.element_size() == key_bytes
     assert torch.equal(torch.argsort(key, stable=True), torch.argsort(ids, stable=True))
+    # the grouped path's per-expert end rows come from the sorted narrow keys: they equal the counts' running sum
+    keys = torch.sort(key, stable=True).values
+    offs = torch.searchsorted(keys, torch.arange(num_experts, device=DEVICE, dtype=keys.dtype), right=True,
+                              out_int32=True)
+    assert torch.equal(offs, torch.bincount(ids, minlength=num_experts).cumsum(0).int())

@@ -197,12 +197,10 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     T, A = topk_ids.shape
     E = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(_narrow_sort_key(flat_ids, E), stable=True)
-    # scatter_add rather than bincount: bincount sizes its output from the data (a host sync on CUDA,
-    # which would also break CUDA-graph capture).
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    keys, order = torch.sort(_narrow_sort_key(flat_ids, E), stable=True)
+    # each expert's end row in the sorted order, from the sorted keys themselves: one launch where counting took
+    # three (zeros, scatter_add, cumsum), and no host sync (bincount sizes its output from the data)
+    offs = torch.searchsorted(keys, torch.arange(E, device=x.device, dtype=keys.dtype), right=True, out_int32=True)
     # NOTE: each transient is dropped as soon as the next is made (grouped_mm_row_bytes counts what overlaps)
     fused = _triton_epilogues(x)
     if fused:
