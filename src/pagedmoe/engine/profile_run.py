@@ -14,13 +14,13 @@ import torch
 
 from pagedmoe.engine.request import Request
 from pagedmoe.kvcache.block_pool import KVCacheManager
+from pagedmoe.planning.kv_sizing import GiB
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedmoe.worker.model_runner import ModelRunner
 from pagedmoe.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedmoe")
-GiB = 1 << 30
 
 
 def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

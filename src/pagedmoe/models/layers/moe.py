@@ -205,10 +205,8 @@ def _grouped_mm_chunk(x, w13, w2, topk_weights, topk_ids, out) -> None:
     fused = _triton_epilogues(x)
     if fused:
         from pagedmoe.kernels.fused_moe import gather_rows, moe_sum, silu_mul
-    if fused and x.stride(1) == 1:
-        xs = gather_rows(x, order, A, **GROUPED_TILES["gather"])       # x[order // A] in one launch
-    else:
-        xs = x[order // A]
+    # x[order // A]: on CUDA in one launch (gather_rows takes rows with a unit column stride)
+    xs = gather_rows(x, order, A, **GROUPED_TILES["gather"]) if fused and x.stride(1) == 1 else x[order // A]
     gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)    # [T*A, 2I]
     del xs
     if fused:
