@@ -190,10 +190,13 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
             m32 = dataclasses.replace(layer, block_m=min(layer.block_m, 32))
             # "...-k4": exact=False, the decoded tile straight in the MMA operand registers (no shared-memory
             # round trip); not bit-equal: checked against a float32 reference within twice bf16's own error
-            # "tm...": the same bytes in tile_major()'s candidate layout (a K step's loads cover whole lines)
+            # "tm...": the same bytes in tile_major()'s layout (a K step's loads cover whole lines); the engine's
+            # tier holds these: tm-k4-warps4 is --compressed-gemm fused-hibyte, tm-halves fused-hibyte-exact
+            # (kernels/fused_moe_hibyte.TIER_KERNELS)
             candidates = [("k4", layer), ("k4-warps4", layer4)] + ([("m32", m32), ("m32-k4", m32)]
                                                                  if layer.block_m > 32 else []) + \
-                [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4), ("halves", layer)]
+                [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4), ("halves", layer),
+                 ("tm-halves", layer)]
             for label, ov in ([("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS +
                               candidates):
                 try:
@@ -201,7 +204,7 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
                     c2 = (layer if ov is None else layer4 if ov == "layer4" else ov
                           if isinstance(ov, FusedMoEConfig) else dataclasses.replace(cfg, **ov))
                     tm = label.startswith("tm")
-                    join = label != "halves"  # "halves": a dot per K = 32 half, the kernel before 2026-12-05
+                    join = not label.endswith("halves")  # a dot per K = 32 half, the kernel before 2026-12-05
                     got, ref = hb(0, c2, exact, tm, join), bf16(0, config=c2)
                     v = dict(equal_to_bf16_gemm=bool(torch.equal(got, ref)), exact=exact)
                     if not exact:

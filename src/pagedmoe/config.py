@@ -157,9 +157,13 @@ class EngineConfig:
                                            "(kept in the tiled format, version 2, ~0.75x of bf16: the MoE GEMMs read "
                                            "them and decode weight tiles in registers, no bf16 copy written; same "
                                            "logits bit for bit; 1.9-3.9x bf16's MoE time on the H200) or "
-                                           "fused-hibyte (the candidate format version 3, ~0.77x, decoded four "
-                                           "weights a word; hidden and expert sizes multiples of 64; its GPU speed "
-                                           "is not measured yet)",
+                                           "fused-hibyte (format version 3, ~0.77x, held tile-major, decoded four "
+                                           "weights a word straight into the MMA operands: outputs within bf16 GEMM "
+                                           "tolerance of the decode path, not bit-equal; one MoE layer on the H200: "
+                                           "0.87-0.96x bf16's time at Mixtral 1-16 and Qwen3 16-64 tokens, 1.1-2.3x "
+                                           "at the other sizes; hidden and expert sizes multiples of 64) or "
+                                           "fused-hibyte-exact (the same bytes, the bf16 kernel's sums: logits bit "
+                                           "for bit, 1.5-5.8x bf16's time)",
                                  _COMPRESSED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
                                                       "(default int4; dynamic only)", MIN_EXPERT_PRECISIONS)

@@ -14,12 +14,20 @@ from typing import Optional
 EXPERT_PRECISIONS = ("exact", "static-fp8", "static-int8", "static-int4", "dynamic")
 MIN_EXPERT_PRECISIONS = ("fp8", "int8", "int4")
 # --compressed-gemm values whose MoE GEMMs read the compressed GPU tier in place, and the format each holds it in
-FUSED_FORMATS = {"fused": "tiled", "fused-hibyte": "hibyte"}
+FUSED_FORMATS = {"fused": "tiled", "fused-hibyte": "hibyte", "fused-hibyte-exact": "hibyte"}
+# and the kernel each runs on it: "exact" keeps the bf16 kernel's sums (logits equal to the decoding path's), "fast"
+# (hibyte) decodes in the MMA operand registers, where the MMA groups K its own way (bf16 GEMM tolerance)
+FUSED_KERNELS = {"fused": "exact", "fused-hibyte": "fast", "fused-hibyte-exact": "exact"}
 
 
 def fused_format(compressed_gemm: str) -> Optional[str]:
-    """"tiled" (format version 2), "hibyte" (the candidate version 3) or None (the tier is decoded)."""
+    """"tiled" (format version 2), "hibyte" (version 3) or None (the tier is decoded)."""
     return FUSED_FORMATS.get(compressed_gemm)
+
+
+def fused_kernel(compressed_gemm: str) -> Optional[str]:
+    """"exact" or "fast" (the fused tier's GEMM, kernels/fused_moe_hibyte.TIER_KERNELS), None (decoded)."""
+    return FUSED_KERNELS.get(compressed_gemm)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ K = 64 dots against one K = 128 dot) the interpreter sums in another order, and 
 GPU (@pytest.mark.gpu): bf16, the same MMA instructions in the same order, so the outputs must be equal
 (torch.equal).
 """
+import dataclasses
 import os
 
 import torch
@@ -20,6 +21,8 @@ triton = pytest.importorskip("triton")
 
 from pagedmoe.codecs import hibyte  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
+from pagedmoe.kernels import fused_moe_hibyte as fmh  # noqa: E402
+from pagedmoe.kernels.device_info import sm_count  # noqa: E402
 from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte, fused_moe_hibyte_reference, tile_major  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +105,92 @@ def test_a_dot_per_half_matches_one_dot_per_step():
         torch.testing.assert_close(halves, one, rtol=2e-5, atol=2e-5)
     else:  # the same MMA instructions in the same K order
         assert torch.equal(halves, one)
+
+
+class _Launches:
+    """Stands in for fused_moe_hibyte_kernel: records each launch's keyword arguments, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.calls.append(kw)
+            return self.kernel[grid](*args, **kw)
+        return run
+
+
+def _tier_layer(kernel, comp, seed, tiny):
+    """A layer as the engine's fused-hibyte tier hands it to fused_moe_mixed (experts/pager.py::_fused_parts): the
+    other experts dense, those in `comp` encoded and held in the tile_major order (experts/tiers/compressed.py),
+    launched as the tier's `kernel`; and the layer's bf16 weights."""
+    from pagedmoe.experts.table import ExpertTable
+    from pagedmoe.experts.tiers.compressed import CompressedTier
+
+    T, A, E, H, I = 9, 2, 4, 256, 128
+    x, _, _, weights, ids, w13, w2 = _layer(T, A, E, H, I, seed=seed, tiny_every=tiny)
+    tier = CompressedTier(ExpertTable(1, E), 3 * I * H, torch.bfloat16, torch.device(DEVICE), False, H, I, fused=True,
+                          fused_format="hibyte", fused_kernel=kernel)
+    tier.encode(0, torch.cat([w13[comp].reshape(len(comp), -1), w2[comp].reshape(len(comp), -1)], 1))  # the rows
+    held = tier.layers[0]
+    assert held.w13.order == held.w2.order == "tile_major" and held.w13.code.numel() == 0
+    dense = [e for e in range(E) if e not in comp]
+    slot = lambda ids_: torch.tensor([ids_.index(e) if e in ids_ else -1 for e in range(E)], dtype=torch.int32,  # noqa
+                                     device=DEVICE)
+    parts = [(w13[dense].to(x.dtype), w2[dense].to(x.dtype), slot(dense)), (*held.gemm_operands(), slot(comp))]
+    return x, weights, ids, parts, w13, w2, held
+
+
+@pytest.mark.parametrize("kernel", ["fast", "exact"])
+def test_tier_kernels_on_tile_major_experts_match_decode_then_gemm(kernel, monkeypatch):
+    # the engine's fused-hibyte(-exact) tier: fused_moe_mixed over dense experts and tile_major hibyte ones against
+    # fused_moe on the whole layer decoded (decode-then-GEMM); fast within bf16 GEMM tolerance, exact equal on a GPU
+    x, weights, ids, parts, w13, w2, _ = _tier_layer(kernel, [1, 3], seed=21, tiny=2003)
+    T, A = ids.shape
+    E, two_i, H = w13.shape
+    spy = _Launches(fmh.fused_moe_hibyte_kernel)
+    monkeypatch.setattr(fmh, "fused_moe_hibyte_kernel", spy)
+    got = fm.fused_moe_mixed(x, parts, E, weights, ids)
+    ref = fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids)
+    if kernel == "exact" and ACT == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:  # fp32 in the interpreter (its dots sum in their own order); bf16 GEMM tolerance for fast on a GPU
+        tol = dict(rtol=2e-5, atol=2e-5) if ACT == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(got, ref, **tol)
+    # launched as TIER_KERNELS says, at the layer's tiles (fast: the bench's tm-k4-warps4 row, 4 warps both GEMMs),
+    # by default and under a config whose warps are not 4 (the defaults may be)
+    cfg = fm.tuned_config(T, A, E, H, two_i // 2, x.dtype, x.device) or \
+        fm.default_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device))
+    _launched_as(spy.calls, kernel, cfg)
+    spy.calls.clear()
+    cfg = dataclasses.replace(cfg, num_warps=8, num_warps2=8)
+    fm.fused_moe_mixed(x, parts, E, weights, ids, config=cfg)
+    _launched_as(spy.calls, kernel, cfg)
+
+
+def _launched_as(calls, kernel, cfg):
+    assert [c["GATED"] for c in calls] == [True, False]
+    for c, warps, bn, stages in zip(calls, (cfg.num_warps, cfg.num_warps2), (cfg.block_n, cfg.block_n2),
+                                    (cfg.num_stages, cfg.num_stages2)):
+        assert c["TILE_MAJOR"] and c["EXACT"] == (kernel == "exact") and c["JOIN_K"] == (kernel == "fast")
+        assert (c["num_warps"], c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) == \
+            (4 if kernel == "fast" else warps, cfg.block_m, bn, stages)
+
+
+def test_fast_tier_is_the_benchmarked_row():
+    # every expert compressed: the tier's fast launch equals bench_fused_lossless.py's tm-k4-warps4 call (the layer's
+    # tiles at 4 warps, exact=False, tile_major_bytes of the row-order tensors) bit for bit
+    x, weights, ids, parts, w13, w2, held = _tier_layer("fast", [0, 1, 2, 3], seed=22, tiny=1601)
+    T, A = ids.shape
+    E, two_i, H = w13.shape
+    layer = fm.tuned_config(T, A, E, H, two_i // 2, x.dtype, x.device) or \
+        fm.default_config(T, A, E, H, two_i // 2, x.dtype, sm_count(x.device))
+    layer4 = dataclasses.replace(layer, num_warps=4, num_warps2=4)
+    h13, h2 = hibyte.encode(w13, num_parts=E), hibyte.encode(w2, num_parts=E)
+    bench = fused_moe_hibyte(x, h13, h2, weights, ids, config=layer4, exact=False,
+                             tile_major_bytes=(tile_major(h13), tile_major(h2)))
+    assert torch.equal(fm.fused_moe_mixed(x, parts[1:], E, weights, ids), bench)
+    assert torch.equal(held.w13.lo.flatten(), tile_major(h13).flatten()) and held.nbytes == h13.nbytes + h2.nbytes
 
 
 def test_refuses_other_formats():

@@ -48,3 +48,43 @@ def test_shapes_it_refuses():
         hibyte.encode(torch.zeros(24, 64, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
         hibyte.encode(torch.zeros(16, 64))
+
+
+@pytest.mark.parametrize("parts,shape", [(1, (32, 128)), (3, (3, 48, 192))])
+def test_tile_major_order_holds_the_same_bytes_and_decodes_bit_for_bit(parts, shape):
+    # the engine's fused-hibyte tier holds this order alone: it must decode, size, check and checksum as the rows do
+    from pagedmoe.codecs.lossless import CorruptCheckpointError
+
+    g = torch.Generator().manual_seed(7 + parts)
+    x = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    x.view(-1)[[9, 3000]] = 1e-30     # raw tiles among coded ones
+    h = hibyte.encode(x, num_parts=parts)
+    t = hibyte.to_tile_major(h)
+    assert t.order == "tile_major" and t.code.numel() == 0 and h.order == "rows" and 0 < t.raw_tile_share < 1
+    assert _same(hibyte.decode_reference(t), x) and hibyte.decode_reference(t).shape == x.shape
+    assert (t.nbytes, t.ratio, t.part_rows, t.tiles_per_part) == (h.nbytes, h.ratio, h.part_rows, h.tiles_per_part)
+    # tile (row block b, slice s), row r: 64 low bytes then 32 code bytes, 1536 bytes a tile
+    b, s, r = 1, 1, 5
+    row = 16 * b + r
+    assert torch.equal(t.lo[b, s, r], torch.cat([h.lo[row, 64 * s:64 * s + 64], h.code[row, 32 * s:32 * s + 32]]))
+    back = hibyte.to_rows(t)
+    assert all(torch.equal(getattr(back, a), getattr(h, a)) for a in hibyte.ARRAYS) and back.order == "rows"
+    # the checksums are the row order's, whichever order is held; the array checks and verify take either
+    assert hibyte.compute_checksums(t) == h.checksums == t.checksums
+    hibyte.check_arrays(t)
+    hibyte.verify(t)
+    assert t.to("cpu").order == "tile_major"
+    t.lo[1, 1, 3, 70] ^= 1        # a code byte of the first part's rows 16-31
+    with pytest.raises(CorruptCheckpointError, match="crc32"):
+        hibyte.verify(t)
+
+
+def test_tile_major_tensor_is_written_in_the_row_order(tmp_path):
+    from pagedmoe.codecs.lossless_io import load_compressed, save_compressed
+
+    x = (torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
+    h = hibyte.encode(x, num_parts=2, checksum=False)
+    save_compressed(str(tmp_path / "a.safetensors"), {"w": hibyte.to_tile_major(h)})
+    loaded, _ = load_compressed(str(tmp_path / "a.safetensors"))
+    assert loaded["w"].order == "rows" and torch.equal(loaded["w"].lo, h.lo) and torch.equal(loaded["w"].code, h.code)
+    assert _same(hibyte.decode_reference(loaded["w"]), x)

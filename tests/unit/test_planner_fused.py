@@ -67,3 +67,36 @@ def test_plan_cli_fused_compression(capsys):
     assert main(["plan", mixtral, "--gpu-memory-gb", "weights+4", "--compression-ratio", "0.683"]) == 0
     v1 = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("*"))
     assert float(line.split()[-1]) < float(v1.split()[-1])  # modelled output tok/s: see the test above
+
+
+def test_resolver_plans_both_hibyte_flavours_at_the_held_tiers_bytes():
+    # fused-hibyte (fast kernel) and fused-hibyte-exact hold the same bytes (version 3, tile_major order: one copy,
+    # as many bytes as the row order), so one plan at FUSED_HIBYTE_PLANNING_RATIO, at or above what the tier holds
+    import torch
+
+    from pagedmoe.codecs import hibyte
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.models.hf_config import load_hf_config
+    from pagedmoe.models.registry import spec_builder
+    from pagedmoe.planning.plans import FUSED_HIBYTE_PLANNING_RATIO
+    from pagedmoe.planning.resolve import resolve_expert_plan
+
+    hf = load_hf_config(CONFIGS / "qwen3-30b-a3b")
+    dims, spec = spec_builder(hf)(hf)
+    expert = 3 * dims.hidden_size * dims.moe_intermediate_size * 2
+
+    def plan(gemm):
+        c = EngineConfig(device="cuda", expert_compression="lossless", compressed_gemm=gemm, max_num_seqs=64,
+                         gpu_memory_gb=48, max_model_len=2048, dtype="bfloat16")
+        return resolve_expert_plan(c, dims, spec, device_type="cuda", dtype=torch.bfloat16, max_model_len=2048,
+                                   budget=lambda: 48 * GiB, host_budget=lambda: None, eager=False)
+
+    fast, exact = plan("fused-hibyte"), plan("fused-hibyte-exact")  # (the engine sets plan.compressed_gemm after)
+    n = fast.placement_plan.placement.total_compressed
+    assert n > 0 and fast.num_compressed == exact.num_compressed
+    assert fast.placement_plan.compressed_expert_bytes == exact.placement_plan.compressed_expert_bytes == \
+        pytest.approx(n * expert * FUSED_HIBYTE_PLANNING_RATIO, rel=1e-6)
+    w = (torch.randn(4, 256, 2048, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
+    held = hibyte.to_tile_major(hibyte.encode(w, num_parts=4, checksum=False))
+    assert held.nbytes == hibyte.encode(w, num_parts=4, checksum=False).nbytes
+    assert 0.76 < held.ratio <= FUSED_HIBYTE_PLANNING_RATIO

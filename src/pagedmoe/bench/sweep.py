@@ -36,9 +36,12 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless"},
     # the same, the compressed tier in format v2 read by the MoE GEMMs themselves, never decoded (issue 23)
     "paged+lossless-fused": {"expert_placement": "auto", "expert_compression": "lossless", "compressed_gemm": "fused"},
-    # the same in the candidate format version 3 (codecs/hibyte.py), decoded four weights a word
+    # the same in format version 3 (codecs/hibyte.py, held tile-major), decoded four weights a word into the MMA
+    # operands (bf16 GEMM tolerance), or with the bf16 kernel's sums (-exact: logits bit for bit)
     "paged+lossless-hibyte": {"expert_placement": "auto", "expert_compression": "lossless",
                               "compressed_gemm": "fused-hibyte"},
+    "paged+lossless-hibyte-exact": {"expert_placement": "auto", "expert_compression": "lossless",
+                                    "compressed_gemm": "fused-hibyte-exact"},
     # the host tier held losslessly compressed: ~0.68 of the PCIe bytes, decoded on the GPU (issue 6)
     "paged+host-lossless": {"expert_placement": "paged", "host_compression": "lossless"},
     # every expert at its own precision rung, moved by the KV pressure controller (issue 7)

@@ -20,11 +20,20 @@ Decoding a weight: in a coded tile hi = code + base + 120 * (code >> 3) (the sig
 7), in a raw tile hi = code | high << 4; then bits = hi << 8 | lo. On N(0, 0.02) bf16 about 7.5% of 16 x 64
 tiles are raw (a 16-exponent window leaves 28% of 4096-long rows with an outlier): 0.77 of bf16's bytes,
 against 0.752 for version 2 and 0.683 for version 1.
-This module is the reference (encode, decode, sizes) to measure the candidate; the container, checksums and the
-GEMM follow once it measures well (benchmarks/lossless_formats.py compares the candidates).
+This module is the reference (encode, decode, sizes); codecs/lossless_io.py writes it to files (version 3) and
+kernels/fused_moe_hibyte.py multiplies it in the MoE GEMM.
+
+Byte order held (`order`): "rows" as above (the files' order), or "tile_major" (to_tile_major: the order the
+engine's fused-hibyte tier holds, one copy): per 16-row tile and 64-column slice its 16 rows of 64 low bytes then
+32 code bytes, 1536 contiguous bytes, so a GEMM's K step reads whole 128-byte lines (with the decode in the MMA
+operand registers, 0.87-0.96x of bf16's MoE layer time on the H200 at Mixtral 1-16 and Qwen3 16-64 tokens; the
+exact kernels >= 1.29x: docs/benchmarks.md, issue 23). Then `lo` holds those bytes [R / 16, C / 64, 16, 96] and
+`code` is empty; base, tile_raw, high and the checksums (always of the row order's bytes, as a file holds them)
+are the same.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +48,8 @@ TILE_COLS = 64
 HALF = TILE_COLS // 2
 WINDOW = 8          # values of e >> 1 a row codes in place (16 exponents)
 MAX_BASE = 127 - (WINDOW - 1)
+TM_ROW_BYTES = TILE_COLS + HALF   # tile_major order: a tile row's 64 low bytes then its 32 code bytes
+ORDERS = ("rows", "tile_major")
 
 
 @dataclass
@@ -50,21 +61,28 @@ class HiByteTensor:
     code: torch.Tensor       # uint8 [R, C / 2]
     tile_raw: torch.Tensor   # int32 [num_tiles]: index into high, or -1
     high: torch.Tensor       # uint8 [num_raw, TILE_ROWS, HALF]: the raw tiles' high-byte high nibbles
-    checksums: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()  # crc32 per part of the row order's bytes, whatever the order held
+    order: str = "rows"      # "tile_major": lo [R / 16, C / 64, 16, 96] holds lo and code tile by tile, code is empty
 
     version = FORMAT_VERSION
 
     def to(self, device) -> "HiByteTensor":
-        return HiByteTensor(self.shape, self.num_parts, *(getattr(self, a).to(device, non_blocking=True) for a in ARRAYS),
-                            checksums=self.checksums)
+        arrays = (getattr(self, a).to(device, non_blocking=True) for a in ARRAYS)
+        return HiByteTensor(self.shape, self.num_parts, *arrays, checksums=self.checksums, order=self.order)
+
+    @property
+    def rows_cols(self) -> tuple[int, int]:
+        """(R, C) of the weights as the format tiles them (from the shape: lo's shape depends on the order)."""
+        C = self.shape[-1] if self.shape else 1
+        return int(np.prod(self.shape)) // max(1, C), C
 
     @property
     def part_rows(self) -> int:
-        return self.lo.shape[0] // self.num_parts
+        return self.rows_cols[0] // self.num_parts
 
     @property
     def tiles_per_part(self) -> int:
-        return (self.part_rows // TILE_ROWS) * (self.lo.shape[1] // TILE_COLS)
+        return (self.part_rows // TILE_ROWS) * (self.rows_cols[1] // TILE_COLS)
 
     @property
     def nbytes(self) -> int:
@@ -72,8 +90,8 @@ class HiByteTensor:
 
     @property
     def ratio(self) -> float:
-        """Stored bytes / bf16 bytes."""
-        return self.nbytes / (2 * self.lo.numel())
+        """Stored bytes / bf16 bytes (the same in either order)."""
+        return self.nbytes / (2 * max(1, int(np.prod(self.shape))))
 
     @property
     def raw_tile_share(self) -> float:
@@ -140,7 +158,8 @@ def _raw_ranges(h: HiByteTensor) -> list[tuple[int, int]]:
 
 def compute_checksums(h: HiByteTensor) -> tuple[int, ...]:
     """crc32 per part over its base bytes, lo rows, code rows, tile_raw entries (int32 LE) and raw tiles' high
-    nibbles (docs/formats.md, version 3)."""
+    nibbles (docs/formats.md, version 3), in the row order whatever order h holds (so they name the content)."""
+    h = to_rows(h)
     P, Rp, C, tpp = h.num_parts, h.part_rows, h.lo.shape[1], h.tiles_per_part
     parts = range(P)
     raw = _raw_ranges(h)
@@ -160,7 +179,11 @@ def check_arrays(h: HiByteTensor, name: str = "tensor") -> None:
     except ValueError as e:
         raise CorruptCheckpointError(f"{name}: {e}") from None
     tiles = (R // TILE_ROWS) * (C // TILE_COLS)
-    want = {"base": (torch.uint8, (R,)), "lo": (torch.uint8, (R, C)), "code": (torch.uint8, (R, C // 2)),
+    if h.order not in ORDERS:
+        raise CorruptCheckpointError(f"{name}: byte order {h.order!r}, expected one of {', '.join(ORDERS)}")
+    lo, code = ((R, C), (R, C // 2)) if h.order == "rows" else \
+        ((R // TILE_ROWS, C // TILE_COLS, TILE_ROWS, TM_ROW_BYTES), (0,))
+    want = {"base": (torch.uint8, (R,)), "lo": (torch.uint8, lo), "code": (torch.uint8, code),
             "tile_raw": (torch.int32, (tiles,))}
     for a, (dtype, shape) in want.items():
         t = getattr(h, a)
@@ -207,8 +230,31 @@ def _tile_view(a: torch.Tensor, num_parts: int, Rp: int) -> torch.Tensor:
 
 
 
+def to_tile_major(h: HiByteTensor) -> HiByteTensor:
+    """h in the tile_major order (the module docstring): lo and code rearranged tile by tile into one array, the
+    other arrays shared. A new array of lo + code's size; h's own are left as they are (drop h to free them)."""
+    if h.order == "tile_major":
+        return h
+    R, C = h.rows_cols
+    lo = h.lo.view(R // TILE_ROWS, TILE_ROWS, C // TILE_COLS, TILE_COLS).permute(0, 2, 1, 3)
+    code = h.code.view(R // TILE_ROWS, TILE_ROWS, C // TILE_COLS, HALF).permute(0, 2, 1, 3)
+    return dataclasses.replace(h, lo=torch.cat([lo, code], dim=-1).contiguous(), code=h.code.new_empty(0),
+                               order="tile_major")
+
+
+def to_rows(h: HiByteTensor) -> HiByteTensor:
+    """h in the row order (the files'): the inverse of to_tile_major."""
+    if h.order == "rows":
+        return h
+    R, C = h.rows_cols
+    t = h.lo.permute(0, 2, 1, 3)  # [R / 16, 16, C / 64, 96]
+    return dataclasses.replace(h, lo=t[..., :TILE_COLS].reshape(R, C), code=t[..., TILE_COLS:].reshape(R, C // 2),
+                               order="rows")
+
+
 def decode_reference(h: HiByteTensor) -> torch.Tensor:
-    """The bf16 tensor, bit for bit (vectorised PyTorch; the GEMM does the same per weight tile)."""
+    """The bf16 tensor, bit for bit (vectorised PyTorch; the GEMM does the same per weight tile), in either order."""
+    h = to_rows(h)
     R = h.lo.shape[0]
     Rp = R // h.num_parts
     code = _unpack(h.code)

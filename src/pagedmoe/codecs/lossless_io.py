@@ -66,6 +66,8 @@ def save_compressed(path: str, tensors: dict, plain: dict[str, torch.Tensor] | N
         raise ValueError(f"one file holds one format version, got {sorted(versions)}")
     version = versions.pop()
     for name, ct in tensors.items():
+        if version == hibyte.FORMAT_VERSION:
+            ct = hibyte.to_rows(ct)  # files hold the row order (a tier's tile_major tensor written as such)
         if not ct.checksums:
             ct.checksums = CHECKSUMS_OF[version](ct)
         headers[name] = _header(ct)

@@ -10,7 +10,7 @@ from typing import Sequence, Union
 import torch
 
 from pagedmoe import cuda_vmm as vmm
-from pagedmoe.config_sections import fused_format
+from pagedmoe.config_sections import fused_format, fused_kernel
 from pagedmoe.experts.buffers import VmmExpertBuffers
 from pagedmoe.experts.cache import ExpertCache
 from pagedmoe.experts.pager import ExpertPager
@@ -70,7 +70,8 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     experts, every expert of every layer quantized): forwards of up to TRITON_MAX_TOKENS tokens skip the
     dequantisation and the MoE GEMMs read the quantized weights (kernels/fused_moe.py::fused_moe_quantized).
     `compressed_gemm` "fused": the compressed experts are held in lossless format v2 and the MoE GEMMs read
-    them (kernels/fused_moe.py::fused_moe_mixed with TiledTensor parts): never decoded into the buffers.
+    them (kernels/fused_moe.py::fused_moe_mixed with TiledTensor parts): never decoded into the buffers;
+    "fused-hibyte" / "fused-hibyte-exact": in version 3 (tile_major order), read by the fast / exact hibyte kernel.
     """
     if plan.paged and plan.fetch == "routed":
         return _build_routed(plan, num_moe_layers, dims, device, dtype, activity)
@@ -116,17 +117,19 @@ def build_experts(plan, num_moe_layers: int, dims, device: torch.device, dtype: 
     if host_compression != "none" and not paged:
         raise ValueError("--host-compression compresses the host tier; it needs placement 'paged'")
     if fused:  # (a placement the planner chose without compressed experts has nothing for it to do)
+        flag = f"--compressed-gemm {plan.compressed_gemm}"
         if plan.dynamic_min_precision is not None:
-            raise ValueError("--compressed-gemm fused does not support --expert-precision dynamic yet")
+            raise ValueError(f"{flag} does not support --expert-precision dynamic yet")
         if fmt == "hibyte" and (dims.hidden_size % 64 or dims.moe_intermediate_size % 64):
-            raise ValueError(f"--compressed-gemm fused-hibyte needs the hidden size ({dims.hidden_size}) and the expert "
+            raise ValueError(f"{flag} needs the hidden size ({dims.hidden_size}) and the expert "
                              f"intermediate size ({dims.moe_intermediate_size}) to be multiples of 64; use "
                              "--compressed-gemm fused")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--compressed-gemm fused runs Triton kernels: it needs a CUDA device")
+            raise ValueError(f"{flag} runs Triton kernels: it needs a CUDA device")
     store = ExpertStore(table, dims.hidden_size, dims.moe_intermediate_size, dtype, device, paged,
                         stride_align_bytes=align, buffers_factory=factory, host_compression=host_compression,
-                        fused_compressed=fused, fused_format=fmt or "tiled")
+                        fused_compressed=fused, fused_format=fmt or "tiled",
+                        fused_kernel=fused_kernel(plan.compressed_gemm) or "exact")
     if quantized_gemm == "direct":
         # static: every expert of every layer quantized, in id order; dynamic (no quantized_precision here:
         # ExpertStore.enable_dynamic follows) reads each layer's published version instead

@@ -178,9 +178,9 @@ class ExpertPager:
         return DenseOperand(*self.store.views(layer))
 
     def _fused_parts(self, layer: int) -> list[tuple]:
-        """--compressed-gemm fused: the layer's buffer rows (resident and host experts; the compressed experts'
-        rows are never written and their blocks skipped) and its compressed experts in format v2, each with its
-        slot map [E] (fused_moe_mixed): one MoE call, no decode."""
+        """--compressed-gemm fused*: the layer's buffer rows (resident and host experts; the compressed experts'
+        rows are never written and their blocks skipped) and its compressed experts in format v2 (or hibyte, as
+        launchers of the tier's kernel), each with its slot map [E] (fused_moe_mixed): one MoE call, no decode."""
         if layer not in self._fused_slots:
             table, E = self.store.table, self.store.table.num_experts
             comp = {e: table.lookup(layer, e).slot for e in table.ids(layer, COMPRESSED)}
@@ -190,7 +190,7 @@ class ExpertPager:
         dense, tiled = self._fused_slots[layer]
         w13, w2 = self.store.views(layer)
         t = self.store.compressed[layer]
-        return [(w13, w2, dense), (t.w13, t.w2, tiled)]
+        return [(w13, w2, dense), (*t.gemm_operands(), tiled)]
 
     def done(self, layer: int) -> None:
         """The layer's MoE GEMMs are issued: its buffer may be overwritten after they finish."""

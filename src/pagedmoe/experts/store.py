@@ -43,7 +43,7 @@ class ExpertStore:
     def __init__(self, table: ExpertTable, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
                  paged: bool, stride_align_bytes: int = 16, buffers_factory=None,
                  host_compression: str = "none", host_group_experts: int = 0, host_mapped: bool = False,
-                 fused_compressed: bool = False, fused_format: str = "tiled") -> None:
+                 fused_compressed: bool = False, fused_format: str = "tiled", fused_kernel: str = "exact") -> None:
         self.table, self.hidden, self.inter = table, hidden, inter
         self.dtype, self.device, self.paged = dtype, device, paged
         elem = dtype.itemsize
@@ -69,7 +69,8 @@ class ExpertStore:
         self.host_tier = HostTier(table, self.stride, self.expert_numel, dtype, device, paged, host_compression,
                                   host_group_experts, host_mapped)
         self.compressed_tier = CompressedTier(table, self.expert_numel, dtype, device, paged, hidden, inter,
-                                              fused=fused_compressed, fused_format=fused_format)
+                                              fused=fused_compressed, fused_format=fused_format,
+                                              fused_kernel=fused_kernel)
         self.quantized_tier = QuantizedTier(table, hidden, inter, dtype, device, paged)
         # each tier's per-layer lists, under the names the pager, the tests and the stats read
         self.host, self.host_compressed = self.host_tier.rows, self.host_tier.compressed

@@ -285,11 +285,13 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     """A layer whose experts are held at several precisions (--expert-precision dynamic). parts: one
     (w13, w2, slots) per group: float expert views w13 [n, 2I, H] / w2 [n, H, I] (exact experts, any
     expert stride), QuantizedTensor stacks as fused_moe_quantized takes them, or lossless format v2
-    TiledTensors [n, 2I, H] / [n, H, I] (one part per expert, as fused_moe_lossless takes them); slots int32 [E] on the
-    device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
+    TiledTensors [n, 2I, H] / [n, H, I] (one part per expert, as fused_moe_lossless takes them), or version 3
+    (hibyte) tensors or their fused_moe_hibyte.HiByteExperts launchers (the engine tier's kernel choice); slots int32
+    [E] on the device, each expert's index in that part or -1. Every expert belongs to exactly one part. One
     routing sort, one launch pair per part (a part skips the other parts' blocks), one sum: equal bit for
     bit to fused_moe on the layer's experts with the lossless ones decoded, under the same tiles (with quantized
-    parts, as fused_moe_quantized is to their dequantized weights)."""
+    parts, as fused_moe_quantized is to their dequantized weights; hibyte launchers with exact=False, within bf16
+    GEMM tolerance of it)."""
     if not parts:
         raise ValueError("fused_moe_mixed needs at least one part")
     E, H = num_experts, x.shape[1]
@@ -308,7 +310,7 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
         if isinstance(w13, QuantizedTensor):
             groups.append((*_quantized_pair(w13, w2, w13.shape[0] // (2 * I), H, I, cfg), slots))
             continue
-        if getattr(w13, "version", None) == 3:  # the candidate lossless version 3 (hibyte), decoded in the GEMM
+        if getattr(w13, "version", None) == 3:  # lossless version 3 (hibyte) or its launchers, decoded in the GEMM
             from .fused_moe_hibyte import hibyte_pair
 
             groups.append((*hibyte_pair(w13, w2, H, I, x.device), slots))

@@ -8,8 +8,9 @@ them): per 64-column slice of a [BLOCK_N, 64] weight tile,
   - raw tiles (a 16 x 64 tile with a weight outside its row's window): one branch per slice on "any raw tile
     among these rows", then hi = code | high << 4 on their rows (a select), no per-weight escape.
 Same launcher, blocks, splits and store as kernels/fused_moe.py (its `launch` hook, as fused_moe_lossless's v2
-kernel). Reference: fused_moe on hibyte.decode_reference's weights. Not wired into the engine yet: it is the
-candidate measured against version 2 (docs/benchmarks.md, "The fused lossless GEMM on the H200").
+kernel). Reference: fused_moe on hibyte.decode_reference's weights. The engine's fused-hibyte tier runs it through
+fused_moe_mixed with one of TIER_KERNELS on tile_major-order bytes (docs/benchmarks.md, "The fused lossless GEMM
+on the H200").
 """
 from __future__ import annotations
 
@@ -59,18 +60,24 @@ _ASM_RAW_LO = tl.constexpr(_ASM_RAW.replace("SHIFT", "0").replace("HIGH", "shl.b
 _ASM_RAW_HI = tl.constexpr(_ASM_RAW.replace("SHIFT", "4").replace("HIGH", "and.b32 h, $5, 0xF0F0F0F0;"))
 
 
-TM_TILE_BYTES = tl.constexpr(16 * 96)  # tile_major(): a 16 x 64 tile's low bytes and codes, row by row
+TM_TILE_BYTES = tl.constexpr(hibyte.TILE_ROWS * hibyte.TM_ROW_BYTES)  # tile_major: a 16 x 64 tile's lo and codes
+
+# The engine tier's kernels on its tile_major bytes (HiByteExperts' fields; --compressed-gemm, config_sections.py):
+#   fast   fused-hibyte: the decode straight in the MMA operand registers (exact=False) at 4 warps in both GEMMs,
+#          the layer's tiles otherwise: bench_fused_lossless.py's row tm-k4-warps4 (0.87-0.96x of bf16's layer time
+#          on the H200 at Mixtral 1-16 and Qwen3 16-64 tokens, 2026-12-05). Outputs within bf16 GEMM tolerance of
+#          decode-then-GEMM (the MMA groups K differently), not bit-equal.
+#   exact  fused-hibyte-exact: the bf16 kernel's K grouping (mma_operand), a dot per K = 32 half (join_k=False): the
+#          one hibyte kernel bit-equal to bf16's GEMM at all 8 sizes of that H200 run (the joined K = 64 dot was not
+#          at 5 of 8), at 1.5-5.8x bf16's time there.
+TIER_KERNELS = {"fast": dict(exact=False, num_warps=4), "exact": dict(exact=True, join_k=False)}
 
 
 def tile_major(h: "hibyte.HiByteTensor") -> torch.Tensor:
-    """h's low bytes and codes rearranged tile by tile (a candidate layout, bench only): per 16-row tile and
-    64-column slice, its 16 rows of 64 low bytes then 32 code bytes, 1536 contiguous bytes, tiles of a row block
-    slice after slice. The kernel's three loads of a K step then cover whole 128-byte lines of one region instead
+    """h's low bytes and codes in the tile_major order (hibyte.to_tile_major; the bench's tm rows pass these as
+    tile_major_bytes): the kernel's three loads of a K step then cover whole 128-byte lines of one region instead
     of 32-byte pieces of rows K (and K / 2) bytes apart."""
-    R, C = h.lo.shape
-    lo = h.lo.view(R // 16, 16, C // 64, 64).permute(0, 2, 1, 3)
-    code = h.code.view(R // 16, 16, C // 64, 32).permute(0, 2, 1, 3)
-    return torch.cat([lo, code], dim=-1).contiguous()
+    return hibyte.to_tile_major(h).lo
 
 
 @triton.jit
@@ -113,8 +120,9 @@ def _half_tiles(lo_row, code_row, high_ptr, raw_idx, rows16, base, base8, k0, of
     raw-tile index at this slice, or -1; base / base8: the rows' bases as int32 [BLOCK_N] / uint8 [BLOCK_N, 32].
     PACKED: by packed byte arithmetic (inline PTX; compiled only: the interpreter runs no PTX), else per weight.
     EXACT (with the caller's _operand): the tiles reach tl.dot through mma_operand, so the MMA sums K in the bf16
-    kernel's grouping (its outputs bit-equal to fused_moe's on the decoded weights), at the cost of a shared-memory round trip of the
-    decoded tile (STS, a barrier, LDSM). Else Triton decodes straight in the MMA operand registers from the
+    kernel's grouping (its outputs bit-equal to fused_moe's on the decoded weights; on the H200 of 2026-12-05 only
+    with JOIN_K off at every size), at the cost of a shared-memory round trip of the decoded tile (STS, a barrier,
+    LDSM). Else Triton decodes straight in the MMA operand registers from the
     bytes' own layout (kWidth 4 under MMA v2): no round trip, sums grouped differently (bf16 GEMM tolerance).
     TILE_MAJOR: lo_row / code_row address the rows in tile_major()'s layout (a slice's bytes 1536 apart)."""
     m = n_mask[:, None]
@@ -278,17 +286,26 @@ def fused_moe_hibyte_kernel(
 @dataclasses.dataclass(frozen=True)
 class HiByteExperts:
     """One GEMM's experts in the hibyte format as fused_moe.py's launcher runs them (its `launch` hook). exact:
-    the bf16 kernel's K grouping in the MMA (bit-equal outputs; see _half_tiles' EXACT)."""
+    the bf16 kernel's K grouping in the MMA (bit-equal outputs; see _half_tiles' EXACT). A tensor held in the
+    tile_major order is read as such (tm need not be given)."""
     h: "hibyte.HiByteTensor"
     exact: bool = True
-    tm: torch.Tensor | None = None  # tile_major(h), read in place of h.lo / h.code when given
+    tm: torch.Tensor | None = None  # tile_major(h) of a row-order h, read in place of h.lo / h.code when given
     join_k: bool = True  # one K = 64 dot a step (_join_k); False: a dot per K = 32 half (before 2026-12-05)
+    num_warps: int | None = None  # in place of the launch config's (this GEMM's: num_warps or num_warps2)
+
+    version = hibyte.FORMAT_VERSION  # fused_moe_mixed takes these where it takes hibyte tensors
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.h.shape)
 
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
         h = self.h
         bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+        warps = self.num_warps or warps
         if bk % 64 or k_per_split % bk or K % bk:
             # K steps of 64 (the format's slices): on a GPU the same MMA instructions in the same K order as the
             # launch's own step, so the same sums
@@ -297,23 +314,27 @@ class HiByteExperts:
             raise ValueError(f"the hibyte kernel steps K by 64: K ({K}) and the split ({k_per_split}) must be "
                              f"multiples of 64")
         high = h.high if h.high.numel() else h.lo  # any pointer: never read without raw tiles
+        tm = h.lo if h.order == "tile_major" else self.tm
+        code = h.code if tm is None else h.lo  # tile_major: the codes are in lo's array (code_ptr unused, may be empty)
         fused_moe_hibyte_kernel[grid](
-            a, h.lo if self.tm is None else self.tm, h.code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
+            a, h.lo if tm is None else tm, code, h.base, h.tile_raw, high, out, sorted_slots, block_expert,
             block_expert if slots is None else slots, num_slots, num_blocks, N, K, k_per_split,
-            h.lo.shape[0] // h.num_parts, a.stride(0), stride_os, stride_om,
+            h.part_rows, a.stride(0), stride_os, stride_om,
             TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_N=N % bn == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn,
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
-            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=self.tm is not None,
+            PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=tm is not None,
             JOIN_K=self.join_k, num_warps=warps, num_stages=stages)
 
 
-def hibyte_pair(w13, w2, H: int, I: int, device) -> tuple[HiByteExperts, HiByteExperts]:
+def hibyte_pair(w13, w2, H: int, I: int, device, **kernel) -> tuple[HiByteExperts, HiByteExperts]:
     """A group of n experts in the hibyte format (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, as
-    fused_moe_mixed runs it."""
+    fused_moe_mixed runs it: hibyte tensors run with `kernel` (HiByteExperts' fields, e.g. TIER_KERNELS["fast"];
+    none: exact, one K = 64 dot a step), HiByteExperts as they are."""
     n = w13.shape[0] if len(getattr(w13, "shape", ())) == 3 else -1
-    _check(w13, "w13", (n, 2 * I, H), device)
-    _check(w2, "w2", (n, H, I), device)
-    return HiByteExperts(w13), HiByteExperts(w2)
+    pair = tuple(w if isinstance(w, HiByteExperts) else HiByteExperts(w, **kernel) for w in (w13, w2))
+    _check(getattr(w13, "h", w13), "w13", (n, 2 * I, H), device)
+    _check(getattr(w2, "h", w2), "w2", (n, H, I), device)
+    return pair
 
 
 def _check(h, name: str, shape: tuple, device) -> None:
@@ -322,6 +343,8 @@ def _check(h, name: str, shape: tuple, device) -> None:
     if tuple(h.shape) != shape or h.num_parts != shape[0]:
         raise ValueError(f"{name} must be {list(shape)} with one part per expert, got {list(h.shape)} in "
                          f"{h.num_parts} parts")
+    if h.order not in hibyte.ORDERS:
+        raise ValueError(f"{name}: unknown byte order {h.order!r}")
     for a in ("base", "lo", "code", "tile_raw", "high"):
         t = getattr(h, a)
         if not t.is_contiguous() or t.device != device:
@@ -334,8 +357,8 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     """fused_moe on experts in the hibyte format (w13 [E, 2I, H], w2 [E, H, I], one part per expert). config:
     lossless_config's tiles (K steps of 64). exact=False: the decoded tiles skip the layout copy that keeps the
     bf16 kernel's sums (faster candidate; outputs within bf16 GEMM tolerance, not bit-equal). tile_major_bytes:
-    (tile_major(w13), tile_major(w2)) to read instead of the arrays as stored (the candidate layout). join_k=False:
-    a dot per K = 32 half, as before 2026-12-05 (the bench's comparison row)."""
+    (tile_major(w13), tile_major(w2)) to read instead of row-order arrays (tensors held in the tile_major order,
+    hibyte.to_tile_major, are read as such). join_k=False: a dot per K = 32 half, as before 2026-12-05."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_moe_hibyte runs on CUDA (or under TRITON_INTERPRET=1), got {x.device}")
     E, two_i, H = w13.shape
@@ -348,8 +371,9 @@ def fused_moe_hibyte(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_
     tm13, tm2 = tile_major_bytes or (None, None)
     for h, tm, name in ((w13, tm13, "w13"), (w2, tm2, "w2")):
         if tm is not None and (tm.dtype != torch.uint8 or tm.numel() != h.lo.numel() + h.code.numel()
-                               or not tm.is_contiguous() or tm.device != x.device):
-            raise ValueError(f"tile_major_bytes[{name}] must be tile_major({name}) (contiguous uint8 on {x.device})")
+                               or not tm.is_contiguous() or tm.device != x.device or h.order != "rows"):
+            raise ValueError(f"tile_major_bytes[{name}] must be tile_major({name}) (contiguous uint8 on {x.device}) "
+                             f"of a row-order tensor")
     return fused_moe_groups(x, [(HiByteExperts(w13, exact, tm13, join_k), HiByteExperts(w2, exact, tm2, join_k), None)],
                             topk_weights, topk_ids, T, A, E, H, I, None, cfg, {})
 

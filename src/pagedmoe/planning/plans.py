@@ -23,9 +23,11 @@ VMM_GRANULARITY_BYTES = 2 << 20
 # fused expert. Behind the explicit flag until a kernel beats bf16 (docs/benchmarks.md, "The fused lossless GEMM").
 FUSED_LOSSLESS_PLANNING_RATIO = 0.753
 FUSED_LOSSLESS_TIME_FACTOR = 2.8
-# --compressed-gemm fused-hibyte: the candidate version 3 (codecs/hibyte.py) holds 0.771 of bf16 on N(0, 0.02) and
-# 0.776 on the default model's trained experts; planned at 0.78 (the raw-tile share varies with the weights). Its
-# kernel is timed like version 2's until measured (FUSED_LOSSLESS_TIME_FACTOR).
+# --compressed-gemm fused-hibyte(-exact): version 3 (codecs/hibyte.py) holds 0.771 of bf16 on N(0, 0.02) and
+# 0.776 on the default model's trained experts; planned at 0.78 (the raw-tile share varies with the weights). The tier
+# holds it in the tile_major order only: the same bytes. Both kernels are timed like version 2's
+# (FUSED_LOSSLESS_TIME_FACTOR) until the engine's step is measured with them (the fast one measured 0.87-2.3x bf16's
+# time for one MoE layer on the H200, the exact one 1.5-5.8x: docs/benchmarks.md, issue 23).
 FUSED_HIBYTE_PLANNING_RATIO = 0.78
 BUFFER_KINDS = ("vmm", "vmm-ring", "plain")
 PLACEMENT_MODES = ("resident", "paged", "auto")

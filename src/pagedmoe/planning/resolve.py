@@ -41,7 +41,7 @@ class ExpertPlan:
     # routed: forwards of at least this many tokens that do not take path (b) are stream steps (every expert
     # prefetched a layer ahead, no sync: planning/fetch_cost.py::settle_stream_steps); 0: never
     stream_min_tokens: int = 0
-    compressed_gemm: str = "decode"             # "fused": the MoE GEMMs read the compressed tier (format v2)
+    compressed_gemm: str = "decode"             # "fused*": the MoE GEMMs read the compressed tier (FUSED_FORMATS)
 
     @property
     def paged(self) -> bool:

@@ -5,7 +5,9 @@ codebook, and a run of consecutive experts decodes with one kernel launch.
 
 With `fused` (--compressed-gemm fused, issue 23) a layer is held in the tiled format (version 2,
 codecs/tiled.py) instead, as a TiledExperts pair: w13 [n, 2I, H] and w2 [n, H, I], one part per expert in slot
-order, which the MoE GEMMs read directly (kernels/fused_moe_lossless.py): never decoded into the buffers.
+order, which the MoE GEMMs read directly (kernels/fused_moe_lossless.py): never decoded into the buffers. With
+fused-hibyte(-exact) the pair is in format version 3 (codecs/hibyte.py) in its tile_major byte order, the one copy
+its kernel reads (kernels/fused_moe_hibyte.py, the tier's `fused_kernel`: "fast" or "exact").
 
 Loading: the raw rows are staged in host memory (`staging[l]` [n, 3*I*H]) until every part of the layer
 is written, then encoded on the device and the staging freed.
@@ -25,23 +27,36 @@ from pagedmoe.experts.table import COMPRESSED
 
 @dataclass(frozen=True)
 class TiledExperts:
-    """A layer's compressed experts in format version 2 (or the candidate version 3, hibyte): the two GEMMs'
+    """A layer's compressed experts in format version 2 (or version 3, hibyte, tile_major order): the two GEMMs'
     weights, one part per expert."""
     w13: "tiled.TiledTensor | hibyte.HiByteTensor"   # [n, 2I, H]
     w2: "tiled.TiledTensor | hibyte.HiByteTensor"    # [n, H, I]
+    kernel: str = "exact"  # hibyte: the kernel fused_moe_mixed runs on them (config_sections.FUSED_KERNELS)
 
     @property
     def nbytes(self) -> int:
         return self.w13.nbytes + self.w2.nbytes
 
+    def gemm_operands(self) -> tuple:
+        """(w13, w2) as fused_moe_mixed takes them: version 2 tensors as they are, hibyte ones as launchers of the
+        tier's kernel (kernels/fused_moe_hibyte.TIER_KERNELS)."""
+        if self.w13.version != hibyte.FORMAT_VERSION:
+            return self.w13, self.w2
+        from pagedmoe.kernels.fused_moe_hibyte import TIER_KERNELS, HiByteExperts  # triton: optional
+
+        k = TIER_KERNELS[self.kernel]
+        return HiByteExperts(self.w13, **k), HiByteExperts(self.w2, **k)
+
 
 class CompressedTier:
     def __init__(self, table, expert_numel: int, dtype: torch.dtype, device: torch.device, paged: bool,
-                 hidden: int = 0, inter: int = 0, fused: bool = False, fused_format: str = "tiled") -> None:
+                 hidden: int = 0, inter: int = 0, fused: bool = False, fused_format: str = "tiled",
+                 fused_kernel: str = "exact") -> None:
         L = table.num_layers
         self.table, self.expert_numel, self.device = table, expert_numel, device
         self.hidden, self.inter, self.fused = hidden, inter, fused
         self.codec = hibyte if fused_format == "hibyte" else tiled  # the fused tier's format
+        self.fused_kernel = fused_kernel
         self.layers: list = [None] * L          # CompressedTensor per layer
         self.staging: list[Optional[torch.Tensor]] = [None] * L  # raw rows [n_comp, 3*I*H] until encoded
         self.staged_parts: list[set] = [set() for _ in range(L)]  # (slot, 'gate'|'up'|'down') written
@@ -69,10 +84,8 @@ class CompressedTier:
                 raise ValueError("the tiled (fused) compressed tier encodes rows, not a reader")
             n, H, I = staged.shape[0], self.hidden, self.inter
             dev = staged.to(self.device)
-            enc = self.codec.encode
-            self.layers[layer] = TiledExperts(
-                enc(dev[:, :2 * I * H].reshape(n, 2 * I, H), num_parts=n, checksum=False),
-                enc(dev[:, 2 * I * H:].reshape(n, H, I), num_parts=n, checksum=False))
+            self.layers[layer] = TiledExperts(self._held(dev[:, :2 * I * H].reshape(n, 2 * I, H)),
+                                              self._held(dev[:, 2 * I * H:].reshape(n, H, I)), self.fused_kernel)
             del dev
             self.staging[layer] = None
             self.staged_parts[layer] = set()
@@ -93,6 +106,12 @@ class CompressedTier:
             prepare_launch(ct)  # NOTE: host work, before any CUDA-graph capture
         self.staging[layer] = None
         self.staged_parts[layer] = set()
+
+    def _held(self, w: torch.Tensor):
+        """One GEMM's weights [n, rows, K] encoded as the fused tier holds them: hibyte in the tile_major order
+        alone (its row-order arrays freed on return: one copy held, as many bytes)."""
+        h = self.codec.encode(w, num_parts=w.shape[0], checksum=False)
+        return hibyte.to_tile_major(h) if self.codec is hibyte else h
 
     @property
     def nbytes(self) -> int:
