@@ -192,11 +192,13 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
             # round trip); not bit-equal: checked against a float32 reference within twice bf16's own error
             # "tm...": the same bytes in tile_major()'s layout (a K step's loads cover whole lines); the engine's
             # tier holds these: tm-k4-warps4 is --compressed-gemm fused-hibyte, tm-halves fused-hibyte-exact
-            # (kernels/fused_moe_hibyte.TIER_KERNELS)
+            # (kernels/fused_moe_hibyte.TIER_KERNELS). "-m16": 16 token rows a block where the layer's tiles take
+            # more (Mixtral T = 64: block_m 32, 16 rows an expert; tm-k4-warps4 measured 1.39x there, 0.94x at T = 16)
             candidates = [("k4", layer), ("k4-warps4", layer4)] + ([("m32", m32), ("m32-k4", m32)]
                                                                  if layer.block_m > 32 else []) + \
                 [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4), ("halves", layer),
-                 ("tm-halves", layer)]
+                 ("tm-halves", layer)] + \
+                ([("tm-k4-warps4-m16", dataclasses.replace(layer4, block_m=16))] if layer.block_m > 16 else [])
             for label, ov in ([("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS +
                               candidates):
                 try:
