@@ -181,7 +181,8 @@ class PrefillCudaGraphs:
                                             hidden_only=True)
             self.graphs[T] = graph
         torch.cuda.synchronize()
-        logger.info("captured prefill CUDA graphs for steps of up to %d sequences and %s tokens", S, self.buckets)
+        logger.info("captured prefill CUDA graphs for steps of up to %d sequences and %s tokens", self.max_seqs,
+                    self.buckets)
 
     def can_run(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return (bool(self.graphs) and num_tokens <= self.buckets[-1] and num_seqs <= self.max_seqs
