@@ -137,7 +137,7 @@ def _free_engine_memory(closers: list) -> None:
 
 def _pager_counters(stats: dict) -> dict:
     keys = ("expert_bytes_h2d", "expert_bytes_d2d", "expert_bytes_decoded", "expert_copy_s", "expert_wait_s",
-            "expert_steps")
+            "expert_steps", "expert_timed_bytes_h2d")
     return {k: stats.get(k, 0) for k in keys}
 
 
@@ -171,7 +171,9 @@ def measure(engine, num_prompts: int, input_len: int, output_len: int, seed: int
     return {**r, "breakdown": {"prefill_s": r["prefill_time_s"], "decode_s": r["decode_time_s"],
                                "expert_copy_s": pager["expert_copy_s"], "expert_wait_s": pager["expert_wait_s"],
                                "pcie_h2d_bytes": pager["expert_bytes_h2d"], "d2d_bytes": pager["expert_bytes_d2d"],
-                               "decoded_bytes": pager["expert_bytes_decoded"], "pager_steps": pager["expert_steps"]}}
+                               "decoded_bytes": pager["expert_bytes_decoded"], "pager_steps": pager["expert_steps"],
+                               # the bytes of the eager steps copy_s timed (replays move bytes untimed)
+                               "timed_h2d_bytes": pager["expert_timed_bytes_h2d"]}}
 
 
 def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict:
@@ -210,8 +212,8 @@ def run_point(config, shape, budget_bytes: int, args, hw, closers: list) -> dict
         eager = r.get("eager_timing")
         if eager and eager.get("h2d_gb_per_s"):
             point["pcie_h2d_gb_per_s"] = eager["h2d_gb_per_s"]
-        elif b["expert_copy_s"] > 0:
-            point["pcie_h2d_gb_per_s"] = b["pcie_h2d_bytes"] / b["expert_copy_s"] / 1e9
+        elif b["expert_copy_s"] > 0 and b.get("timed_h2d_bytes"):
+            point["pcie_h2d_gb_per_s"] = b["timed_h2d_bytes"] / b["expert_copy_s"] / 1e9
         if m.get("fits"):
             point["fraction_of_modelled_throughput"] = r["output_tokens_per_second"] / m["output_throughput"]
             point["decode_step_over_floor"] = r["mean_decode_step_ms"] / m["decode_step_ms"]["floor"]

@@ -25,18 +25,24 @@ def traffic_summary(now: dict, since: Optional[dict], cuda: bool) -> str:
     """One line on the pager's work between the expert_stats snapshots `since` and `now`: bytes host->device in
     all and per step, copy time, time compute waited for experts, the share of copying hidden behind compute.
     Copy and wait times come from CUDA events of eager steps (graph replays are counted in bytes only)."""
-    d = {k: now[k] - (since or {}).get(k, 0) for k in ("expert_bytes_h2d", "expert_bytes_decoded",
-                                                        "expert_copy_s", "expert_wait_s", "expert_steps")}
+    keys = ("expert_bytes_h2d", "expert_bytes_decoded", "expert_copy_s", "expert_wait_s", "expert_steps",
+            "expert_timed_steps", "expert_timed_bytes_h2d")
+    d = {k: now.get(k, 0) - (since or {}).get(k, 0) for k in keys}
     steps = max(1, d["expert_steps"])
     text = (f"expert paging: {d['expert_bytes_h2d'] / 1e9:.2f} GB host->device over {d['expert_steps']} steps "
             f"({d['expert_bytes_h2d'] / steps / 1e9:.3f} GB/step)")
     if d["expert_bytes_decoded"]:
         text += f", {d['expert_bytes_decoded'] / 1e9:.2f} GB decoded"
     if d["expert_copy_s"] > 0:
+        # the events time eager steps only: the rate and the hidden share are those steps' (a replayed decode
+        # step's copies are counted in bytes above, not in copy_s)
         hidden = 1.0 - d["expert_wait_s"] / d["expert_copy_s"]
-        text += (f"; copy stream busy {d['expert_copy_s']:.2f} s "
-                 f"({d['expert_bytes_h2d'] / d['expert_copy_s'] / 1e9:.1f} GB/s), compute waited "
-                 f"{d['expert_wait_s']:.2f} s, {100 * max(0.0, hidden):.0f}% of copying hidden")
+        rate = f"{d['expert_timed_bytes_h2d'] / d['expert_copy_s'] / 1e9:.1f} GB/s, " if d["expert_timed_bytes_h2d"] \
+            else ""
+        timed = (f" in the {d['expert_timed_steps']} eager steps timed" if d["expert_timed_steps"] < d["expert_steps"]
+                 else "")
+        text += (f"; copy stream busy {d['expert_copy_s']:.2f} s{timed} ({rate}compute waited "
+                 f"{d['expert_wait_s']:.2f} s, {100 * max(0.0, hidden):.0f}% of copying hidden)")
     elif cuda:
         text += "; copy time not timed (CUDA-graph replays)"
     return text

@@ -58,6 +58,8 @@ class PagerStats:
     wait_s: float = 0.0         # time the compute stream waited for experts (CUDA events)
     layers_loaded: int = 0
     steps: int = 0
+    timed_steps: int = 0        # steps whose copies copy_s / wait_s timed (eager; graph replays are not timed)
+    timed_bytes_h2d: int = 0    # their host -> device bytes: the copy rate is timed_bytes_h2d / copy_s
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -102,6 +104,7 @@ class ExpertPager:
         self._issued: list[bool] = [False] * self.num_layers
         self._on_decode_stream: list[bool] = [False] * self.num_layers   # this forward, per layer
         self._pending_timing: list[tuple[int, bool]] = []
+        self._timed_h2d = 0  # host -> device bytes of this step's timed copies (folded in by end_step)
         self._skip_host = False
         self._fused_slots: dict[int, tuple] = {}   # --compressed-gemm fused: per layer, the parts' slot maps
 
@@ -217,6 +220,7 @@ class ExpertPager:
     def _issue(self, layer: int) -> None:
         self._plan()
         self._issued[layer] = True
+        h2d_before = self.stats.bytes_h2d
         if not (self._skip_host or (self.cuda and torch.cuda.is_current_stream_capturing())):
             self._account(layer)
         if not self.cuda:
@@ -228,6 +232,7 @@ class ExpertPager:
             self._wait_free(self.copy_stream, layer)
             if self.timing and not torch.cuda.is_current_stream_capturing():
                 self.copy_start[layer].record()
+                self._timed_h2d += self.stats.bytes_h2d - h2d_before  # the bytes these events time
             self._fill_copies(layer)
             self.loaded[layer].record()
         if self._device_work(layer):
@@ -260,6 +265,7 @@ class ExpertPager:
     def reset_stats(self) -> None:
         self.stats = PagerStats()
         self._pending_timing.clear()
+        self._timed_h2d = 0
 
     def _account(self, layer: int) -> None:
         dyn = self.store.dynamic
@@ -309,12 +315,16 @@ class ExpertPager:
     def abort_step(self) -> None:
         """A step that failed part-way (out of memory): drop its timing events, some never recorded."""
         self._pending_timing.clear()
+        self._timed_h2d = 0
 
     def end_step(self) -> None:
         """After the step's results reached the host (all events done): fold event timings into stats."""
         self.stats.steps += 1
+        timed_h2d, self._timed_h2d = self._timed_h2d, 0
         if not self._pending_timing:
             return
+        self.stats.timed_steps += 1
+        self.stats.timed_bytes_h2d += timed_h2d
         for layer, decoded in self._pending_timing:
             self.stats.copy_s += self.copy_start[layer].elapsed_time(self.loaded[layer]) / 1e3
             waited = self.want[layer].elapsed_time(self.loaded[layer]) / 1e3
