@@ -27,6 +27,8 @@ def _env(flag: str, default, conv=str):
 
 
 def register(sub) -> None:
+    from pagedmoe.planning.plans import FUSED_TIER_MODELS
+
     p = sub.add_parser("plan", help="print the memory split and modelled throughput of each expert placement",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder with a config.json "
@@ -67,10 +69,13 @@ def register(sub) -> None:
                         "double buffers (auto = vmm)")
     p.add_argument("--compression-ratio", type=float, default=None,
                    help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")
+    p.add_argument("--compressed-gemm", default="decode", choices=["decode", *FUSED_TIER_MODELS],
+                   help="as the engine's flag: decode (the compressed tier decoded each step) or a tier the MoE GEMM "
+                        "reads in place (issue 23; no decode pass), modelled at its format's ratio unless "
+                        "--compression-ratio and its kernel's measured time: fused (format v2, 0.753, 2.8x bf16's "
+                        "reads), fused-hibyte (version 3, 0.78, 1.05x), fused-hibyte-exact (0.78, 2.8x)")
     p.add_argument("--fused-compression", action="store_true",
-                   help="model the compressed tier read by the MoE GEMM itself (lossless format v2, issue 23): no "
-                        "decode pass, routed experts cost their stored bytes; ratio 0.753 unless "
-                        "--compression-ratio. The fused kernel's GPU speed is unmeasured: this is its HBM floor")
+                   help="the same as --compressed-gemm fused (kept for older scripts)")
     p.add_argument("--host-compression", default=_env("host_compression", None), choices=["none", "lossless"],
                    help="lossless: model the host tier held compressed (0.683 of the bytes over PCIe, decoded "
                         "on the GPU); none: raw everywhere; default: raw, and both for routed fetching's "
@@ -127,7 +132,7 @@ def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: O
                   max_num_seqs=inputs.max_num_seqs, max_num_batched_tokens=inputs.max_num_batched_tokens,
                   hw=inputs.hw, buffers=inputs.buffers, compression_ratio=compression_ratio,
                   host_compression_ratio=inputs.host_compression_ratio, host_budget_bytes=inputs.host_budget_bytes,
-                  fused_compressed=inputs.fused_compressed)
+                  fused_compressed=inputs.fused_compressed, fused_time_factor=inputs.fused_time_factor)
     for auto_mode in (("auto", "paged") if mode == "paged" and num_gpu is None else ("auto",)):
         try:
             plan = plan_memory(shape, inputs.budget_bytes, inputs.activation_bytes, auto_mode, **kwargs)
@@ -218,6 +223,7 @@ def run_plan(args) -> int:
     from pagedmoe.planning.fetch_cost import PLAN_BATCHES
     from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
     from pagedmoe.planning.planner import PlanInputs
+    from pagedmoe.planning.plans import FUSED_LOSSLESS_TIME_FACTOR, FUSED_TIER_MODELS
     from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
 
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
@@ -245,10 +251,14 @@ def run_plan(args) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
-    if args.fused_compression and args.compression_ratio is None:
-        from pagedmoe.planning.plans import FUSED_LOSSLESS_PLANNING_RATIO
-
-        args.compression_ratio = FUSED_LOSSLESS_PLANNING_RATIO
+    if args.fused_compression:
+        if args.compressed_gemm not in ("decode", "fused"):
+            raise ValueError(f"--fused-compression means --compressed-gemm fused; it cannot be combined with "
+                             f"--compressed-gemm {args.compressed_gemm}")
+        args.compressed_gemm = "fused"
+    fused_ratio, fused_factor = FUSED_TIER_MODELS.get(args.compressed_gemm, (None, FUSED_LOSSLESS_TIME_FACTOR))
+    if fused_ratio is not None and args.compression_ratio is None:
+        args.compression_ratio = fused_ratio
     max_model_len = args.max_model_len or args.input_len + args.output_len
     act = estimate_activation_bytes(args.max_num_batched_tokens, args.max_num_seqs, shape.hidden_size,
                                     shape.moe_intermediate_size, shape.top_k, shape.vocab_size, shape.dtype_bytes)
@@ -279,7 +289,7 @@ def run_plan(args) -> int:
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
               "buffers": buffers, "compression_ratio": args.compression_ratio,
-              "fused_compression": args.fused_compression,
+              "compressed_gemm": args.compressed_gemm,
               "host_compression": args.host_compression, "host_memory_gb": args.host_memory_gb,
               "selected_mode": mode,
               "selected_num_gpu_experts": num_gpu, "budgets": []}
@@ -289,7 +299,8 @@ def run_plan(args) -> int:
         budget = parse_budget(text, gpu_shape.weight_bytes)
         inputs = PlanInputs(gpu_shape, budget, act, max_model_len, args.block_size,
                             (args.input_len, args.output_len), args.max_num_seqs, args.max_num_batched_tokens, hw,
-                            None, None, buffers, host_ratio, host_budget, fused_compressed=args.fused_compression)
+                            None, None, buffers, host_ratio, host_budget, fused_compressed=fused_ratio is not None,
+                            fused_time_factor=fused_factor)
         rows = _rows(gpu_shape, inputs, mode, num_gpu, args.compression_ratio)
         context_len = (args.input_len + args.output_len) / 2
         routed = routed_rows(args, inputs, rows, context_len)

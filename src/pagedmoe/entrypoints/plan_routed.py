@@ -15,7 +15,7 @@ def routed_rows(args, inputs, rows, context_len: float):
 
     auto = next((r for r in rows if r[2] and not isinstance(r[1], Exception)), None)
     if args.expert_fetch == "stream" or args.num_gpu_experts is not None or args.cpu_moe or auto is None or \
-            args.expert_placement == "resident" or args.fused_compression:
+            args.expert_placement == "resident" or args.compressed_gemm != "decode":
         return None
     bf16 = args.dtype in ("auto", "bfloat16")
     ratio = routed_plan.routed_compression_ratio(args.expert_compression, bf16)

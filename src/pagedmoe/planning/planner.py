@@ -96,8 +96,8 @@ def _sizes(inputs: PlanInputs, placement: Placement) -> dict:
             layer_copy_shares=_copy_shares(shape, inputs.hw, placement, hr, bool(fused)),
             layer_copy_waits=_ring_waits(placement) if streamed and inputs.buffers == "vmm-ring" else (),
             # routing is modelled uniform: a fraction fused / in_tiers of the routed experts is read by the fused
-            # kernel, at its measured time (plans.py: FUSED_LOSSLESS_TIME_FACTOR bf16 reads each)
-            routed_read_factor=1.0 + fused / in_tiers * (FUSED_LOSSLESS_TIME_FACTOR - 1.0) if fused else 1.0),
+            # kernel, at its measured time (plans.py: fused_time_factor bf16 reads each)
+            routed_read_factor=1.0 + fused / in_tiers * (inputs.fused_time_factor - 1.0) if fused else 1.0),
     }
 
 
@@ -278,7 +278,8 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
                 backbone_bytes: Optional[int] = None, max_kv_blocks: Optional[int] = None,
                 buffers: str = "vmm", compression_ratio: Optional[float] = None,
                 host_compression_ratio: float = 0.0, host_budget_bytes: Optional[int] = None,
-                fused_compressed: bool = False) -> PlacementPlan:
+                fused_compressed: bool = False,
+                fused_time_factor: float = FUSED_LOSSLESS_TIME_FACTOR) -> PlacementPlan:
     """Split `budget_bytes` for `placement_mode`:
     - "resident": every expert on the GPU (`num_gpu_experts` must be None or E);
     - "paged": `num_gpu_experts` resident per layer (an int, or one count per MoE layer), the rest
@@ -292,7 +293,7 @@ def plan_memory(shape: ModelShape, budget_bytes: int, activation_bytes: int, pla
         raise ValueError(f"placement_mode must be one of {', '.join(PLACEMENT_MODES)}; got {placement_mode!r}")
     inputs = PlanInputs(shape, int(budget_bytes), int(activation_bytes), max_model_len, block_size, workload,
                         max_num_seqs, max_num_batched_tokens, hw, backbone_bytes, max_kv_blocks, buffers,
-                        host_compression_ratio, host_budget_bytes, fused_compressed)
+                        host_compression_ratio, host_budget_bytes, fused_compressed, fused_time_factor)
     L, E = shape.num_moe_layers, shape.experts_per_gpu
     if num_gpu_experts is not None:
         counts = (num_gpu_experts,) * L if isinstance(num_gpu_experts, int) else tuple(num_gpu_experts)

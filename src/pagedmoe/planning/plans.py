@@ -14,7 +14,7 @@ from pagedmoe.planning.placement import Placement
 
 # NOTE: must match experts/layout.py::VMM_GRANULARITY_BYTES (kept here so the planner needs no torch).
 VMM_GRANULARITY_BYTES = 2 << 20
-# Issue 23, opt-in (`pagedmoe plan --fused-compression`): the compressed tier in lossless format version 2,
+# Issue 23, opt-in (`pagedmoe plan --compressed-gemm fused`): the compressed tier in lossless format version 2,
 # read by the MoE GEMM itself (kernels/fused_moe_lossless.py), so a compressed expert costs no decode pass and
 # its routed reads cost its stored bytes: this ratio of bf16's (docs/formats.md, benchmarks/lossless_formats.py).
 # Its time is modelled as measured, not at that floor: FUSED_LOSSLESS_TIME_FACTOR, the fused kernel's MoE layer time
@@ -25,10 +25,18 @@ FUSED_LOSSLESS_PLANNING_RATIO = 0.753
 FUSED_LOSSLESS_TIME_FACTOR = 2.8
 # --compressed-gemm fused-hibyte(-exact): version 3 (codecs/hibyte.py) holds 0.771 of bf16 on N(0, 0.02) and
 # 0.776 on the default model's trained experts; planned at 0.78 (the raw-tile share varies with the weights). The tier
-# holds it in the tile_major order only: the same bytes. Both kernels are timed like version 2's
-# (FUSED_LOSSLESS_TIME_FACTOR) until the engine's step is measured with them (the fast one measured 0.87-2.3x bf16's
-# time for one MoE layer on the H200, the exact one 1.5-5.8x: docs/benchmarks.md, issue 23).
+# holds it in the tile_major order only: the same bytes. The fast kernel (fused-hibyte: tile-major bytes decoded in
+# the MMA operand registers) measured 0.87-2.30x bf16's time for one MoE layer on the H200 (2026-12-05, row
+# tm-k4-warps4: 0.94 / 1.39 / 1.66 Mixtral, 0.89 / 0.87 / 1.10 Qwen3 at 16 / 64 / 256 tokens; median 1.02), so it
+# is timed at FUSED_HIBYTE_FAST_TIME_FACTOR. Timed at 2.8 it had looked free to stream host experts under it: the
+# engine's Qwen3-30B-A3B step at weights + 4 GiB took 45 ms at batch 64 on an H100, bound by 2.2 GB of PCIe copies a
+# step (benchmarks/results/session34). The exact kernel (halves) measured 1.5-5.8x: timed like version 2's.
 FUSED_HIBYTE_PLANNING_RATIO = 0.78
+FUSED_HIBYTE_FAST_TIME_FACTOR = 1.05
+# --compressed-gemm value -> (planning ratio, time factor) of a compressed tier the GEMM reads in place
+FUSED_TIER_MODELS = {"fused": (FUSED_LOSSLESS_PLANNING_RATIO, FUSED_LOSSLESS_TIME_FACTOR),
+                     "fused-hibyte": (FUSED_HIBYTE_PLANNING_RATIO, FUSED_HIBYTE_FAST_TIME_FACTOR),
+                     "fused-hibyte-exact": (FUSED_HIBYTE_PLANNING_RATIO, FUSED_LOSSLESS_TIME_FACTOR)}
 BUFFER_KINDS = ("vmm", "vmm-ring", "plain")
 PLACEMENT_MODES = ("resident", "paged", "auto")
 
@@ -146,6 +154,7 @@ class PlanInputs:
     host_compression_ratio: float = 0.0          # --host-compression lossless: the host tier's ratio (0: raw)
     host_budget_bytes: Optional[int] = None      # pinned host memory the host tier may take (None: unbounded)
     fused_compressed: bool = False               # the compressed tier is read by the GEMM (issue 23), not decoded
+    fused_time_factor: float = FUSED_LOSSLESS_TIME_FACTOR  # its routed expert's time, in bf16 reads
 
     def __post_init__(self) -> None:
         if self.buffers not in BUFFER_KINDS:

@@ -17,7 +17,7 @@ from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_
                                          start_up_reserve_bytes)
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO, Placement
-from pagedmoe.planning.plans import FUSED_HIBYTE_PLANNING_RATIO, FUSED_LOSSLESS_PLANNING_RATIO
+from pagedmoe.planning.plans import FUSED_LOSSLESS_TIME_FACTOR, FUSED_TIER_MODELS
 
 logger = logging.getLogger("pagedmoe")
 
@@ -178,10 +178,10 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                             block_size=c.cache.block_size, max_num_seqs=sch.max_num_seqs,
                             max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
         return None
-    fmt = fused_format(c.compressed_gemm)  # the tier read by the GEMM (issue 23): no decode
-    fused = fmt is not None
-    ratio = ((FUSED_HIBYTE_PLANNING_RATIO if fmt == "hibyte" else FUSED_LOSSLESS_PLANNING_RATIO)
-             if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
+    # the tier read by the GEMM (issue 23): no decode; its ratio and measured time (plans.FUSED_TIER_MODELS)
+    fused_ratio, fused_factor = FUSED_TIER_MODELS.get(c.compressed_gemm, (None, FUSED_LOSSLESS_TIME_FACTOR))
+    fused = fused_ratio is not None
+    ratio = (fused_ratio if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
     host_limit = host_budget()
 
@@ -195,7 +195,8 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
     for mode in host_modes:
         try:
             plans[mode] = planner.plan_memory(shape, budget_bytes, act, placement, None, compression_ratio=ratio,
-                                              fused_compressed=fused, **kwargs(mode))
+                                              fused_compressed=fused, fused_time_factor=fused_factor,
+                                              **kwargs(mode))
         except ValueError as e:  # PlacementBudgetError: this mode does not fit
             errors.append(e)
     if not plans:
