@@ -118,9 +118,8 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     eager = config.enforce_eager or dynamic or dims.mla is not None or parallel.enabled
     expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
-    encodes = any(expert_plan.num_compressed or ()) or expert_plan.host_compression == "lossless"
-    if device.type == "cuda" and (dynamic or encodes):
-        _expandable_segments()  # before loading: encoding the experts frees temporaries of every size
+    if device.type == "cuda":
+        _expandable_segments()  # before loading: what is freed goes back (see its docstring)
     model = load_model(model_path, hf_config, config.load_format, max_model_len, device, dtype, config.seed,
                        expert_plan, activity)
     if config.expert_prefetch:
@@ -225,8 +224,11 @@ def _expandable_segments() -> None:
     load frees temporaries of every size; in fixed segments torch cannot hand the freed parts back while a live
     tensor shares the segment (measured on the H200: 4.8 GiB stuck in Mixtral's pool under dynamic precision;
     15.2 GiB counted as reserve after loading Mixtral's compressed tier at weights + 4 GiB, which cut its KV
-    cache from the planned 21.8 to 7.9 GiB). Expandable segments unmap freed pages. A PYTORCH_CUDA_ALLOC_CONF
-    the user set wins."""
+    cache from the planned 21.8 to 7.9 GiB). Expandable segments unmap freed pages. Resident engines too: with
+    fixed segments Qwen3-30B-A3B's resident run at weights + 4 GiB peaked at 100.2% of the budget on the H100,
+    0.76 GiB of torch's reservation unallocated at its peak, against 0.19-0.33 GiB for the paged runs beside it
+    (expandable; benchmarks/results/session34). CUDA-graph pools take expandable segments (pytorch#128068). A
+    PYTORCH_CUDA_ALLOC_CONF the user set wins."""
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
