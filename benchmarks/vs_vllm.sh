@@ -13,7 +13,8 @@
 #         resident at the same memory (--gpu-memory-gb = 0.97 x the device); random 1024 in / 1024 out,
 #         512 prompts, --max-num-seqs 256 --max-num-batched-tokens 8192, full runs (no steady-state projection)
 #   w4    weights + 4 GiB (W4_VARIANTS: the pagedmoe variants after vLLM, default resident, "" none; W4_VLLM=0 skips
-#         vLLM; W4P_VARIANTS: part w4p's, default "paged-lossless auto"): vLLM at --gpu-memory-utilization = budget / device memory vs pagedmoe at
+#         vLLM; W4P_VARIANTS: part w4p's, default "paged-lossless auto"; paged-hibyte: the tier read by the GEMM,
+#         --compressed-gemm fused-hibyte): vLLM at --gpu-memory-utilization = budget / device memory vs pagedmoe at
 #         --gpu-memory-gb budget: resident (part w4), paged + lossless GPU tier and the planner's auto choice
 #         (part w4p); W4_PROMPTS prompts (default 96: more than either engine holds at once, about 20k KV tokens
 #         for vLLM, 82 sequences for paged + lossless; 40, the issue's count, favoured the engine that holds fewer)
@@ -159,8 +160,10 @@ run_part() {  # $1 = part
         case $variant in
           resident) flags=(--expert-placement resident) ;;
           paged-lossless) flags=(--expert-placement paged --expert-compression lossless) ;;
+          # the same tier read in the MoE GEMM (issue 23: format version 3, tile-major, decoded in the MMA operands)
+          paged-hibyte) flags=(--expert-placement paged --expert-compression lossless --compressed-gemm fused-hibyte) ;;
           auto) flags=(--expert-placement auto --expert-compression lossless) ;;
-          *) echo "unknown variant $variant (resident, paged-lossless, auto)" >&2; return 2 ;;
+          *) echo "unknown variant $variant (resident, paged-lossless, paged-hibyte, auto)" >&2; return 2 ;;
         esac
         echo "--- $name w4 pagedmoe $variant (--gpu-memory-gb $gib)"
         pm bench throughput "$m" "${COMMON_PM[@]}" --num-prompts "$W4_PROMPTS" --input-len "$TPUT_LEN" --output-len "$TPUT_LEN" \
