@@ -32,7 +32,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 path = sys.argv[1]
 out = {}
-for gemm in ("decode", sys.argv[2]):
+for gemm in ("decode", *sys.argv[2:]):
     llm = LLM(path, device="cuda" if torch.cuda.is_available() else "cpu", dtype="bfloat16", max_model_len=96,
               moe_backend="triton", num_gpu_experts=2, num_compressed_experts=4, compressed_gemm=gemm)
     cap, outs = greedy_logits(llm, (9, 21, 4), max_tokens=4, seed=7)
@@ -48,17 +48,22 @@ print(json.dumps(out))
 """
 
 
-def _check(tmp_path, gemm="fused"):
-    # fused-hibyte: experts of 64 x 64 (the format's multiples of 64)
-    hib = gemm.startswith("fused-hibyte")
-    extra = dict(intermediate_size=64) if hib else {}
-    make_tiny_checkpoint("mixtral", tmp_path, seed=61, dtype=torch.bfloat16, num_hidden_layers=2, **extra)
+def _run(path, *gemms) -> dict:
+    """The decoding path and each of `gemms` on one tiny checkpoint, in one subprocess (one interpreter start, the
+    decoding path's reference once); fused-hibyte's experts are 64 x 64 (the format's multiples of 64)."""
+    extra = dict(intermediate_size=64) if gemms[0].startswith("fused-hibyte") else {}
+    make_tiny_checkpoint("mixtral", path, seed=61, dtype=torch.bfloat16, num_hidden_layers=2, **extra)
     env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"), PAGEDMOE_NO_PROGRESS="1", TESTS_DIR=str(TESTS),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), gemm], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path), *gemms], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check(tmp_path, gemm="fused", runs=None):
+    hib = gemm.startswith("fused-hibyte")
+    res = runs if runs is not None else _run(tmp_path, gemm)
     ref, got = torch.load(tmp_path / "decode.pt"), torch.load(tmp_path / f"{gemm}.pt")
     assert len(ref) == len(got) > 0
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, got))
@@ -81,9 +86,12 @@ def test_fused_compressed_tier_logits_equal_the_decoding_path(tmp_path):
     _check(tmp_path)
 
 
-@pytest.mark.parametrize("gemm", ["fused-hibyte", "fused-hibyte-exact"])
-def test_fused_hibyte_tier_logits_match_the_decoding_path(tmp_path, gemm):
-    _check(tmp_path, gemm)
+def test_fused_hibyte_tier_logits_match_the_decoding_path(tmp_path):
+    # both kernels in one test: one subprocess and one decoding-path reference (a fixture could run once per xdist
+    # worker)
+    runs = _run(tmp_path, "fused-hibyte", "fused-hibyte-exact")
+    for gemm in ("fused-hibyte", "fused-hibyte-exact"):
+        _check(tmp_path, gemm, runs)
 
 
 @pytest.mark.gpu
