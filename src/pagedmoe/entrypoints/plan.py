@@ -223,7 +223,7 @@ def run_plan(args) -> int:
     from pagedmoe.planning.fetch_cost import PLAN_BATCHES
     from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
     from pagedmoe.planning.planner import PlanInputs
-    from pagedmoe.planning.plans import FUSED_LOSSLESS_TIME_FACTOR, FUSED_TIER_MODELS
+    from pagedmoe.planning.plans import fused_tier_model
     from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
 
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
@@ -256,7 +256,7 @@ def run_plan(args) -> int:
             raise ValueError(f"--fused-compression means --compressed-gemm fused; it cannot be combined with "
                              f"--compressed-gemm {args.compressed_gemm}")
         args.compressed_gemm = "fused"
-    fused_ratio, fused_factor = FUSED_TIER_MODELS.get(args.compressed_gemm, (None, FUSED_LOSSLESS_TIME_FACTOR))
+    fused_ratio, fused_factor = fused_tier_model(args.compressed_gemm)
     if fused_ratio is not None and args.compression_ratio is None:
         args.compression_ratio = fused_ratio
     max_model_len = args.max_model_len or args.input_len + args.output_len

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pagedmoe.config_sections import FUSED_FORMATS, FUSED_KERNELS
 from pagedmoe.planning.cost_model import H200, HardwareProfile, StepTraffic, WorkloadEstimate
 from pagedmoe.planning.kv_sizing import GiB, BudgetError, KVBlocks
 from pagedmoe.planning.model_shape import ModelShape
@@ -33,10 +34,17 @@ FUSED_LOSSLESS_TIME_FACTOR = 2.8
 # step (benchmarks/results/session34). The exact kernel (halves) measured 1.5-5.8x: timed like version 2's.
 FUSED_HIBYTE_PLANNING_RATIO = 0.78
 FUSED_HIBYTE_FAST_TIME_FACTOR = 1.05
-# --compressed-gemm value -> (planning ratio, time factor) of a compressed tier the GEMM reads in place
-FUSED_TIER_MODELS = {"fused": (FUSED_LOSSLESS_PLANNING_RATIO, FUSED_LOSSLESS_TIME_FACTOR),
-                     "fused-hibyte": (FUSED_HIBYTE_PLANNING_RATIO, FUSED_HIBYTE_FAST_TIME_FACTOR),
-                     "fused-hibyte-exact": (FUSED_HIBYTE_PLANNING_RATIO, FUSED_LOSSLESS_TIME_FACTOR)}
+# --compressed-gemm value -> (planning ratio, time factor) of a compressed tier the GEMM reads in place: the ratio
+# by its format, the time by its kernel (config_sections.FUSED_FORMATS / FUSED_KERNELS, the engine's own tables)
+_FUSED_RATIOS = {"tiled": FUSED_LOSSLESS_PLANNING_RATIO, "hibyte": FUSED_HIBYTE_PLANNING_RATIO}
+_FUSED_TIMES = {"exact": FUSED_LOSSLESS_TIME_FACTOR, "fast": FUSED_HIBYTE_FAST_TIME_FACTOR}
+FUSED_TIER_MODELS = {gemm: (_FUSED_RATIOS[fmt], _FUSED_TIMES[FUSED_KERNELS[gemm]])
+                     for gemm, fmt in FUSED_FORMATS.items()}
+
+
+def fused_tier_model(compressed_gemm: str) -> tuple[Optional[float], float]:
+    """(ratio, time factor) of the tier `compressed_gemm` reads in place; (None, the v2 factor) when it decodes."""
+    return FUSED_TIER_MODELS.get(compressed_gemm, (None, FUSED_LOSSLESS_TIME_FACTOR))
 BUFFER_KINDS = ("vmm", "vmm-ring", "plain")
 PLACEMENT_MODES = ("resident", "paged", "auto")
 

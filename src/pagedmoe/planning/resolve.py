@@ -17,7 +17,7 @@ from pagedmoe.planning.kv_sizing import (CUDA_CONTEXT_BYTES, GiB, dynamic_build_
                                          start_up_reserve_bytes)
 from pagedmoe.planning.model_shape import ModelShape
 from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO, Placement
-from pagedmoe.planning.plans import FUSED_LOSSLESS_TIME_FACTOR, FUSED_TIER_MODELS
+from pagedmoe.planning.plans import fused_tier_model
 
 logger = logging.getLogger("pagedmoe")
 
@@ -179,7 +179,7 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                             max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
         return None
     # the tier read by the GEMM (issue 23): no decode; its ratio and measured time (plans.FUSED_TIER_MODELS)
-    fused_ratio, fused_factor = FUSED_TIER_MODELS.get(c.compressed_gemm, (None, FUSED_LOSSLESS_TIME_FACTOR))
+    fused_ratio, fused_factor = fused_tier_model(c.compressed_gemm)
     fused = fused_ratio is not None
     ratio = (fused_ratio if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
