@@ -159,7 +159,7 @@ run_part() {  # $1 = part
       for variant in $variants; do
         case $variant in
           resident) flags=(--expert-placement resident) ;;
-          paged-lossless) flags=(--expert-placement paged --expert-compression lossless) ;;
+          paged-lossless) flags=(--expert-placement paged --expert-compression lossless --compressed-gemm decode) ;;
           # the same tier read in the MoE GEMM (issue 23: format version 3, tile-major, decoded in the MMA operands)
           paged-hibyte) flags=(--expert-placement paged --expert-compression lossless --compressed-gemm fused-hibyte) ;;
           auto) flags=(--expert-placement auto --expert-compression lossless) ;;

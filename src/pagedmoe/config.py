@@ -34,7 +34,7 @@ _EXPERT_FETCH_PATHS = ("auto", "copy", "uva")
 _EXPERT_COMPRESSION = ("none", "lossless")
 _HOST_COMPRESSION = ("none", "lossless", "auto")
 _QUANTIZED_GEMMS = ("auto", "dequant", "direct")
-_COMPRESSED_GEMMS = ("decode", *FUSED_FORMATS)
+_COMPRESSED_GEMMS = ("auto", "decode", *FUSED_FORMATS)
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, type_: Any = None) -> Any:
@@ -151,19 +151,23 @@ class EngineConfig:
                                         "auto (direct for static fp8/int8/int4 on CUDA, where it measured 1.1-2.5x "
                                         "faster per MoE layer; dequant otherwise)",
                                 _QUANTIZED_GEMMS)
-    compressed_gemm: str = _flag("decode", "lossless compressed GPU tier (--num-compressed-experts, --expert-compression "
-                                           "lossless): decode (experts kept in the Huffman format, version 1, "
-                                           "decoded into the compute buffer each step, then bf16 GEMMs) or fused "
-                                           "(kept in the tiled format, version 2, ~0.75x of bf16: the MoE GEMMs read "
-                                           "them and decode weight tiles in registers, no bf16 copy written; same "
-                                           "logits bit for bit; 1.9-3.9x bf16's MoE time on the H200) or "
-                                           "fused-hibyte (format version 3, ~0.77x, held tile-major, decoded four "
-                                           "weights a word straight into the MMA operands: outputs within bf16 GEMM "
-                                           "tolerance of the decode path, not bit-equal; one MoE layer on the H200: "
-                                           "0.87-0.96x bf16's time at Mixtral 1-16 and Qwen3 16-64 tokens, 1.1-2.3x "
-                                           "at the other sizes; hidden and expert sizes multiples of 64) or "
-                                           "fused-hibyte-exact (the same bytes, the bf16 kernel's sums: logits bit "
-                                           "for bit, 1.5-5.8x bf16's time)",
+    compressed_gemm: str = _flag("auto", "lossless compressed GPU tier (--num-compressed-experts, --expert-compression "
+                                         "lossless): decode (experts kept in the Huffman format, version 1, "
+                                         "decoded into the compute buffer each step, then bf16 GEMMs) or fused "
+                                         "(kept in the tiled format, version 2, ~0.75x of bf16: the MoE GEMMs read "
+                                         "them and decode weight tiles in registers, no bf16 copy written; same "
+                                         "logits bit for bit; 1.9-3.9x bf16's MoE time on the H200) or "
+                                         "fused-hibyte (format version 3, ~0.77x, held tile-major, decoded four "
+                                         "weights a word straight into the MMA operands: outputs within bf16 GEMM "
+                                         "tolerance of the decode path, not bit-equal; one MoE layer on the H100: "
+                                         "0.73-0.85x bf16's time at Mixtral 1-64 and Qwen3 16-256 tokens, 1.3x at "
+                                         "Mixtral 256, 1.6x at Qwen3 1; hidden and expert sizes multiples of 64) or "
+                                         "fused-hibyte-exact (the same bytes, the bf16 kernel's sums: logits bit "
+                                         "for bit; 0.81-0.93x bf16's time at Mixtral 16-64 and Qwen3 16-256, "
+                                         "1.1-1.6x at the other sizes) or auto (fused-hibyte where its kernel can "
+                                         "run: CUDA, exact bf16 experts fetched by stream steps, the Triton MoE "
+                                         "kernels, one rank, sizes multiples of 64, and the placement search "
+                                         "keeps a stream-fetched compressed tier; decode otherwise)",
                                  _COMPRESSED_GEMMS)
     min_expert_precision: Optional[str] = _flag(None, "lowest rung dynamic precision may demote an expert to "
                                                       "(default int4; dynamic only)", MIN_EXPERT_PRECISIONS)

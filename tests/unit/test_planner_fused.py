@@ -148,3 +148,100 @@ def test_plan_cli_takes_the_engines_compressed_gemm(capsys):
     assert main(["plan", qwen3, "--gpu-memory-gb", "weights+4", "--fused-compression", "--compressed-gemm",
                  "fused-hibyte"]) != 0
     assert "--fused-compression means --compressed-gemm fused" in capsys.readouterr().err
+
+
+def _qwen3_resolve(device_type="cuda", budget_gib=None, **flags):
+    """The engine's resolver on the Qwen3-30B-A3B shape at weights + 4 GiB (or `budget_gib`), bf16, with `flags`."""
+    import torch
+
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.models.hf_config import load_hf_config
+    from pagedmoe.models.registry import spec_builder
+    from pagedmoe.planning.model_shape import ModelShape
+    from pagedmoe.planning.resolve import resolve_expert_plan
+
+    hf = load_hf_config(CONFIGS / "qwen3-30b-a3b")
+    dims, spec = spec_builder(hf)(hf)
+    budget = int(budget_gib * GiB) if budget_gib else ModelShape.from_hf_config(CONFIGS / "qwen3-30b-a3b").weight_bytes + 4 * GiB
+    c = EngineConfig(device=device_type, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_gb=budget / GiB,
+                     max_model_len=3072, dtype="bfloat16", **flags)
+    return resolve_expert_plan(c, dims, spec, device_type=device_type, dtype=torch.bfloat16, max_model_len=3072,
+                               budget=lambda: budget, host_budget=lambda: None, eager=False), dims
+
+
+def test_compressed_gemm_auto_reads_the_tier_in_place_where_the_kernel_runs():
+    # --compressed-gemm auto (the default): the same plan as asking for fused-hibyte, where it can run (the w4p
+    # run: 2192.7 output tok/s against the decoding tier's 1269.2 on the H100)
+    auto, _ = _qwen3_resolve(expert_placement="auto", expert_compression="lossless")
+    asked, _ = _qwen3_resolve(expert_placement="auto", expert_compression="lossless", compressed_gemm="fused-hibyte")
+    decode, _ = _qwen3_resolve(expert_placement="auto", expert_compression="lossless", compressed_gemm="decode")
+    assert auto.compressed_gemm == asked.compressed_gemm == "fused-hibyte" and decode.compressed_gemm == "decode"
+    assert auto.placement_plan.placement == asked.placement_plan.placement != decode.placement_plan.placement
+    assert auto.placement_plan.output_throughput > decode.placement_plan.output_throughput
+    # each rule that keeps the decoding tier
+    for flags in (dict(moe_backend="grouped_mm"), dict(expert_fetch="routed"), dict(expert_buffers="plain")):
+        plan, _ = _qwen3_resolve(expert_placement="auto", expert_compression="lossless", **flags)
+        assert plan.compressed_gemm == ("fused-hibyte" if "expert_buffers" in flags else "decode"), flags
+    # no compressed tier asked for (the stream search models none): nothing to read in place
+    assert _qwen3_resolve(expert_placement="auto")[0].compressed_gemm == "decode"
+    # a fixed placement: in place only where its fetch is stream for certain (auto keeps its fetch's choice)
+    fixed = dict(num_gpu_experts=2, num_compressed_experts=100)
+    assert _qwen3_resolve(expert_fetch="stream", **fixed)[0].compressed_gemm == "fused-hibyte"
+    assert _qwen3_resolve(**fixed)[0].compressed_gemm == "decode"
+    # a budget that holds every expert resident: no tier at all
+    assert _qwen3_resolve(budget_gib=120, expert_placement="auto", expert_compression="lossless")[0].mode == "resident"
+
+
+def test_fused_gemm_blocker_names_each_rule():
+    import dataclasses
+
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.models.hf_config import load_hf_config
+    from pagedmoe.models.registry import spec_builder
+    from pagedmoe.planning.resolve import fused_gemm_blocker
+
+    hf = load_hf_config(CONFIGS / "qwen3-30b-a3b")
+    dims, _ = spec_builder(hf)(hf)
+    ok = EngineConfig(device="cuda")
+    assert fused_gemm_blocker(ok, dims, "cuda", True) is None
+    assert "CUDA" in fused_gemm_blocker(ok, dims, "cpu", True)
+    assert "bf16" in fused_gemm_blocker(ok, dims, "cuda", False)
+    assert fused_gemm_blocker(EngineConfig(device="cuda", moe_backend="loop"), dims, "cuda", True) == "--moe-backend loop"
+    assert fused_gemm_blocker(EngineConfig(device="cuda", expert_precision="dynamic"), dims, "cuda", True) == \
+        "--expert-precision dynamic"
+    assert fused_gemm_blocker(EngineConfig(device="cuda", expert_fetch="routed"), dims, "cuda", True) == \
+        "--expert-fetch routed"
+    assert "multiples of 64" in fused_gemm_blocker(ok, dataclasses.replace(dims, moe_intermediate_size=776), "cuda",
+                                                   True)
+    assert fused_gemm_blocker(EngineConfig(device="cuda", tensor_parallel_size=2), dims, "cuda", True) == \
+        "more than one rank"
+
+
+def test_routed_fetch_refuses_the_tier_read_in_place():
+    # the fused tier is read where it lies: --expert-fetch routed names the flag that rules it out, auto streams
+    from pagedmoe.config import EngineConfig
+    from pagedmoe.planning.fetch_cost import settle_expert_fetch
+    from pagedmoe.planning.model_shape import ModelShape
+
+    plan, _ = _qwen3_resolve(expert_placement="auto", expert_compression="lossless")
+    shape = ModelShape.from_hf_config(CONFIGS / "qwen3-30b-a3b")
+    auto = EngineConfig(device="cuda", expert_compression="lossless").experts
+    assert settle_expert_fetch(auto, plan, shape, 1, "cuda", 1024, lambda: None) == "stream"
+    routed = EngineConfig(device="cuda", expert_fetch="routed", num_compressed_experts=4).experts
+    with pytest.raises(ValueError, match="--compressed-gemm fused-hibyte"):
+        settle_expert_fetch(routed, plan, shape, 1, "cuda", 1024, lambda: None)
+
+
+def test_plan_cli_compressed_gemm_auto(capsys, tmp_path):
+    import json
+
+    from pagedmoe.cli import main
+
+    qwen3 = str(CONFIGS / "qwen3-30b-a3b")
+    for extra, want in (([], "decode"), (["--expert-compression", "lossless"], "fused-hibyte"),
+                        (["--expert-compression", "lossless", "--expert-fetch", "routed"], "decode"),
+                        (["--expert-compression", "lossless", "--num-gpus", "2"], "decode")):
+        out = tmp_path / "plan.json"
+        assert main(["plan", qwen3, "--gpu-memory-gb", "weights+4", "--json", str(out), *extra]) == 0
+        capsys.readouterr()
+        assert json.loads(out.read_text())["compressed_gemm"] == want, extra

@@ -301,7 +301,6 @@ def settle_expert_plan(config: EngineConfig, hf_config, device: torch.device, dt
     return plan.replace(buffers=settle_buffers(buffers, plan.paged, device),
                         quantized_precision=x.quantized_precision(),
                         quantized_gemm=config.resolved_quantized_gemm(device.type),
-                        compressed_gemm=config.compressed_gemm,
                         dynamic_min_precision=(x.min_precision or "int4") if dynamic else None)
 
 

@@ -69,11 +69,13 @@ def register(sub) -> None:
                         "double buffers (auto = vmm)")
     p.add_argument("--compression-ratio", type=float, default=None,
                    help="model a lossless compressed GPU tier at this size ratio (e.g. 0.68)")
-    p.add_argument("--compressed-gemm", default="decode", choices=["decode", *FUSED_TIER_MODELS],
+    p.add_argument("--compressed-gemm", default="auto", choices=["auto", "decode", *FUSED_TIER_MODELS],
                    help="as the engine's flag: decode (the compressed tier decoded each step) or a tier the MoE GEMM "
                         "reads in place (issue 23; no decode pass), modelled at its format's ratio unless "
                         "--compression-ratio and its kernel's measured time: fused (format v2, 0.753, 2.8x bf16's "
-                        "reads), fused-hibyte (version 3, 0.78, 1.05x), fused-hibyte-exact (0.78, 2.8x)")
+                        "reads), fused-hibyte (version 3, 0.78, 1.05x), fused-hibyte-exact (0.78, 2.8x); auto: "
+                        "fused-hibyte under --expert-compression lossless where the engine would run it (one GPU, "
+                        "bf16, sizes multiples of 64, not --expert-fetch routed), else decode")
     p.add_argument("--fused-compression", action="store_true",
                    help="the same as --compressed-gemm fused (kept for older scripts)")
     p.add_argument("--host-compression", default=_env("host_compression", None), choices=["none", "lossless"],
@@ -224,7 +226,7 @@ def run_plan(args) -> int:
     from pagedmoe.planning.placement import LOSSLESS_PLANNING_RATIO
     from pagedmoe.planning.planner import PlanInputs
     from pagedmoe.planning.plans import fused_tier_model
-    from pagedmoe.planning.resolve import planning_buffer_kind, resolve_placement_flags
+    from pagedmoe.planning.resolve import AUTO_FUSED_GEMM, planning_buffer_kind, resolve_placement_flags
 
     mode, num_gpu = resolve_placement_flags(args.expert_placement, args.num_gpu_experts, args.cpu_moe)
     hw = HardwareProfile.from_json(args.hardware_json) if args.hardware_json else H200
@@ -252,10 +254,16 @@ def run_plan(args) -> int:
     if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
         raise ValueError(f"--compression-ratio must be in (0, 1], got {args.compression_ratio}")
     if args.fused_compression:
-        if args.compressed_gemm not in ("decode", "fused"):
+        if args.compressed_gemm not in ("auto", "decode", "fused"):
             raise ValueError(f"--fused-compression means --compressed-gemm fused; it cannot be combined with "
                              f"--compressed-gemm {args.compressed_gemm}")
         args.compressed_gemm = "fused"
+    if args.compressed_gemm == "auto":   # as planning/resolve.py settles it for the engine
+        one_rank = len(shapes) == 1 and shape.tensor_parallel_size == 1 and not args.enable_expert_parallel
+        fits = shape.hidden_size % 64 == 0 and shape.moe_intermediate_size % 64 == 0
+        args.compressed_gemm = AUTO_FUSED_GEMM if (args.expert_compression == "lossless" and one_rank and fits and
+                                                   args.dtype in ("auto", "bfloat16") and
+                                                   args.expert_fetch != "routed") else "decode"
     fused_ratio, fused_factor = fused_tier_model(args.compressed_gemm)
     if fused_ratio is not None and args.compression_ratio is None:
         args.compression_ratio = fused_ratio

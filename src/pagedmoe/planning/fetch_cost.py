@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pagedmoe.config_sections import fused_format
 from pagedmoe.planning.cost_model import HardwareProfile, StepTraffic, decode_step_cost
 from pagedmoe.planning.kv_sizing import decode_buckets
 from pagedmoe.planning.model_shape import ModelShape
@@ -295,7 +296,9 @@ def settle_expert_fetch(x, plan, shape: ModelShape, max_num_seqs: int, device_ty
     auto falls back on stream and an explicit routed is refused."""
     blocker = next((flag for flag, on in (
         ("--expert-precision " + x.precision, x.precision != "exact"),
-        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain"))) if on), None)
+        ("--expert-buffers " + x.buffers, x.buffers not in ("auto", "plain")),
+        # the fused tier is read by the MoE GEMMs where it lies: routed fetching pages decoded rows
+        ("--compressed-gemm " + plan.compressed_gemm, fused_format(plan.compressed_gemm) is not None)) if on), None)
     n = plan.num_gpu_experts
     n = min(n) if isinstance(n, (tuple, list)) else (n or 0)
     tiers = FetchTiers.of_plan(plan.num_compressed, plan.host_compression)

@@ -66,6 +66,27 @@ def resolve_placement_flags(expert_placement: Optional[str], num_gpu_experts: Op
     return expert_placement or "auto", None
 
 
+# --compressed-gemm auto: the tier it settles on where the fused kernel can run (plans.FUSED_TIER_MODELS; measured
+# end to end, Qwen3-30B-A3B at weights + 4 GiB on the H100: 2192.7 output tok/s against the decoding tier's 1269.2)
+AUTO_FUSED_GEMM = "fused-hibyte"
+
+
+def fused_gemm_blocker(c, dims, device_type: str, is_bf16: bool) -> Optional[str]:
+    """Why --compressed-gemm auto keeps the decoding tier for `c` (an EngineConfig) and a model of rank dims
+    `dims`, or None when AUTO_FUSED_GEMM can run: its Triton kernel on CUDA, bf16 exact experts fetched by
+    stream steps, hidden and expert sizes multiples of 64, one rank (the fused tier is untested sharded)."""
+    x = c.experts
+    return next((why for why, on in (
+        ("the Triton kernel needs a CUDA device", device_type != "cuda"),
+        ("the lossless tier holds bf16 weights", not is_bf16),
+        (f"--moe-backend {c.moe_backend}", c.moe_backend not in ("auto", "triton")),
+        (f"--expert-precision {x.precision}", x.precision != "exact"),
+        ("--expert-fetch routed", x.fetch == "routed"),
+        ("more than one rank", c.tensor_parallel_size > 1 or c.enable_expert_parallel),
+        (f"hidden size {dims.hidden_size} / expert size {dims.moe_intermediate_size} not multiples of 64",
+         dims.hidden_size % 64 or dims.moe_intermediate_size % 64)) if on), None)
+
+
 def planning_buffer_kind(requested: str, cuda: bool) -> str:
     """The compute buffers the planner models for --expert-buffers `requested`: plain off CUDA, else VMM
     (its rows padded to the mapping granularity) unless plain was asked for."""
@@ -93,6 +114,12 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
     if lossless and not is_bf16:
         raise ValueError(f"the lossless compressed tier holds bf16 weights; the model runs in {dtype} "
                          "(use --dtype bfloat16)")
+    # auto: the placement is searched with the decoding tier (routed fetching reads only that one), then, where
+    # the pick streams and the fused kernel can run, searched again with the tier the GEMM reads in place
+    gemm, blocker = x.compressed_gemm, None
+    if gemm == "auto":
+        blocker = fused_gemm_blocker(c, dims, device_type, is_bf16)
+        gemm = "decode"
     if n is not None:
         if n > dims.num_experts:
             raise ValueError(f"--num-gpu-experts {n} exceeds the model's {dims.num_experts} experts per layer")
@@ -101,9 +128,11 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
             raise ValueError(f"--num-gpu-experts {n} + --num-compressed-experts {comp} exceeds the model's "
                              f"{dims.num_experts} experts per layer")
         _check_fixed_host_tier(c, dims, spec, n, comp, device_type, dtype_bytes, host_compression, host_budget)
-        return ExpertPlan("paged", (n,) * num_moe, (comp,) * num_moe, host_compression)
+        if x.compressed_gemm == "auto" and blocker is None and comp and x.fetch == "stream":
+            gemm = AUTO_FUSED_GEMM   # (with --expert-fetch auto the fixed placement keeps its fetch's choice)
+        return ExpertPlan("paged", (n,) * num_moe, (comp,) * num_moe, host_compression, compressed_gemm=gemm)
     if placement == "resident" and (c.cache.gpu_memory_gb is None or device_type != "cuda"):
-        return ExpertPlan("resident", host_compression=host_compression)
+        return ExpertPlan("resident", host_compression=host_compression, compressed_gemm=gemm)
     budget_bytes = budget()
     if budget_bytes is None:  # CPU without a budget: nothing to trade
         if x.compression == "lossless":
@@ -111,16 +140,21 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
                              "a compressed tier; without --gpu-memory-gb on CPU it cannot take effect "
                              "(give --num-compressed-experts)")
         if placement == "auto":
-            return ExpertPlan("resident", host_compression=host_compression)
-        return ExpertPlan("paged", (0,) * num_moe, None, host_compression)
-    searched = _plan_host_modes(c, dims, spec, placement, budget_bytes, device_type, is_bf16, dtype_bytes,
-                                max_model_len, host_compression, host_budget, eager)
+            return ExpertPlan("resident", host_compression=host_compression, compressed_gemm=gemm)
+        return ExpertPlan("paged", (0,) * num_moe, None, host_compression, compressed_gemm=gemm)
+
+    def search(tier_gemm: str):
+        return _plan_host_modes(c, dims, spec, placement, budget_bytes, device_type, is_bf16, dtype_bytes,
+                                max_model_len, host_compression, host_budget, eager, tier_gemm)
+
+    searched = search(gemm)
     if searched is None:  # resident at a budget on CUDA: it fits (else the planner refused, naming the minimum)
-        return ExpertPlan("resident", host_compression=host_compression)
+        return ExpertPlan("resident", host_compression=host_compression, compressed_gemm=gemm)
     plans, inputs_of = searched
     # auto: the compressed host tier only when it models faster (it only matters for paged plans)
-    host_compression = max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
+    host_compression = _best_host_mode(plans)
     plan = plans[host_compression]
+    fetch = None
     if routed_search(x, device_type):
         # path (b) runs in the decode CUDA graphs on CUDA (fetch_cost.settle_fetch_path), or where asked for
         path = x.fetch_path
@@ -136,7 +170,20 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
             logger.info("placement for routed fetching: %s, modelled %.1f ms per decode step at %d sequences "
                         "(faster than the stream-all search's %s)", pick.label(), pick.step_s * 1e3, pick.num_seqs,
                         plan.placement.label())
-        host_compression, plan = pick.host_compression, pick.plan
+        host_compression, plan, fetch = pick.host_compression, pick.plan, pick.fetch
+    if x.compressed_gemm == "auto" and x.compression == "lossless" and not plan.placement.is_resident and \
+            fetch in (None, "stream"):
+        if blocker is None:
+            fused_plans, _ = search(AUTO_FUSED_GEMM)
+            mode = _best_host_mode(fused_plans)
+            better = fused_plans[mode].estimate.output_throughput >= plan.estimate.output_throughput
+            if better and fused_plans[mode].placement.total_compressed:
+                logger.info("--compressed-gemm auto: %s (the MoE GEMMs read the compressed tier in place), modelled "
+                            "%.0f output tok/s against the decoding tier's %.0f", AUTO_FUSED_GEMM,
+                            fused_plans[mode].estimate.output_throughput, plan.estimate.output_throughput)
+                gemm, host_compression, plan = AUTO_FUSED_GEMM, mode, fused_plans[mode]
+        else:
+            logger.info("--compressed-gemm auto: decode (the fused tier cannot run here: %s)", blocker)
     logger.info("placement plan: %s", plan.summary())
     per_layer = tuple(plan.placement.num_gpu_experts)
     comp = tuple(plan.placement.num_compressed_experts)
@@ -145,8 +192,13 @@ def resolve_expert_plan(config, dims, spec, *, device_type: str, dtype, max_mode
             raise ValueError("--host-compression lossless cannot take effect: at this budget the planner "
                              "keeps every expert resident, so nothing streams from the host (page anyway "
                              "with --expert-placement paged, or use --host-compression auto)")
-        return ExpertPlan("resident", host_compression="none", placement_plan=plan)
-    return ExpertPlan("paged", per_layer, comp if any(comp) else None, host_compression, plan)
+        return ExpertPlan("resident", host_compression="none", placement_plan=plan, compressed_gemm=gemm)
+    return ExpertPlan("paged", per_layer, comp if any(comp) else None, host_compression, plan, compressed_gemm=gemm)
+
+
+def _best_host_mode(plans: dict) -> str:
+    """The host-tier mode whose plan models the most output tokens/s (ties: the raw host tier)."""
+    return max(plans, key=lambda m: (plans[m].estimate.output_throughput, m == "none"))
 
 
 def rank_shape(c, dims, spec, dtype_bytes: int) -> ModelShape:
@@ -158,10 +210,10 @@ def rank_shape(c, dims, spec, dtype_bytes: int) -> ModelShape:
 
 def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_type: str, is_bf16: bool,
                      dtype_bytes: int, max_model_len: int, host_compression: str, host_budget,
-                     eager: bool) -> Optional[dict]:
+                     eager: bool, compressed_gemm: str) -> Optional[dict]:
     """The planner's best plan for each host-tier mode --host-compression allows (auto: both when bf16), and
     the PlanInputs of a host mode (for the routed search); None for a resident placement at a budget, which is
-    only checked (refused with the minimum)."""
+    only checked (refused with the minimum). `compressed_gemm`: how the compressed tier is read (settled)."""
     shape = rank_shape(c, dims, spec, dtype_bytes)
     x, sch = c.experts, c.scheduler
     act = estimate_activation_bytes(sch.max_num_batched_tokens, sch.max_num_seqs, dims.hidden_size,
@@ -179,7 +231,7 @@ def _plan_host_modes(c, dims, spec, placement: str, budget_bytes: int, device_ty
                             max_num_batched_tokens=sch.max_num_batched_tokens, buffers=buffers)
         return None
     # the tier read by the GEMM (issue 23): no decode; its ratio and measured time (plans.FUSED_TIER_MODELS)
-    fused_ratio, fused_factor = fused_tier_model(c.compressed_gemm)
+    fused_ratio, fused_factor = fused_tier_model(compressed_gemm)
     fused = fused_ratio is not None
     ratio = (fused_ratio if fused else LOSSLESS_PLANNING_RATIO) if x.compression == "lossless" else None
     host_modes = ["none", "lossless"] if x.host_compression == "auto" and is_bf16 else [host_compression]
