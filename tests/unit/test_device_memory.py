@@ -61,6 +61,25 @@ def test_monitor_counts_the_process_not_other_processes(fake_cuda):
     assert mon.peak_bytes == 5 * GiB + m.CUDA_CONTEXT_BYTES
 
 
+def test_monitor_names_where_the_peak_was(fake_cuda):
+    """The peak's sample keeps the last stage marked before it and torch's reservation then: memory beyond the
+    reservation at the peak was held outside torch's pool (the fused tier's start-up peak on the H100, session35)."""
+    from pagedmoe.bench.common import device_memory_line
+
+    mon = make_monitor()
+    fake_cuda["reserved"], fake_cuda["free"] = 40 * GiB, 50 * GiB
+    mon.mark("kv_cache")
+    fake_cuda["free"] = 45 * GiB                        # 5 GiB more, none of it torch's
+    mon.used_bytes()
+    fake_cuda["reserved"], fake_cuda["free"] = 41 * GiB, 49 * GiB
+    mon.mark("cuda_graphs")                             # below the peak: the peak's record stays
+    assert (mon.peak_stage, mon.peak_torch_reserved_bytes) == ("kv_cache", 40 * GiB)
+    rec = mon.record()
+    assert rec["peak_after_stage"] == "kv_cache" and rec["torch_reserved_at_peak_gib"] == 40
+    assert "(after start-up stage kv_cache, torch's pool 40.00 GiB of it)" in device_memory_line(rec)
+    assert mon.peak_summary() == "after stage kv_cache, torch's pool 40.00 GiB of it"
+
+
 def test_monitor_takes_nvml_figure_and_torch_pool_as_its_own(fake_cuda):
     fake_cuda["nvml"] = 1 * GiB                         # NVML: this process holds 1 GiB
     fake_cuda["reserved"] = 512 * MiB

@@ -72,7 +72,11 @@ def write_json(path: Path, result: dict) -> Path:
 
 def device_memory_line(rec: dict) -> str:
     """One line for the end of a run from a DeviceMemoryMonitor.record(): the process's peak against the budget."""
-    text = f"device memory: peak {rec['peak_gib']:.2f} GiB, {rec['used_gib']:.2f} GiB at the end"
+    text = f"device memory: peak {rec['peak_gib']:.2f} GiB"
+    if rec.get("peak_after_stage"):   # where the peak was, and how much of it torch's pool held
+        text += (f" (after start-up stage {rec['peak_after_stage']}, torch's pool "
+                 f"{rec['torch_reserved_at_peak_gib']:.2f} GiB of it)")
+    text += f", {rec['used_gib']:.2f} GiB at the end"
     if rec.get("budget_gib"):
         text += f" (budget {rec['budget_gib']:.2f} GiB: peak {100 * rec['peak_over_budget']:.1f}% of it)"
     text += f"; torch's peak reservation {rec['torch_peak_reserved_gib']:.2f} GiB"

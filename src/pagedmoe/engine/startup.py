@@ -178,8 +178,8 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                                             -(-max_model_len // config.block_size), activity, stats)
     _mark(memory, "ready")
     if memory is not None:
-        logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB)%s",
-                    memory.stages["ready"] / GiB, memory.peak_bytes / GiB,
+        logger.info("device memory after start-up: %.2f GiB (process, as the driver counts it; peak %.2f GiB %s)%s",
+                    memory.stages["ready"] / GiB, memory.peak_bytes / GiB, memory.peak_summary(),
                     f" of the {plan.budget_bytes / GiB:.2f} GiB budget" if config.gpu_memory_gb else "")
     parts = EngineParts(model_path, hf_config, tokenizer, device, dtype, max_model_len, name, expert_plan, model,
                         activity, plan, kv, runner, precision, memory, swap)

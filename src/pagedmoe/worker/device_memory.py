@@ -58,8 +58,13 @@ class DeviceMemoryMonitor:
         self.others_bytes = others_at_start(total, free, own)
         self.context_bytes = max(0, total - free - self.others_bytes - reserved)
         self.stages: dict[str, int] = {}
+        self._stage: Optional[str] = None   # the last stage marked (the run's samples come after "ready")
         self.torch_stages: dict[str, int] = {}   # torch's reservation at each stage: growth outside it is not torch's
         self.peak_bytes = 0
+        # at the peak's sample: the last stage marked before it and torch's reservation (what is beyond it was
+        # held outside torch's pool: context, VMM mappings, module and graph memory)
+        self.peak_stage: Optional[str] = None
+        self.peak_torch_reserved_bytes = 0
         self.samples = 0
         self._lock = threading.Lock()
         self._gate = threading.Lock()   # held by `polling_paused` (CUDA-graph capture): no reading meanwhile
@@ -72,7 +77,10 @@ class DeviceMemoryMonitor:
         free, total = torch.cuda.mem_get_info(self.idx)
         used = process_device_bytes(total, free, self.others_bytes)
         with self._lock:
-            self.peak_bytes = max(self.peak_bytes, used)
+            if used > self.peak_bytes:
+                self.peak_bytes = used
+                self.peak_stage = self._stage
+                self.peak_torch_reserved_bytes = torch.cuda.memory_reserved(self.idx)
             self.samples += 1
         return used
 
@@ -81,6 +89,11 @@ class DeviceMemoryMonitor:
             self.peak_bytes = 0
         self.used_bytes()
 
+    def peak_summary(self) -> str:
+        """Where the peak was: "after stage S, torch's pool X GiB of it"."""
+        return (f"after stage {self.peak_stage or '-'}, torch's pool {self.peak_torch_reserved_bytes / GiB:.2f} GiB "
+                "of it")
+
     def mark(self, stage: str, sync: bool = True) -> int:
         """Record the process's memory at a named start-up stage (after the device finished its work)."""
         if sync:
@@ -88,6 +101,7 @@ class DeviceMemoryMonitor:
         used = self.used_bytes()
         self.stages[stage] = used
         self.torch_stages[stage] = torch.cuda.memory_reserved(self.idx)
+        self._stage = stage
         return used
 
     # -- the polling thread ------------------------------------------------------------------------
@@ -125,6 +139,7 @@ class DeviceMemoryMonitor:
                "other_processes_gib": self.others_bytes / GiB, "context_gib": self.context_bytes / GiB,
                "context_source": self.context_source, "device_total_gib": self.total_bytes / GiB,
                "samples": self.samples, "stages_gib": {k: v / GiB for k, v in self.stages.items()},
+               "peak_after_stage": self.peak_stage, "torch_reserved_at_peak_gib": self.peak_torch_reserved_bytes / GiB,
                "torch_reserved_stages_gib": {k: v / GiB for k, v in self.torch_stages.items()}}
         if budget_bytes:
             out["budget_gib"] = budget_bytes / GiB
