@@ -79,6 +79,30 @@ def test_tile_major_order_holds_the_same_bytes_and_decodes_bit_for_bit(parts, sh
         hibyte.verify(t)
 
 
+@pytest.mark.parametrize("order", hibyte.ORDERS)
+def test_encoding_a_few_parts_at_a_time_gives_the_same_bytes(order, monkeypatch):
+    # the engine encodes a layer's experts a chunk at a time (the whole layer's temporaries overran the budget): raw
+    # tiles in the first, a middle and the last part, so the joined raw-tile indices must be shifted right
+    x = (torch.randn(5, 32, 128, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    x[0, 0, 1] = x[2, 17, 70] = x[4, 31, 127] = 1e-30
+    whole = hibyte.encode(x, num_parts=5)
+    sizes = []
+    encode_rows = hibyte._encode_rows
+    monkeypatch.setattr(hibyte, "_encode_rows", lambda rows, k: sizes.append(rows.numel()) or encode_rows(rows, k))
+    chunked = hibyte.encode(x, num_parts=5, order=order, chunk_weights=2 * 32 * 128 + 1)
+    assert sizes == [2 * 32 * 128, 2 * 32 * 128, 32 * 128]   # parts 2 + 2 + 1: no chunk above the bound
+    want = hibyte.to_tile_major(whole) if order == "tile_major" else whole
+    assert chunked.order == order and chunked.shape == x.shape and chunked.num_parts == 5
+    assert all(torch.equal(getattr(chunked, a), getattr(want, a)) for a in hibyte.ARRAYS)
+    assert chunked.checksums == whole.checksums and whole.high.shape[0] >= 3
+    assert _same(hibyte.decode_reference(chunked), x)
+    sizes.clear()    # a part larger than the bound is encoded alone
+    hibyte.encode(x, num_parts=5, chunk_weights=10)
+    assert sizes == [32 * 128] * 5
+    with pytest.raises(ValueError, match="order"):
+        hibyte.encode(x, num_parts=5, order="columns")
+
+
 def test_tile_major_tensor_is_written_in_the_row_order(tmp_path):
     from pagedmoe.codecs.lossless_io import load_compressed, save_compressed
 

@@ -125,9 +125,54 @@ def choose_base(hi7: torch.Tensor) -> torch.Tensor:
     return cover.argmax(1).to(torch.uint8)  # argmax: the first maximum, the lowest base on ties
 
 
-def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True) -> HiByteTensor:
+# Weights encoded at once: the encode's temporaries take ~40 bytes a weight (int32 planes, choose_base's int64
+# indices), so a whole MoE layer at once took ~15 GiB more than the tier it built on the GPU (Qwen3-30B-A3B's 125
+# compressed experts of a layer: the start-up peak of session35, 101.4% of the budget). Whole parts at a time, so
+# the bytes are the same.
+ENCODE_CHUNK_WEIGHTS = 1 << 25
+
+
+def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True, order: str = "rows",
+           chunk_weights: int = ENCODE_CHUNK_WEIGHTS) -> HiByteTensor:
+    """x (bf16, rows a multiple of num_parts x 16, columns of 64) in the format, held in `order`. Encoded whole
+    parts at a time, at most `chunk_weights` weights (one part when a part is larger): the same bytes as at once,
+    with the temporaries of a chunk."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     R, C, Rp = _geometry(x, num_parts)
-    bits = x.detach().reshape(R, C).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    per = max(1, chunk_weights // (Rp * C))
+    flat = x.detach().reshape(R, C)
+    chunks = []
+    for p in range(0, num_parts, per):
+        k = min(per, num_parts - p)
+        h = _encode_rows(flat[p * Rp:(p + k) * Rp], k)
+        chunks.append(to_tile_major(h) if order == "tile_major" else h)   # (the chunk's row arrays freed here)
+    h = concat_parts(chunks, tuple(x.shape))
+    if checksum:
+        h.checksums = compute_checksums(h)
+    return h
+
+
+def concat_parts(hs: list[HiByteTensor], shape: tuple) -> HiByteTensor:
+    """The tensor of `shape` whose parts are those of `hs` in turn (one order, the same columns): rows and tiles
+    are ordered part by part, so the arrays join end to end, raw-tile indices shifted by the raw tiles before."""
+    if len(hs) == 1:
+        return dataclasses.replace(hs[0], shape=shape)
+    if len({h.order for h in hs}) != 1:
+        raise ValueError("concat_parts joins tensors held in one order")
+    raw, shifted = 0, []
+    for h in hs:
+        shifted.append(torch.where(h.tile_raw >= 0, h.tile_raw + raw, h.tile_raw))
+        raw += h.high.shape[0]
+    cat = {a: torch.cat([getattr(h, a) for h in hs]) for a in ("base", "lo", "code", "high")}
+    return HiByteTensor(shape, sum(h.num_parts for h in hs), cat["base"], cat["lo"], cat["code"], torch.cat(shifted),
+                        cat["high"], checksums=sum((h.checksums for h in hs), ()), order=hs[0].order)
+
+
+def _encode_rows(x: torch.Tensor, num_parts: int) -> HiByteTensor:
+    """[R, C] bf16 rows of `num_parts` parts, at once, in the row order, without checksums."""
+    R, C, Rp = _geometry(x, num_parts)
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     lo = (bits & 0xFF).to(torch.uint8)
     sign, hi7 = bits >> 15, (bits >> 8) & 0x7F
     base = choose_base(hi7)
@@ -142,10 +187,7 @@ def encode(x: torch.Tensor, *, num_parts: int = 1, checksum: bool = True) -> HiB
     raw_rows = _tile_rows_mask(tiles, num_parts, Rp, C)  # [R, C] True inside raw tiles
     code = torch.where(raw_rows, hi & 0xF, torch.where(fits, (sign << 3) | off.clamp(0, WINDOW - 1), 0))
     high = _tile_view(_pack(hi >> 4), num_parts, Rp)[idx].clone()
-    h = HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
-    if checksum:
-        h.checksums = compute_checksums(h)
-    return h
+    return HiByteTensor(tuple(x.shape), num_parts, base, lo, _pack(code), tile_raw, high)
 
 
 def _raw_ranges(h: HiByteTensor) -> list[tuple[int, int]]:

@@ -110,8 +110,9 @@ class CompressedTier:
     def _held(self, w: torch.Tensor):
         """One GEMM's weights [n, rows, K] encoded as the fused tier holds them: hibyte in the tile_major order
         alone (its row-order arrays freed on return: one copy held, as many bytes)."""
-        h = self.codec.encode(w, num_parts=w.shape[0], checksum=False)
-        return hibyte.to_tile_major(h) if self.codec is hibyte else h
+        if self.codec is hibyte:   # a chunk of experts at a time, each chunk rearranged before the next
+            return hibyte.encode(w, num_parts=w.shape[0], checksum=False, order="tile_major")
+        return self.codec.encode(w, num_parts=w.shape[0], checksum=False)
 
     @property
     def nbytes(self) -> int:
