@@ -32,8 +32,9 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "paged": {"expert_placement": "paged"},
     "auto": {"expert_placement": "auto"},
     "cpu-moe": {"expert_placement": "paged", "cpu_moe": True},
-    # the planner's best split with a lossless compressed tier beside the host tier (issue 6)
-    "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless"},
+    # the planner's best split with a lossless compressed tier beside the host tier (issue 6), decoded each step
+    # (pinned: --compressed-gemm auto would read it in place on a GPU, as paged+lossless-hibyte)
+    "paged+lossless": {"expert_placement": "auto", "expert_compression": "lossless", "compressed_gemm": "decode"},
     # the same, the compressed tier in format v2 read by the MoE GEMMs themselves, never decoded (issue 23)
     "paged+lossless-fused": {"expert_placement": "auto", "expert_compression": "lossless", "compressed_gemm": "fused"},
     # the same in format version 3 (codecs/hibyte.py, held tile-major), decoded four weights a word into the MMA
