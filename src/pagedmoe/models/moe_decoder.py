@@ -153,7 +153,10 @@ class DecoderModel(nn.Module):
         rot_dim = dims.mla.qk_rope_head_dim if dims.mla is not None else dims.head_dim
         self.rotary = RotaryEmbedding(rot_dim, max_position, dims.rope_theta, dims.rotary_dim,
                                       dims.rope_parameters, dims.rope_interleaved)
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        # the weight as given (_weight), not initialised: on the meta device nn.Embedding's normal_ init imports
+        # torch._dynamo, ~2 s of every process start (the engine fills every weight: to_empty, then the checkpoint)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size,
+                                         _weight=torch.empty(dims.vocab_size, dims.hidden_size))
         moe_layers = [i for i in range(dims.num_layers) if i not in spec.dense_layers]
         self.layers = nn.ModuleList(
             DecoderLayer(dims, spec, i, self.rotary, moe_layers.index(i) if i in moe_layers else -1, experts)
