@@ -33,7 +33,8 @@
 # Each run is cut at RUN_TIMEOUT (default 420 s) so one hang cannot take the whole call.
 # Dry run on CPU (tests/unit/test_vs_vllm.py): a stand-in vllm package in VLLM_SITE, the tiny default model
 # (QWEN3_MODEL/MIXTRAL_MODEL), DEVICE_GIB for the device memory, PM_EXTRA for engine flags (--device cpu) and
-# the workload sizes shrunk through MAX_LEN, TPUT_PROMPTS, TPUT_LEN, LAT_IN, LAT_OUT, PROF_BATCHES, PROF_LEN.
+# the workload sizes shrunk through MAX_LEN, TPUT_PROMPTS, TPUT_LEN, LAT_IN, LAT_OUT, PROF_BATCHES, PROF_LEN,
+# PROF_STEPS (profile_step.py's --num-steps, default 10).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -42,7 +43,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-420}
 W4_PROMPTS=${W4_PROMPTS:-96} PF_PROMPTS=${PF_PROMPTS:-1024}
 PM_FUSED=${PM_FUSED:-on}
 TPUT_PROMPTS=${TPUT_PROMPTS:-512} TPUT_LEN=${TPUT_LEN:-1024} LAT_IN=${LAT_IN:-512} LAT_OUT=${LAT_OUT:-64}
-PROF_BATCHES=${PROF_BATCHES:-1 256} PROF_LEN=${PROF_LEN:-512}
+PROF_BATCHES=${PROF_BATCHES:-1 256} PROF_LEN=${PROF_LEN:-512} PROF_STEPS=${PROF_STEPS:-10}
 read -r -a PM_EXTRA <<< "${PM_EXTRA:-}"
 SITE=${VLLM_SITE:-/tmp/site}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache} PYTHONUNBUFFERED=1 PAGEDMOE_NO_PROGRESS=1
@@ -199,7 +200,8 @@ run_part() {  # $1 = part
         echo "--- $name profile_step B=1,256 --fused-ops $f"
         env PYTHONPATH=src timeout --kill-after=15 "$RUN_TIMEOUT" python3 benchmarks/profile_step.py "$m" \
           --load-format dummy --expert-placement resident --batch-size $PROF_BATCHES --input-len "$PROF_LEN" \
-          --max-model-len "$MAX_LEN" "${PM_EXTRA[@]}" --fused-ops "$f" --out "$D/$name.prof-fused-$f" > "$D/$name.prof-fused-$f.txt" 2>&1
+          --num-steps "$PROF_STEPS" --max-model-len "$MAX_LEN" "${PM_EXTRA[@]}" --fused-ops "$f" --out "$D/$name.prof-fused-$f" \
+          > "$D/$name.prof-fused-$f.txt" 2>&1
         grep -A14 "=== batch" "$D/$name.prof-fused-$f.txt" | head -40
       done ;;
     *) echo "unknown part $1; bash benchmarks/vs_vllm.sh list" >&2; return 2 ;;

@@ -109,7 +109,7 @@ def test_dry_run_on_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), VLLM_SITE=str(_stub_site(tmp_path)), STUB_ARGS_LOG=str(args_log),
                QWEN3_MODEL="src/pagedmoe/default_model", DEVICE_GIB="8", PM_EXTRA="--device cpu --dtype float32",
                MAX_LEN="64", TPUT_PROMPTS="2", TPUT_LEN="4", LAT_IN="6", LAT_OUT="3", PROF_BATCHES="1",
-               PROF_LEN="4", PM_FUSED="on", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+               PROF_LEN="4", PROF_STEPS="1", PM_FUSED="on", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", "benchmarks/vs_vllm.sh", "tput-qwen3", "lat-qwen3"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
