@@ -85,11 +85,11 @@ FAKE_RUN_ALL = r"""#!/usr/bin/env bash
 # a stand-in for run_all.sh: `list`, and a stage that records its GPU and sleeps
 case $1 in
   list) cat <<'LIST'
-big        ~0.2 min | long
-pcie       ~0.1 min [pcie] | streams
-small      ~0.05 min | short
-huge       ~0.35 min | too long for the first call
-slow       ~0.01 min | runs into the deadline the first time
+big        ~0.1 min | long
+pcie       ~0.05 min [pcie] | streams
+small      ~0.025 min | short
+huge       ~0.175 min | too long for the first call
+slow       ~0.005 min | runs into the deadline the first time
 LIST
   ;;
   *) mkdir -p "$OUT/$1"; echo "gpu=$CUDA_VISIBLE_DEVICES timeout=$STAGE_TIMEOUT" > "$OUT/$1/ran.txt"
@@ -116,7 +116,8 @@ def test_lanes_run_a_series_of_calls_from_one_queue(tmp_path):
                                "--state", str(tmp_path / "state.json")],
                               env=dict(env, OUT=str(out)), capture_output=True, text=True, timeout=120)
 
-    first = call(1, 47, tmp_path / "out1")
+    # 38 s: 8 s of stages before the cut margin (CUT_MARGIN_S, 30 s), which "slow" sleeps through to its cut
+    first = call(1, 38, tmp_path / "out1")
     assert "left for the next call (--call 2)" in first.stdout, first.stdout + first.stderr
     state = json.loads((tmp_path / "state.json").read_text())
     assert set(state["ran"]) == {"big", "pcie", "small"} and set(state["cut"]) == {"slow"}
