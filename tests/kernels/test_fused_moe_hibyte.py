@@ -311,3 +311,33 @@ def test_packed_decode_assembly_gives_the_reference_bits(raw):
             o0, o1 = _run_ptx(asm, ins)
             got = np.stack([o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16], 1).reshape(R, 32).astype(np.uint16)
             assert np.array_equal(got, want[:, 64 * s + 32 * half:64 * s + 32 * half + 32]), (s, half)
+
+
+@pytest.mark.parametrize("order", hibyte.ORDERS)
+@pytest.mark.parametrize("tiny", [0, 1601])
+def test_decode_kernel_gives_the_reference_bits(order, tiny):
+    # the standalone decode (the fused tier's prefill path): every part, and a subset in any order, bit for bit
+    E, R, C = 4, 48, 128
+    g = torch.Generator().manual_seed(tiny + len(order))
+    w = (torch.randn(E, R, C, generator=g) * 0.02).bfloat16()
+    if tiny:
+        w.view(-1)[7::tiny] = 3e-30
+    h = hibyte.encode(w.to(DEVICE), num_parts=E, order=order)
+    if tiny:
+        assert h.high.shape[0] > 0 and (h.tile_raw < 0).any()
+    ref = hibyte.decode_reference(h).view(torch.int16)
+    assert torch.equal(ref.cpu(), w.view(torch.int16))
+    assert torch.equal(fmh.hibyte_decode(h).view(torch.int16), ref)
+    parts = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(5, R, C, dtype=torch.bfloat16, device=DEVICE)
+    fmh.hibyte_decode(h, parts, out=out, block_n=32)
+    assert torch.equal(out[:3].view(torch.int16), ref[parts.long()])
+    assert not out[3:].any()  # rows past the parts asked are not written
+
+
+def test_decode_kernel_refuses_bad_arguments():
+    h = hibyte.encode((torch.randn(2, 16, 64) * 0.02).bfloat16().to(DEVICE), num_parts=2)
+    with pytest.raises(ValueError, match="parts must be int32"):
+        fmh.hibyte_decode(h, torch.tensor([0], device=DEVICE))
+    with pytest.raises(ValueError, match="out must be bf16"):
+        fmh.hibyte_decode(h, out=torch.empty(2, 16, 32, dtype=torch.bfloat16, device=DEVICE))

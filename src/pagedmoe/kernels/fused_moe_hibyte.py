@@ -283,6 +283,71 @@ def fused_moe_hibyte_kernel(
     store_block(acc_g, acc_u, out_ptr, pid_k, stride_os, stride_om, slots, offs_n, m_mask, n_mask, GATED, SWAP_AB)
 
 
+@triton.jit
+def hibyte_decode_kernel(lo_ptr, code_ptr, base_ptr, tile_raw_ptr, high_ptr, out_ptr, parts_ptr, K, part_rows,
+                         stride_oe, HAS_RAW: tl.constexpr, PACKED: tl.constexpr, TILE_MAJOR: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """One [BLOCK_N, 64] tile of part parts[program 2] decoded to out[program 2] (rows of the part, K columns):
+    the GEMM's own tile decode (_half_tiles), stored instead of multiplied."""
+    pid_n = tl.program_id(0)
+    ks = tl.program_id(1) * 64
+    j = tl.program_id(2)
+    part = tl.load(parts_ptr + j).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < part_rows
+    offs_h = tl.arange(0, 32)
+    rows = part * part_rows + offs_n
+    if TILE_MAJOR:
+        lo_r = lo_ptr + _tm_rows(rows, K)[:, None]
+        code_r = lo_r + 64
+    else:
+        lo_r = lo_ptr + rows[:, None] * K
+        code_r = code_ptr + rows[:, None] * (K // 2)
+    base = tl.load(base_ptr + rows, mask=n_mask, other=0).to(tl.int32)
+    base8 = tl.broadcast_to(base.to(tl.uint8)[:, None], (BLOCK_N, 32))
+    raw = tl.full([BLOCK_N], -1, tl.int32)
+    if HAS_RAW:
+        tiles_rows = part_rows // 16
+        raw = tl.load(tile_raw_ptr + part * tiles_rows * (K // 64) + (ks // 64) * tiles_rows + offs_n // 16,
+                      mask=n_mask, other=-1)
+    w0, w1 = _half_tiles(lo_r, code_r, high_ptr, raw, offs_n % 16, base, base8, ks, offs_h, n_mask, out_ptr,
+                         HAS_RAW, PACKED, True, TILE_MAJOR)
+    o = out_ptr + j.to(tl.int64) * stride_oe + offs_n[:, None] * K + ks + offs_h[None, :]
+    tl.store(o, w0, mask=n_mask[:, None])
+    tl.store(o + 32, w1, mask=n_mask[:, None])
+
+
+def hibyte_decode(h: "hibyte.HiByteTensor", parts: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  block_n: int = 64) -> torch.Tensor:
+    """Parts `parts` (int32 [n] on h's device; None: every part) of h decoded into bf16 [n, part_rows, C] (out, or
+    new), bit for bit hibyte.decode_reference's rows of those parts, in one launch from either byte order. The
+    fused tier's prefill decodes its experts with it, where a GEMM over large blocks beats the decode in the tile
+    loads (experts/pager.py)."""
+    R, C = h.rows_cols
+    Rp = h.part_rows
+    dev = h.lo.device
+    if parts is None:
+        parts = torch.arange(h.num_parts, dtype=torch.int32, device=dev)
+    if parts.dtype != torch.int32 or parts.dim() != 1 or parts.device != dev:
+        raise ValueError(f"parts must be int32 [n] on {dev}, got {parts.dtype} {tuple(parts.shape)} on {parts.device}")
+    n = parts.numel()
+    if out is None:
+        out = torch.empty(n, Rp, C, dtype=torch.bfloat16, device=dev)
+    if (out.dtype != torch.bfloat16 or out.device != dev or tuple(out.shape[-2:]) != (Rp, C) or out.shape[0] < n
+            or out.stride(2) != 1 or out.stride(1) != C):
+        raise ValueError(f"out must be bf16 [>= {n}, {Rp}, {C}] on {dev} with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if n == 0:
+        return out
+    high = h.high if h.high.numel() else h.lo
+    tm = h.order == "tile_major"
+    hibyte_decode_kernel[(triton.cdiv(Rp, block_n), C // 64, n)](
+        h.lo, h.lo if tm else h.code, h.base, h.tile_raw, high, out, parts, C, Rp, out.stride(0),
+        HAS_RAW=h.high.shape[0] > 0, PACKED=os.environ.get("TRITON_INTERPRET") != "1", TILE_MAJOR=tm,
+        BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class HiByteExperts:
     """One GEMM's experts in the hibyte format as fused_moe.py's launcher runs them (its `launch` hook). exact:
