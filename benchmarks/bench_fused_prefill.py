@@ -4,8 +4,10 @@ layer bf16-resident, at T = 512, 2048, 8192 tokens on the Mixtral-8x7B and Qwen3
 Rows (each checked before it is timed):
   grouped          bf16 experts, experts_grouped_mm (the resident engine's prefill path: cutlass grouped GEMMs)
   triton[-TILES]   bf16 experts, fused_moe (the Triton kernel) at the layer's tiles, and at larger ones
-  tier[-TILES]     the engine's fused-hibyte tier as it runs today (fused_moe_mixed over tile-major hibyte launchers,
-                   exact=False at 4 warps), and the kernel at larger tiles (the tier's warps then the config's)
+  tier[-TILES]     the engine's fused-hibyte tier decoding in the GEMM's tile loads (fused_moe_mixed over tile-major
+                   hibyte launchers, exact=False at 4 warps), and the kernel at larger tiles (the config's warps)
+  tier-decoded     the tier's launches decoding their experts a chunk at a time, then the bf16 kernel (the engine's
+                   path from DECODE_MIN_ROWS routed rows an expert, kernels/fused_moe_hibyte.py)
   decode           hibyte_decode of every expert (w13 and w2) into bf16 buffers, alone
   decode+grouped   that decode, then the grouped GEMMs on the decoded experts (bit-equal to `grouped`)
 The Triton rows' outputs are checked within bf16 GEMM tolerance of `grouped` (max error <= 1% of the
@@ -89,7 +91,10 @@ def run_model(name: str, m: dict, tokens: list[int], reps: int, dev) -> list[dic
         ref = experts_grouped_mm(x, w13, w2, weights, ids)
         row = dict(model=name, T=T, floor_us=floor_us, us={}, errors={})
 
-        def tier(cfg=None, warps=fast["num_warps"]):
+        def tier(cfg=None, warps=fast["num_warps"], decoded=False):
+            # decoded: the tier's launches decode their experts, then run the bf16 kernel (HiByteExperts'
+            # _launch_decoded); else the decode in the GEMM's tile loads, whatever the size
+            os.environ["PAGEDMOE_HIBYTE_DECODE_ROWS"] = "0" if decoded else str(1 << 40)
             parts = [(HiByteExperts(h13, exact=False, num_warps=warps), HiByteExperts(h2, exact=False, num_warps=warps),
                       every)]
             return fm.fused_moe_mixed(x, parts, E, weights, ids, config=cfg)
@@ -105,7 +110,7 @@ def run_model(name: str, m: dict, tokens: list[int], reps: int, dev) -> list[dic
 
         cases = [("grouped", lambda: experts_grouped_mm(x, w13, w2, weights, ids), "equal"),
                  ("triton", lambda: fm.fused_moe(x, w13, w2, weights, ids), "close"),
-                 ("tier", tier, "close")]
+                 ("tier", tier, "close"), ("tier-decoded", lambda: tier(decoded=True), "close")]
         for label, ov in TILES:
             cfg = dataclasses.replace(layer_cfg, **ov)
             cases.append((f"triton-{label}", lambda c=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=c), "close"))

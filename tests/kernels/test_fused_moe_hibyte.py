@@ -339,5 +339,33 @@ def test_decode_kernel_refuses_bad_arguments():
     h = hibyte.encode((torch.randn(2, 16, 64) * 0.02).bfloat16().to(DEVICE), num_parts=2)
     with pytest.raises(ValueError, match="parts must be int32"):
         fmh.hibyte_decode(h, torch.tensor([0], device=DEVICE))
-    with pytest.raises(ValueError, match="out must be bf16"):
+    with pytest.raises(ValueError, match="out must be bf16 or float32"):
         fmh.hibyte_decode(h, out=torch.empty(2, 16, 32, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be bf16 or float32"):
+        fmh.hibyte_decode(h, out=torch.empty(2, 16, 64, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernel", ["fast", "exact"])
+@pytest.mark.parametrize("chunk_experts", [1, 2, 8])
+def test_large_blocks_decode_then_run_the_bf16_kernel(kernel, chunk_experts, monkeypatch):
+    # from DECODE_MIN_ROWS routed rows an expert (0 here: always), the tier's launches decode their experts a chunk
+    # at a time (DECODE_CHUNK_BYTES: 1, 2 or all of a GEMM's experts) and run the bf16 kernel on them: fused_moe_mixed
+    # then equals fused_moe on the whole layer decoded, bit for bit, whichever kernel the tier runs
+    x, weights, ids, parts, w13, w2, held = _tier_layer(kernel, [0, 1, 3], seed=23, tiny=1601)
+    E, two_i, H = w13.shape
+    monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", "0")
+    monkeypatch.setattr(fmh, "DECODE_CHUNK_BYTES", chunk_experts * 2 * two_i * H)
+    spy = _Launches(fmh.fused_moe_hibyte_kernel)
+    monkeypatch.setattr(fmh, "fused_moe_hibyte_kernel", spy)
+    decodes = _Launches(fmh.hibyte_decode_kernel)
+    monkeypatch.setattr(fmh, "hibyte_decode_kernel", decodes)
+    got = fm.fused_moe_mixed(x, parts, E, weights, ids)
+    assert torch.equal(got, fm.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids))
+    assert not spy.calls  # no decode in the tile loads
+    # three experts, a chunk of `chunk_experts` of w13's and twice as many of w2's (half the bytes an expert)
+    assert len(decodes.calls) == -(-3 // min(3, chunk_experts)) + -(-3 // min(3, 2 * chunk_experts))
+    # below the threshold the tier decodes in the GEMM as before
+    monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", str(10 ** 6))
+    decodes.calls.clear()
+    fm.fused_moe_mixed(x, parts, E, weights, ids)
+    assert len(spy.calls) == 2 and not decodes.calls

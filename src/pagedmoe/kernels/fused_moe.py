@@ -355,7 +355,6 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
         sorted_slots, block_expert = moe_align(topk_ids, E, cfg.block_m)
         num_blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
-    pdl = launch_args(x.device)
 
     # A group whose weights have a `launch` (kernels/fused_moe_lossless.py: experts in lossless format v2) runs
     # its own kernel over the same blocks, rows of h and y, and splits.
@@ -365,16 +364,8 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
             w13.launch((num_blocks * triton.cdiv(I, cfg.block_n), 1), x, h, sorted_slots, block_expert, slots, N,
                        num_blocks, I, H, H, 0, h.stride(0), A, True, cfg, precision)
             continue
-        fused_moe_kernel[(num_blocks * triton.cdiv(I, cfg.block_n), 1)](
-            x, w13.data, h, sorted_slots, block_expert, x if w13.scales is None else w13.scales,
-            block_expert if slots is None else slots,
-            N, num_blocks, I, H, H,
-            x.stride(0), w13.stride_e, w13.stride_n, 0, h.stride(0), w13.stride_se, w13.stride_sn, E,
-            TOP_K=A, GATED=True, SWAP_AB=cfg.swap_ab, EVEN_K=H % cfg.block_k == 0, EVEN_N=I % cfg.block_n == 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-            QUANT=w13.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, SLOT_BLOCKS=slot_blocks,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        )
+        launch_dense(w13, (num_blocks * triton.cdiv(I, cfg.block_n), 1), x, h, sorted_slots, block_expert, slots, N,
+                     num_blocks, I, H, H, 0, h.stride(0), A, True, cfg, precision, E, slot_blocks)
 
     n_tiles2 = triton.cdiv(H, cfg.block_n2)
     splits, k_per_split = w2_splits(cfg, num_blocks, T, A, E, H, I, num_sms)
@@ -387,19 +378,30 @@ def fused_moe_groups(x, groups, topk_weights, topk_ids, T, A, E, H, I, out, conf
             w2.launch((num_blocks * n_tiles2, splits), h, y, sorted_slots, block_expert, slots, N, num_blocks, H, I,
                       k_per_split, y.stride(0), y.stride(1), 1, False, cfg, precision)
             continue
-        fused_moe_kernel[(num_blocks * n_tiles2, splits)](
-            h, w2.data, y, sorted_slots, block_expert, x if w2.scales is None else w2.scales,
-            block_expert if slots is None else slots,
-            N, num_blocks, H, I, k_per_split,
-            h.stride(0), w2.stride_e, w2.stride_n, y.stride(0), y.stride(1), w2.stride_se, w2.stride_sn, E,
-            TOP_K=1, GATED=False, SWAP_AB=cfg.swap_ab,
-            EVEN_K=I % cfg.block_k2 == 0, EVEN_N=H % cfg.block_n2 == 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, DOT_PRECISION=precision,
-            QUANT=w2.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, SLOT_BLOCKS=slot_blocks,
-            num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **pdl,
-        )
+        launch_dense(w2, (num_blocks * n_tiles2, splits), h, y, sorted_slots, block_expert, slots, N, num_blocks, H, I,
+                     k_per_split, y.stride(0), y.stride(1), 1, False, cfg, precision, E, slot_blocks)
 
     return moe_sum(y, topk_weights, topk_ids, out, splits, E)
+
+
+def launch_dense(w: _ExpertWeights, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K,
+                 k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts,
+                 slot_blocks=False) -> None:
+    """fused_moe_kernel over the blocks of one GEMM (gated: w13's, with cfg's first tiles; else w2's) on weights `w`
+    (float or quantized; slots [E]: each expert's index in w, or -1 for blocks this launch skips; None: by id).
+    The arguments a `launch` hook takes (fused_moe_lossless.py), and the experts' count."""
+    bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
+                             (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
+    fused_moe_kernel[grid](
+        a, w.data, out, sorted_slots, block_expert, a if w.scales is None else w.scales,
+        block_expert if slots is None else slots,
+        num_slots, num_blocks, N, K, k_per_split,
+        a.stride(0), w.stride_e, w.stride_n, stride_os, stride_om, w.stride_se, w.stride_sn, num_experts,
+        TOP_K=top_k, GATED=gated, SWAP_AB=cfg.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
+        QUANT=w.quant, GROUP=INT4_GROUP, USE_SLOTS=slots is not None, SLOT_BLOCKS=slot_blocks,
+        num_warps=warps, num_stages=stages, **launch_args(a.device),
+    )
 
 
 def check_out_like(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

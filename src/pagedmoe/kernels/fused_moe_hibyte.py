@@ -320,7 +320,8 @@ def hibyte_decode_kernel(lo_ptr, code_ptr, base_ptr, tile_raw_ptr, high_ptr, out
 def hibyte_decode(h: "hibyte.HiByteTensor", parts: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   block_n: int = 64) -> torch.Tensor:
     """Parts `parts` (int32 [n] on h's device; None: every part) of h decoded into bf16 [n, part_rows, C] (out, or
-    new), bit for bit hibyte.decode_reference's rows of those parts, in one launch from either byte order. The
+    new; a float32 out holds the same values), bit for bit hibyte.decode_reference's rows of those parts, in one
+    launch from either byte order. The
     fused tier's prefill decodes its experts with it, where a GEMM over large blocks beats the decode in the tile
     loads (experts/pager.py)."""
     R, C = h.rows_cols
@@ -333,10 +334,10 @@ def hibyte_decode(h: "hibyte.HiByteTensor", parts: torch.Tensor | None = None, o
     n = parts.numel()
     if out is None:
         out = torch.empty(n, Rp, C, dtype=torch.bfloat16, device=dev)
-    if (out.dtype != torch.bfloat16 or out.device != dev or tuple(out.shape[-2:]) != (Rp, C) or out.shape[0] < n
-            or out.stride(2) != 1 or out.stride(1) != C):
-        raise ValueError(f"out must be bf16 [>= {n}, {Rp}, {C}] on {dev} with contiguous rows, got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
+    if (out.dtype not in (torch.bfloat16, torch.float32) or out.device != dev or tuple(out.shape[-2:]) != (Rp, C)
+            or out.shape[0] < n or out.stride(2) != 1 or out.stride(1) != C):
+        raise ValueError(f"out must be bf16 or float32 [>= {n}, {Rp}, {C}] on {dev} with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if n == 0:
         return out
     high = h.high if h.high.numel() else h.lo
@@ -368,6 +369,11 @@ class HiByteExperts:
     def launch(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K, k_per_split,
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
         h = self.h
+        num_experts = h.num_parts if slots is None else slots.numel()
+        if num_slots >= decode_min_rows() * num_experts:
+            self._launch_decoded(grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K,
+                                 k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts)
+            return
         bn, bk, warps, stages = ((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) if gated else
                                  (cfg.block_n2, cfg.block_k2, cfg.num_warps2, cfg.num_stages2))
         warps = self.num_warps or warps
@@ -389,6 +395,44 @@ class HiByteExperts:
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
             PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=tm is not None,
             JOIN_K=self.join_k, num_warps=warps, num_stages=stages)
+
+
+    def _launch_decoded(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K,
+                        k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts) -> None:
+        """Large blocks (prefill): the experts decoded once, a chunk of DECODE_CHUNK_BYTES at a time, into a bf16
+        buffer the bf16 kernel then reads with the same tiles, over the blocks of that chunk's experts. In the
+        GEMM each of an expert's blocks decodes its tiles again (16 decodes of every weight at 1024 rows an expert
+        in blocks of 64), which at prefill sizes costs more than the MMA; decoded once, a weight costs a write
+        and a read of its bf16 bytes. The outputs are bit for bit fused_moe's on the decoded weights."""
+        from .fused_moe import _ExpertWeights, launch_dense
+
+        h, dev = self.h, a.device
+        n, rows = h.num_parts, h.part_rows
+        per = max(1, min(n, DECODE_CHUNK_BYTES // (2 * rows * K)))
+        starts = torch.arange(0, n, per, dtype=torch.int32, device=dev)
+        index = torch.arange(num_experts, dtype=torch.int32, device=dev) if slots is None else slots
+        local = index[None, :] - starts[:, None]    # [chunks, E]: each expert's row in each chunk's buffer
+        chunk_slots = torch.where((local >= 0) & (local < per), local, -1)
+        parts = torch.arange(n, dtype=torch.int32, device=dev)
+        buf = torch.empty(per, rows, K, dtype=a.dtype, device=dev)  # bf16 (float32 in the interpreter's tests)
+        w = _ExpertWeights.of(buf)
+        for c in range(starts.numel()):
+            j = c * per
+            hibyte_decode(h, parts[j:j + per], out=buf)
+            launch_dense(w, grid, a, out, sorted_slots, block_expert, chunk_slots[c], num_slots, num_blocks, N, K,
+                         k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts)
+
+
+# Mean routed rows per expert of the layer (slots / experts) from which HiByteExperts decodes its experts and runs the
+# bf16 kernel (_launch_decoded) instead of decoding in the GEMM's tile loads; PAGEDMOE_HIBYTE_DECODE_ROWS overrides
+# (0: always, a large value: never). Measured by benchmarks/bench_fused_prefill.py.
+DECODE_MIN_ROWS = 256
+DECODE_CHUNK_BYTES = 128 << 20   # bf16 bytes decoded at a time (at least one expert's GEMM weights)
+
+
+def decode_min_rows() -> int:
+    v = os.environ.get("PAGEDMOE_HIBYTE_DECODE_ROWS")
+    return DECODE_MIN_ROWS if v is None else int(v)
 
 
 def hibyte_pair(w13, w2, H: int, I: int, device, **kernel) -> tuple[HiByteExperts, HiByteExperts]:
