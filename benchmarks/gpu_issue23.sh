@@ -9,6 +9,8 @@
 #          against bf16-resident at 1 / 16 / 64 / 256 tokens, every hibyte row (the layer's tiles, 4 warps,
 #          k4 = exact=False, m32 = MMA v2 at T >= 128, tm = tile_major bytes, tm-halves = the exact tier),
 #          the encoders' rates                                                                           ~5 min
+#   prefill benchmarks/bench_fused_prefill.py: the fused-hibyte tier at 512 / 2048 / 8192 tokens (in the GEMM's tile
+#          loads, decoded a chunk at a time then the bf16 kernel, larger tiles) against bf16 grouped and Triton ~4 min
 #   w4p    Qwen3-30B-A3B (benchmarks/configs, --load-format dummy) at weights + 4 GiB, paged + lossless (the planner's
 #          split; vs_vllm.sh's w4p workload: 96 random prompts, 1024 in / 1024 out): the compressed GPU tier read by
 #          the fused-hibyte GEMM (W4P_GEMMS, default "fused-hibyte decode"), then the decoding tier          ~8 min
@@ -36,6 +38,10 @@ for part in "$@"; do
     bench)
       t python3 benchmarks/bench_fused_lossless.py --no-v2-variants --out "$D" > "$D/bench_fused_lossless.log" 2>&1
       grep -E "encode|hibyte|wrote" "$D/bench_fused_lossless.log" | tail -120 ;;
+    prefill)
+      t python3 benchmarks/bench_fused_prefill.py > "$D/bench_fused_prefill.log" 2>&1
+      echo "rc $?"
+      grep -v -E "^Traceback|^  File|^    " "$D/bench_fused_prefill.log" | tail -100 ;;
     w4p)
       # the budget as vs_vllm.sh's: the bf16 weights the planner counts + 4 GiB (W4P_GIB overrides)
       gib=${W4P_GIB:-$(python3 -c "import sys; from pagedmoe.planning.model_shape import ModelShape; \
@@ -52,7 +58,7 @@ print(round(ModelShape.from_hf_config(sys.argv[1]).weight_bytes / 2**30 + 4, 2))
         grep -m2 -E "budget|experts:" "$D/w4p-$gemm.log"  # the planner's split: KV cache, compressed tier
         tail -3 "$D/w4p-$gemm.log"
       done ;;
-    *) echo "unknown part $part (tests, bench, w4p)" >&2 ;;
+    *) echo "unknown part $part (tests, bench, prefill, w4p)" >&2 ;;
   esac
   echo "=== $part took ${SECONDS} s"
 done
