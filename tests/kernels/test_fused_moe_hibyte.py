@@ -369,3 +369,25 @@ def test_large_blocks_decode_then_run_the_bf16_kernel(kernel, chunk_experts, mon
     decodes.calls.clear()
     fm.fused_moe_mixed(x, parts, E, weights, ids)
     assert len(spy.calls) == 2 and not decodes.calls
+
+
+def test_layer_tiles_where_the_launches_decode(monkeypatch):
+    # half precision from decode_min_rows() routed rows an expert: DECODED_TILES (block_m too: moe_align's blocks
+    # follow them); below it, or in float32 (the interpreter), the layer's own tiles
+    cfg = fm.default_config(8192, 8, 128, 2048, 768, torch.bfloat16, 132)
+    rows = fmh.DECODE_MIN_ROWS
+    big = fmh.layer_tiles(cfg, rows * 128, 128, torch.bfloat16)
+    assert big == dataclasses.replace(cfg, **fmh.DECODED_TILES) and big.block_m == 128 and big != cfg
+    assert fmh.layer_tiles(cfg, rows * 128 - 1, 128, torch.bfloat16) is cfg
+    assert fmh.layer_tiles(cfg, rows * 128, 128, torch.float32) is cfg
+    monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", "1")
+    assert fmh.layer_tiles(cfg, 128, 128, torch.float16).block_n2 == 128
+    # fused_moe_mixed takes them for a layer holding hibyte parts, unless given a config
+    x, weights, ids, parts, w13, w2, _ = _tier_layer("fast", [1, 3], seed=24, tiny=0)
+    seen = []
+    monkeypatch.setattr(fmh, "layer_tiles", lambda c, n, e, d: seen.append((n, e, d)) or c)
+    fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids)
+    assert seen == [(ids.numel(), w13.shape[0], x.dtype)]
+    fm.fused_moe_mixed(x, parts[:1], w13.shape[0], weights, ids)
+    fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids, config=cfg)
+    assert len(seen) == 1

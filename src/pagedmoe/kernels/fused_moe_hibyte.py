@@ -435,6 +435,20 @@ def decode_min_rows() -> int:
     return DECODE_MIN_ROWS if v is None else int(v)
 
 
+# The bf16 kernel's tiles where the hibyte launches decode (bench_fused_prefill.py on the H100, 2026-12-07: at 512 and
+# 2048 rows an expert, 128 x 128 tiles at 8 warps and 3 stages took the Triton MoE from 21.7 to 12.3 ms at Mixtral's
+# 8192 tokens and from 3.46 to 2.41 ms at Qwen3's, the best of the five tilings timed at every such size)
+DECODED_TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=3, block_n2=128, num_warps2=8, num_stages2=3)
+
+
+def layer_tiles(cfg, num_slots: int, num_experts: int, dtype: torch.dtype):
+    """The tiles fused_moe_mixed runs a layer holding hibyte experts at: DECODED_TILES where its launches decode
+    (HiByteExperts.launch: decode_min_rows() routed rows an expert or more; half precision), cfg elsewhere."""
+    if dtype in (torch.bfloat16, torch.float16) and num_slots >= decode_min_rows() * num_experts:
+        return dataclasses.replace(cfg, **DECODED_TILES)
+    return cfg
+
+
 def hibyte_pair(w13, w2, H: int, I: int, device, **kernel) -> tuple[HiByteExperts, HiByteExperts]:
     """A group of n experts in the hibyte format (w13 [n, 2I, H], w2 [n, H, I], one part each), checked, as
     fused_moe_mixed runs it: hibyte tensors run with `kernel` (HiByteExperts' fields, e.g. TIER_KERNELS["fast"];
