@@ -31,14 +31,18 @@ FUSED_LOSSLESS_TIME_FACTOR = 2.8
 # tm-k4-warps4: 0.94 / 1.39 / 1.66 Mixtral, 0.89 / 0.87 / 1.10 Qwen3 at 16 / 64 / 256 tokens; median 1.02), so it
 # is timed at FUSED_HIBYTE_FAST_TIME_FACTOR. Timed at 2.8 it had looked free to stream host experts under it: the
 # engine's Qwen3-30B-A3B step at weights + 4 GiB took 45 ms at batch 64 on an H100, bound by 2.2 GB of PCIe copies a
-# step (benchmarks/results/session34). The exact kernel (halves) measured 1.5-5.8x: timed like version 2's.
+# step (benchmarks/results/session34). The exact kernel (fused-hibyte-exact, tile-major halves since 2026-12-07)
+# measured 1.2x the fast one's time on an H100 (session35, median of 1.10-1.26 over both shapes at 16 / 64 / 256
+# tokens; 0.81-1.62x bf16 there): timed at the fast kernel's H200 factor times that, until an H200 measures it.
 FUSED_HIBYTE_PLANNING_RATIO = 0.78
 FUSED_HIBYTE_FAST_TIME_FACTOR = 1.05
+FUSED_HIBYTE_EXACT_TIME_FACTOR = round(FUSED_HIBYTE_FAST_TIME_FACTOR * 1.2, 2)
 # --compressed-gemm value -> (planning ratio, time factor) of a compressed tier the GEMM reads in place: the ratio
-# by its format, the time by its kernel (config_sections.FUSED_FORMATS / FUSED_KERNELS, the engine's own tables)
+# by its format (config_sections.FUSED_FORMATS, the engine's own table), the time by its format and kernel
 _FUSED_RATIOS = {"tiled": FUSED_LOSSLESS_PLANNING_RATIO, "hibyte": FUSED_HIBYTE_PLANNING_RATIO}
-_FUSED_TIMES = {"exact": FUSED_LOSSLESS_TIME_FACTOR, "fast": FUSED_HIBYTE_FAST_TIME_FACTOR}
-FUSED_TIER_MODELS = {gemm: (_FUSED_RATIOS[fmt], _FUSED_TIMES[FUSED_KERNELS[gemm]])
+_FUSED_TIMES = {("tiled", "exact"): FUSED_LOSSLESS_TIME_FACTOR, ("hibyte", "fast"): FUSED_HIBYTE_FAST_TIME_FACTOR,
+                ("hibyte", "exact"): FUSED_HIBYTE_EXACT_TIME_FACTOR}
+FUSED_TIER_MODELS = {gemm: (_FUSED_RATIOS[fmt], _FUSED_TIMES[fmt, FUSED_KERNELS[gemm]])
                      for gemm, fmt in FUSED_FORMATS.items()}
 
 
