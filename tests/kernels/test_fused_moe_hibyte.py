@@ -380,14 +380,23 @@ def test_layer_tiles_where_the_launches_decode(monkeypatch):
     assert big == dataclasses.replace(cfg, **fmh.DECODED_TILES) and big.block_m == 128 and big != cfg
     assert fmh.layer_tiles(cfg, rows * 128 - 1, 128, torch.bfloat16) is cfg
     assert fmh.layer_tiles(cfg, rows * 128, 128, torch.float32) is cfg
+    # the fast kernel (tile loads) from FAST_LARGE_ROWS up to the decode; not the exact one, nor below
+    fast = fmh.FAST_LARGE_ROWS * 128
+    fast_tiles = dataclasses.replace(cfg, **fmh.FAST_LARGE_TILES)
+    assert fmh.layer_tiles(cfg, fast, 128, torch.bfloat16, fast=True) == fast_tiles != cfg
+    assert fmh.layer_tiles(cfg, fast, 128, torch.bfloat16) is cfg
+    assert fmh.layer_tiles(cfg, fast - 1, 128, torch.bfloat16, fast=True) is cfg
+    assert fmh.layer_tiles(cfg, rows * 128, 128, torch.bfloat16, fast=True) == big
     monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", "1")
     assert fmh.layer_tiles(cfg, 128, 128, torch.float16).block_n2 == 128
-    # fused_moe_mixed takes them for a layer holding hibyte parts, unless given a config
-    x, weights, ids, parts, w13, w2, _ = _tier_layer("fast", [1, 3], seed=24, tiny=0)
+    # fused_moe_mixed takes them for a layer holding hibyte parts, unless given a config; fast when every hibyte
+    # part runs the fast kernel
     seen = []
-    monkeypatch.setattr(fmh, "layer_tiles", lambda c, n, e, d: seen.append((n, e, d)) or c)
-    fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids)
-    assert seen == [(ids.numel(), w13.shape[0], x.dtype)]
-    fm.fused_moe_mixed(x, parts[:1], w13.shape[0], weights, ids)
-    fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids, config=cfg)
-    assert len(seen) == 1
+    monkeypatch.setattr(fmh, "layer_tiles", lambda c, n, e, d, fast: seen.append((n, e, d, fast)) or c)
+    for kernel in ("fast", "exact"):
+        x, weights, ids, parts, w13, w2, _ = _tier_layer(kernel, [1, 3], seed=24, tiny=0)
+        fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids)
+        assert seen[-1] == (ids.numel(), w13.shape[0], x.dtype, kernel == "fast")
+        fm.fused_moe_mixed(x, parts[:1], w13.shape[0], weights, ids)
+        fm.fused_moe_mixed(x, parts, w13.shape[0], weights, ids, config=cfg)
+    assert len(seen) == 2

@@ -303,10 +303,11 @@ def fused_moe_mixed(x: torch.Tensor, parts, num_experts: int, topk_weights: torc
     # its blocks and splits, so the sums are those of fused_moe on the assembled layer
     cfg = config or tuned_config(T, A, E, H, I, x.dtype, x.device) or default_config(T, A, E, H, I, x.dtype,
                                                                                       sm_count(x.device))
-    if config is None and any(getattr(w13, "version", None) == 3 for w13, _, _ in parts):
+    hib = [w13 for w13, _, _ in parts if getattr(w13, "version", None) == 3]
+    if config is None and hib:  # large blocks: larger tiles (the hibyte parts decode first from DECODE_MIN_ROWS)
         from .fused_moe_hibyte import layer_tiles
 
-        cfg = layer_tiles(cfg, T * A, E, x.dtype)  # large blocks: the hibyte parts decode, then the bf16 kernel
+        cfg = layer_tiles(cfg, T * A, E, x.dtype, fast=all(getattr(w, "exact", True) is False for w in hib))
     groups = []
     for w13, w2, slots in parts:
         if slots.dtype != torch.int32 or tuple(slots.shape) != (E,) or slots.device != x.device:
