@@ -389,6 +389,11 @@ def test_layer_tiles_where_the_launches_decode(monkeypatch):
     assert fmh.layer_tiles(cfg, rows * 128, 128, torch.bfloat16, fast=True) == big
     monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", "1")
     assert fmh.layer_tiles(cfg, 128, 128, torch.float16).block_n2 == 128
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", bad)
+        with pytest.raises(ValueError, match="PAGEDMOE_HIBYTE_DECODE_ROWS must be a whole number"):
+            fmh.layer_tiles(cfg, 128, 128, torch.bfloat16)
+    monkeypatch.setenv("PAGEDMOE_HIBYTE_DECODE_ROWS", "1")
     # fused_moe_mixed takes them for a layer holding hibyte parts, unless given a config; fast when every hibyte
     # part runs the fast kernel
     seen = []

@@ -432,7 +432,11 @@ DECODE_CHUNK_BYTES = 128 << 20   # bf16 bytes decoded at a time (at least one ex
 
 def decode_min_rows() -> int:
     v = os.environ.get("PAGEDMOE_HIBYTE_DECODE_ROWS")
-    return DECODE_MIN_ROWS if v is None else int(v)
+    if v is None:
+        return DECODE_MIN_ROWS
+    if not v.strip().isdigit():
+        raise ValueError(f"PAGEDMOE_HIBYTE_DECODE_ROWS must be a whole number of rows (0: always decode), got {v!r}")
+    return int(v)
 
 
 # The bf16 kernel's tiles where the hibyte launches decode (bench_fused_prefill.py on the H100, 2026-12-07: at 512 and
