@@ -303,6 +303,17 @@ def test_bench_fused_lossless_quick(tmp_path):
     assert "every output equal" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark")
+def test_bench_fused_prefill_quick(tmp_path):
+    # every row of the prefill-size bench runs and passes its check (the decode bit for bit, decode+grouped equal to
+    # grouped, the Triton rows and the tier's within tolerance) on a tiny layer in the interpreter
+    out, res = _run_script(tmp_path, "benchmarks/bench_fused_prefill.py")
+    (row,) = res["rows"]
+    assert not row["errors"] and {"grouped", "tier", "tier-decoded", "decode+grouped"} <= set(row["checked"])
+    assert len(row["checked"]) == 6 + 2 * 4 and max(row["rel_err"].values()) < 1e-5
+    assert "tier-decoded           checked" in out
+
+
 def test_lossless_formats_quick(tmp_path):
     out, res = _run_script(tmp_path, "benchmarks/lossless_formats.py")
     for r in res["inputs"].values():
