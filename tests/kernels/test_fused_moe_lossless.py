@@ -310,7 +310,7 @@ def test_bench_fused_prefill_quick(tmp_path):
     out, res = _run_script(tmp_path, "benchmarks/bench_fused_prefill.py")
     (row,) = res["rows"]
     assert not row["errors"] and {"grouped", "tier", "tier-decoded", "decode+grouped"} <= set(row["checked"])
-    assert len(row["checked"]) == 6 + 2 * 4 and max(row["rel_err"].values()) < 1e-5
+    assert len(row["checked"]) == 6 + 2 and max(row["rel_err"].values()) < 1e-5  # one tiling of each kernel
     assert "tier-decoded           checked" in out
 
 
