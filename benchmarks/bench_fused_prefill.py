@@ -109,14 +109,13 @@ def run_model(name: str, m: dict, tokens: list[int], reps: int, dev, act=torch.b
                       every)]
             return fm.fused_moe_mixed(x, parts, E, weights, ids, config=cfg)
 
-        def decode_grouped():
-            hibyte_decode(h13, out=d13)
-            hibyte_decode(h2, out=d2)
-            return experts_grouped_mm(x, d13, d2, weights, ids)
-
         def decode_only():
             hibyte_decode(h13, out=d13)
             hibyte_decode(h2, out=d2)
+
+        def decode_grouped():
+            decode_only()
+            return experts_grouped_mm(x, d13, d2, weights, ids)
 
         cases = [("grouped", lambda: experts_grouped_mm(x, w13, w2, weights, ids), "equal"),
                  ("triton", lambda: fm.fused_moe(x, w13, w2, weights, ids), "close"),

@@ -321,10 +321,9 @@ def hibyte_decode(h: "hibyte.HiByteTensor", parts: torch.Tensor | None = None, o
                   block_n: int = 64) -> torch.Tensor:
     """Parts `parts` (int32 [n] on h's device; None: every part) of h decoded into bf16 [n, part_rows, C] (out, or
     new; a float32 out holds the same values), bit for bit hibyte.decode_reference's rows of those parts, in one
-    launch from either byte order. The
-    fused tier's prefill decodes its experts with it, where a GEMM over large blocks beats the decode in the tile
-    loads (experts/pager.py)."""
-    R, C = h.rows_cols
+    launch from either byte order. HiByteExperts decodes its experts with it where a GEMM over large blocks beats
+    the decode in the tile loads (_launch_decoded)."""
+    _, C = h.rows_cols
     Rp = h.part_rows
     dev = h.lo.device
     if parts is None:
@@ -370,7 +369,7 @@ class HiByteExperts:
                stride_os, stride_om, top_k, gated, cfg, precision) -> None:
         h = self.h
         num_experts = h.num_parts if slots is None else slots.numel()
-        if num_slots >= decode_min_rows() * num_experts:
+        if decodes(num_slots, num_experts):
             self._launch_decoded(grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K,
                                  k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts)
             return
@@ -395,7 +394,6 @@ class HiByteExperts:
             BLOCK_K=bk, DOT_PRECISION=precision, HAS_RAW=h.high.shape[0] > 0, USE_SLOTS=slots is not None,
             PACKED=os.environ.get("TRITON_INTERPRET") != "1", EXACT=self.exact, TILE_MAJOR=tm is not None,
             JOIN_K=self.join_k, num_warps=warps, num_stages=stages)
-
 
     def _launch_decoded(self, grid, a, out, sorted_slots, block_expert, slots, num_slots, num_blocks, N, K,
                         k_per_split, stride_os, stride_om, top_k, gated, cfg, precision, num_experts) -> None:
@@ -439,6 +437,12 @@ def decode_min_rows() -> int:
     return int(v)
 
 
+def decodes(num_slots: int, num_experts: int) -> bool:
+    """Whether a hibyte launch over `num_slots` routed rows of a layer of `num_experts` decodes its experts first
+    (decode_min_rows() rows an expert or more)."""
+    return num_slots >= decode_min_rows() * num_experts
+
+
 # The bf16 kernel's tiles where the hibyte launches decode (bench_fused_prefill.py on the H100, 2026-12-07: at 512 and
 # 2048 rows an expert, 128 x 128 tiles at 8 warps and 3 stages took the Triton MoE from 21.7 to 12.3 ms at Mixtral's
 # 8192 tokens and from 3.46 to 2.41 ms at Qwen3's, the best of the five tilings timed at every such size)
@@ -459,7 +463,7 @@ def layer_tiles(cfg, num_slots: int, num_experts: int, dtype: torch.dtype, fast:
     on the fast kernel (`fast`), FAST_LARGE_TILES from FAST_LARGE_ROWS rows; cfg elsewhere."""
     if dtype not in (torch.bfloat16, torch.float16):
         return cfg
-    if num_slots >= decode_min_rows() * num_experts:
+    if decodes(num_slots, num_experts):
         return dataclasses.replace(cfg, **DECODED_TILES)
     if fast and num_slots >= FAST_LARGE_ROWS * num_experts:
         return dataclasses.replace(cfg, **FAST_LARGE_TILES)
