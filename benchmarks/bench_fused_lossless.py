@@ -34,7 +34,7 @@ from pagedmoe.codecs import hibyte, tiled  # noqa: E402
 from pagedmoe.kernels import fused_moe as fm  # noqa: E402
 from pagedmoe.kernels.device_info import sm_count  # noqa: E402
 from pagedmoe.kernels.fused_moe import FusedMoEConfig  # noqa: E402
-from pagedmoe.kernels.fused_moe_hibyte import fused_moe_hibyte, tile_major  # noqa: E402
+from pagedmoe.kernels.fused_moe_hibyte import FAST_LARGE_TILES, fused_moe_hibyte, layer_tiles, tile_major  # noqa: E402
 from pagedmoe.kernels.fused_moe_lossless import fused_moe_lossless, lossless_config, prepare_lossless  # noqa: E402
 from pagedmoe.models.layers.moe import experts_loop  # noqa: E402
 
@@ -199,6 +199,15 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
                 [("tm", layer), ("tm-warps4", layer4), ("tm-k4-warps4", layer4), ("halves", layer),
                  ("tm-halves", layer)] + \
                 ([("tm-k4-warps4-m16", dataclasses.replace(layer4, block_m=16))] if layer.block_m > 16 else [])
+            # "tm-k4-tier": the tiles the engine's fused-hibyte tier takes at this size where they are not layer4's
+            # (layer_tiles; its fast kernel runs 4 warps, TIER_KERNELS); "tm-k4-m128": FAST_LARGE_TILES from 32 rows
+            # an expert up to FAST_LARGE_ROWS, to place that threshold (Mixtral T = 256: 64 rows an expert at
+            # block_m 64, so an expert routed more than 64 rows decodes its weights twice)
+            tier = dataclasses.replace(layer_tiles(layer, T * m["A"], m["E"], dtype, fast=True), num_warps=4,
+                                       num_warps2=4)
+            candidates += ([("tm-k4-tier", tier)] if tier != layer4 else []) + \
+                ([("tm-k4-m128", dataclasses.replace(layer, **FAST_LARGE_TILES))]
+                 if tier.block_m < FAST_LARGE_TILES["block_m"] and T * m["A"] >= 32 * m["E"] else [])
             for label, ov in ([("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS +
                               candidates):
                 try:
