@@ -77,7 +77,8 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams], probs: 
     # per-row values on the device only for the steps that use them (x / 1.0 is x: at temperature 1, vLLM's
     # default, no division and no host-to-device copy)
     temp = None if all(t == 1.0 for t in temps) else to_device(temps, device).unsqueeze(-1)
-    top_k = to_device([p.top_k for p in params], device) if k_max else None
+    # top_k >= V keeps every token: V itself says so and fits the tensor (a request may send 2**70)
+    top_k = to_device([min(p.top_k, V) for p in params], device) if k_max else None
     top_p = to_device([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None
     min_p = to_device([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in params) else None
     if temp is None and top_k is None and top_p is None and min_p is None:
