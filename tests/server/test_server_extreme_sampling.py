@@ -36,3 +36,13 @@ def test_top_k_larger_than_int64_beside_another_top_k(tiny_model_dir):
                                         {"prompt": "hi", "max_tokens": 3, "top_k": 2 ** 70})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_tiny_repetition_penalty(tiny_model_dir):
+    # repetition_penalty is accepted in (0, 100]: a seen token's positive logit is divided by it, which at
+    # 1e-39 (0 in float32) made it +inf and the softmax NaN, and the step raised.
+    for penalty, temperature in ((1e-39, 1.0), (1e-30, 0.5)):
+        body = {"prompt": "hi hi hi", "max_tokens": 3, "repetition_penalty": penalty, "temperature": temperature}
+        resp = _alongside_a_running_request(tiny_model_dir, {}, body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] >= 1

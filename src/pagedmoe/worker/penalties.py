@@ -19,6 +19,8 @@ import torch
 from pagedmoe.sampling_params import SamplingParams
 from pagedmoe.worker.host_copy import to_device_async
 
+MIN_REPETITION_PENALTY = 1e-6
+
 
 def _counts(seqs: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
     """[R, V] float32: how often each token occurs in each sequence (ids >= V are ignored)."""
@@ -51,7 +53,10 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         out_counts = _counts([histories[i][1] for i in rows], V, dev)
         if any(p.repetition_penalty != 1.0 for p in ps):
             seen = (_counts([histories[i][0] for i in rows], V, dev) > 0) | (out_counts > 0)
-            rep = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(-1)
+            # Below MIN_REPETITION_PENALTY a positive logit / r can overflow float32 (+inf, then a NaN softmax
+            # that stops the step); at it, sampling already keeps only the largest penalised logits.
+            rep = torch.tensor([max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in ps],
+                               device=dev).unsqueeze(-1)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         freq = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(-1)
         pres = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(-1)
