@@ -182,3 +182,30 @@ def test_tokenize_detokenize_roundtrip(server):
     assert text == PROMPT
     chat = httpx.post(server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_text_is_left_out(client, ref, stream):
+    # vLLM: the text of the token that stopped the request (a stop_token_ids entry, or EOS with
+    # skip_special_tokens false) is left out unless include_stop_str_in_output; the token itself counts.
+    tok = ref.get_tokenizer()
+    ids = greedy(ref, PROMPT, 8, ignore_eos=True).token_ids
+    stop = next(t for t in ids[1:] if tok.decode([t]).strip())
+    cut = ids[:ids.index(stop)]
+    eos = ref.engine.outputs.eos_token_ids
+    cases = [({"stop_token_ids": [stop], "ignore_eos": True}, tok.decode(cut), len(cut) + 1, stop),
+             ({"stop_token_ids": [stop], "ignore_eos": True, "include_stop_str_in_output": True},
+              tok.decode(cut + [stop]), len(cut) + 1, stop),
+             ({"logit_bias": {str(min(eos)): 100}, "skip_special_tokens": False}, "", 1, None)]
+    for extra, text, num_tokens, stop_reason in cases:
+        kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            got = "".join(c.choices[0].text for c in chunks if c.choices)
+            last = [c.choices[0] for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            r = client.completions.create(**kwargs)
+            got, last, usage = r.choices[0].text, r.choices[0], r.usage
+        assert (got, last.finish_reason, usage.completion_tokens) == (text, "stop", num_tokens), extra
+        assert getattr(last, "stop_reason", None) == stop_reason

@@ -81,7 +81,9 @@ class OutputProcessor:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if self.tokenizer is not None and (p.stop or p.output_kind == "cumulative"):
+        # vLLM: the text of a stop token (EOS or stop_token_ids) is left out unless include_stop_str_in_output
+        text_end = n_out - 1 if status is not None and not p.include_stop_str_in_output else n_out
+        if self.tokenizer is not None and (p.stop or p.output_kind == "cumulative") and text_end == n_out:
             self._detokenize(request)  # final_only without stop strings: decoded once, at the end
         if status is None and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(request)
@@ -89,7 +91,7 @@ class OutputProcessor:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if self.tokenizer is not None and not isinstance(request.stop_reason, str):
-                self._flush_text(request)  # a stop string already cut the text where it matched
+                self._flush_text(request, text_end)  # a stop string already cut the text where it matched
             request.status = status
             request.finish_time = now
         return status
@@ -109,14 +111,15 @@ class OutputProcessor:
             request.output_text += new_text[len(prefix_text):]
             request.detok_prefix, request.detok_read = read, len(ids)
 
-    def _flush_text(self, request: Request) -> None:
-        """At the end, the text held back (an output ending inside a character) as the full decode has it."""
+    def _flush_text(self, request: Request, end: int) -> None:
+        """At the end, the text of tokens [.., end) held back (an output ending inside a character) as the
+        full decode has it."""
         ids, skip = request.output_token_ids, request.params.skip_special_tokens
         prefix, read = request.detok_prefix, request.detok_read
-        if read < len(ids):
+        if read < end:
             prefix_text = self.decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
-            request.output_text += self.decode(ids[prefix:], skip_special_tokens=skip)[len(prefix_text):]
-            request.detok_prefix, request.detok_read = read, len(ids)
+            request.output_text += self.decode(ids[prefix:end], skip_special_tokens=skip)[len(prefix_text):]
+            request.detok_prefix, request.detok_read = read, end
 
     @staticmethod
     def _check_stop_strings(request: Request) -> Optional[RequestStatus]:
