@@ -209,3 +209,16 @@ def test_stop_token_text_is_left_out(client, ref, stream):
             got, last, usage = r.choices[0].text, r.choices[0], r.usage
         assert (got, last.finish_reason, usage.completion_tokens) == (text, "stop", num_tokens), extra
         assert getattr(last, "stop_reason", None) == stop_reason
+
+
+def test_stop_string_before_min_tokens_is_ignored(client, ref):
+    # vLLM: stop strings are not checked for the first min_tokens tokens, and later only in the new text,
+    # so a stop string written before min_tokens never ends (nor cuts) the output.
+    tok = ref.get_tokenizer()
+    want = greedy(ref, PROMPT, 8, ignore_eos=True)
+    head = tok.decode(want.token_ids[:3])
+    stop = next(s for s in (tok.decode([t]) for t in want.token_ids[:3]) if s.strip() and want.text.count(s) == 1
+                and want.text.index(s) + len(s) <= len(head))
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True, "min_tokens": 4})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "length")

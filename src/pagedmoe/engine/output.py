@@ -83,10 +83,11 @@ class OutputProcessor:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         # vLLM: the text of a stop token (EOS or stop_token_ids) is left out unless include_stop_str_in_output
         text_end = n_out - 1 if status is not None and not p.include_stop_str_in_output else n_out
+        old_len = len(request.output_text)
         if self.tokenizer is not None and (p.stop or p.output_kind == "cumulative") and text_end == n_out:
             self._detokenize(request)  # final_only without stop strings: decoded once, at the end
         if status is None and p.stop and n_out >= p.min_tokens:
-            status = self._check_stop_strings(request)
+            status = self._check_stop_strings(request, old_len)
         if status is None and n_out >= request.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -122,14 +123,13 @@ class OutputProcessor:
             request.detok_prefix, request.detok_read = read, end
 
     @staticmethod
-    def _check_stop_strings(request: Request) -> Optional[RequestStatus]:
+    def _check_stop_strings(request: Request, new_from: int) -> Optional[RequestStatus]:
+        """Only a match that ends in the text added by this token (from `new_from` on) counts (vLLM's rule):
+        earlier steps searched the older text, or skipped it while under min_tokens."""
         text = request.output_text
-        # Earlier steps already searched the older text: only the tail (the longest stop string plus
-        # this token's text) can hold a new match.
-        search_from = max(0, len(text) - max(len(s) for s in request.params.stop) - 64)
         best = None
         for stop in request.params.stop:
-            idx = text.find(stop, search_from)
+            idx = text.find(stop, max(0, new_from - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         if best is None:
