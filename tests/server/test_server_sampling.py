@@ -101,3 +101,29 @@ def test_completions_n2_streamed_equals_whole(client):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in whole.choices]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_is_per_choice(client, chat):
+    # vLLM: with continuous_usage_stats each chunk's usage is its choice's: that choice's prompt and the
+    # tokens it has generated so far (not the sum over the request's choices).
+    kw = dict(model=MODEL_NAME, n=2, temperature=1.0, seed=4, max_tokens=5, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **kw))
+        num_prompts = 1
+    else:
+        chunks = list(client.completions.create(prompt=[PROMPT, "x = 1"], **kw))
+        num_prompts = 2
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 5 * 2 * num_prompts
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        seen.setdefault(choice.index, []).append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+    assert sorted(seen) == list(range(2 * num_prompts))
+    prompt_tokens = {i: counts[-1][0] for i, counts in seen.items()}
+    assert sum(prompt_tokens[i] for i in range(0, 2 * num_prompts, 2)) == final.prompt_tokens
+    for i, counts in seen.items():
+        assert counts[-1][1] == 5 and all(p == prompt_tokens[i] for p, _ in counts)
+        assert [c for _, c in counts] == sorted(c for _, c in counts)

@@ -207,6 +207,13 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
+    def choice_usage(prompt_ids: list[int], out: Optional[RequestOutput]) -> dict:
+        """continuous_usage_stats, as vLLM sends it: one choice's prompt and its tokens so far."""
+        completion = len(out.outputs[0].token_ids) if out is not None else 0
+        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(prompt_ids) + completion}
+
+    @staticmethod
     def holdback(params: SamplingParams) -> int:
         """Characters kept back while streaming, so text a stop string will cut off is never sent."""
         return max((len(s) for s in params.stop), default=1) - 1
@@ -294,8 +301,11 @@ class OpenAIServing:
             for i in range(n):
                 text = prepared.echo[i // prepared.n]
                 states[i].text_offset = len(text)
-                yield sse({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
-                           **usage_field})
+                chunk = {**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+                         **usage_field}
+                if req.continuous_usage:
+                    chunk["usage"] = self.choice_usage(prepared.prompts[i // prepared.n][1], None)
+                yield sse(chunk)
         async for i, out in handle.outputs():
             last[i] = out
             delta, start, end = self.advance(out, states[i], holdback)
@@ -307,7 +317,7 @@ class OpenAIServing:
                       "stop_reason": c.stop_reason}
             chunk = {**base, "choices": [choice], **usage_field}
             if req.continuous_usage:
-                chunk["usage"] = self.usage(last, prepared.n)
+                chunk["usage"] = self.choice_usage(out.prompt_token_ids, out)
             yield sse(chunk)
         if req.include_usage:
             yield sse({**base, "choices": [], "usage": self.usage(last, prepared.n)})
@@ -334,8 +344,11 @@ class OpenAIServing:
         states, last = [_ChoiceState() for _ in range(n)], [None] * n
         holdback = self.holdback(prepared.params)
         for i in range(n):
-            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **usage_field})
+            chunk = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], **usage_field}
+            if req.continuous_usage:
+                chunk["usage"] = self.choice_usage(prepared.prompts[0][1], None)
+            yield sse(chunk)
         async for i, out in handle.outputs():
             last[i] = out
             delta, start, end = self.advance(out, states[i], holdback)
@@ -347,7 +360,7 @@ class OpenAIServing:
                                           "logprobs": logprobs, "finish_reason": c.finish_reason,
                                           "stop_reason": c.stop_reason}], **usage_field}
             if req.continuous_usage:
-                chunk["usage"] = self.usage(last, n)
+                chunk["usage"] = self.choice_usage(out.prompt_token_ids, out)
             yield sse(chunk)
         if req.include_usage and any(o is not None for o in last):
             yield sse({**base, "choices": [], "usage": self.usage(last, n)})
