@@ -185,3 +185,21 @@ def test_swap_space_metrics(tiny_model_dir):
     reference, m0 = run(make_engine(tiny_model_dir, max_model_len=64))
     assert m0["pagedmoe:num_preemptions_total"] == 0 and m0["pagedmoe:num_swapped_preemptions_total"] == 0
     assert got == reference
+
+
+def test_request_larger_than_the_waiting_bound_is_a_400(tiny_model_dir):
+    # 503 + Retry-After means "retry later"; a request with more sequences (prompts x n) than
+    # --max-waiting-requests could never be admitted, however long the client waits.
+    with ServerThread(make_engine(tiny_model_dir, max_num_seqs=4), max_waiting_requests=4) as server:
+        url = server.base_url + "/v1/completions"
+        err = assert_openai_error(httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "n": 5}, timeout=30), 400)
+        assert err["param"] == "n" and "--max-waiting-requests 4" in err["message"]
+        err = assert_openai_error(httpx.post(url, json={"prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2},
+                                             timeout=30), 400)
+        assert err["param"] == "n"
+        chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 5})
+        assert_openai_error(chat, 400)
+        r = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 2, "n": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        assert server.metrics().get('pagedmoe:num_requests_rejected_total{reason="queue_full"}', 0) == 0

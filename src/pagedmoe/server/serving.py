@@ -188,6 +188,10 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------------
     def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:
+        limit = self.bridge.max_waiting_requests
+        if limit is not None and prepared.num_choices > limit:  # never admitted: a 503 would say "retry"
+            raise invalid(f"this request needs {prepared.num_choices} sequences ({len(prepared.prompts)} prompts x "
+                          f"n={prepared.n}), more than the server queues (--max-waiting-requests {limit})", "n")
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         prompts, params = prepared.engine_requests()
         return response_id, self.bridge.submit(response_id, prompts, params, arrival)
