@@ -1,6 +1,7 @@
 """SamplingParams and the output types returned by LLM.generate (vLLM's names and meaning)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -47,7 +48,18 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        # Types first: a float top_k or a string temperature would otherwise pass and fail inside an engine step.
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is None and name in ("max_tokens", "logprobs", "seed"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -81,8 +93,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.output_kind not in ("cumulative", "final_only"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

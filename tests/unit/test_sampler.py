@@ -115,7 +115,11 @@ def test_logprobs_top_n_and_rank():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
                                  dict(min_p=2.0), dict(max_tokens=0), dict(logprobs=50), dict(n=0),
-                                 dict(stop=[""]), dict(stop_token_ids=[-1]), dict(min_tokens=5, max_tokens=2)])
+                                 dict(stop=[""]), dict(stop_token_ids=[-1]), dict(min_tokens=5, max_tokens=2),
+                                 # of the wrong type, or a seed torch refuses: refused here, not inside a step
+                                 dict(top_k=2.5), dict(max_tokens=2.5), dict(logprobs=2.5), dict(min_tokens=1.5),
+                                 dict(top_k=None), dict(temperature="1"), dict(seed=2 ** 64),
+                                 dict(seed=-(2 ** 63) - 1)])
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
