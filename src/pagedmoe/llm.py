@@ -92,12 +92,18 @@ class LLM:
         wanted = {rid for g in groups for rid in g}
         bar = tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm)
         before = self.engine.expert_stats()
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # an error or Ctrl-C mid-run: leave none of this call's requests queued
+            for rid in wanted - finished.keys():
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         summary = self.engine.expert_traffic_summary(before)
         if summary:
             logger.info(summary)

@@ -119,6 +119,24 @@ def test_bad_requests_are_refused_and_engine_keeps_working(llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_a_step_that_raises_leaves_nothing_queued(llm, monkeypatch):
+    """An error (or Ctrl-C) inside generate() aborts its requests: the next call does not run into them."""
+    engine_step = llm.engine.step
+
+    def failing_step():
+        engine_step()
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(["def f(", "x = "], _params(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    out = llm.generate(["y"], _params(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_max_tokens_capped_by_model_len(llm):
     out = llm.generate([[3] * 90], _params(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
