@@ -52,6 +52,22 @@ def test_empty_env_value_means_unset(monkeypatch):
     assert env_default("max_model_len", int, 7) == 64
 
 
+@pytest.mark.parametrize("name, content, expected", [
+    ("prompts.txt", b"def f(\xff\xfe\n", "prompts.txt is not UTF-8 text (byte 6"),
+    ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": 5}\n', 'prompts.jsonl:2: "prompt" must be a string, got int'),
+    ("folder", None, "folder is not a file"),
+])
+def test_bad_prompts_file_is_one_line_naming_it(tmp_path, capsys, name, content, expected):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert main(["generate", "--prompts-file", str(path), "--device", "cpu"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith("pagedmoe generate: error: ") and expected in err, err
+
+
 def test_ctrl_c_in_generate_exits_130_quietly(monkeypatch, capsys):
     from pagedmoe.entrypoints import streaming
 

@@ -67,15 +67,24 @@ def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
-            raise FileNotFoundError(f"prompts file {args.prompts_file} does not exist")
-        for line_no, line in enumerate(args.prompts_file.read_text().splitlines(), 1):
+            what = "is not a file" if args.prompts_file.exists() else "does not exist"
+            raise FileNotFoundError(f"prompts file {args.prompts_file} {what}")
+        try:
+            text = args.prompts_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {args.prompts_file} is not UTF-8 text (byte {e.start}: {e.reason})")
+        for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             if args.prompts_file.suffix == ".jsonl":
                 try:
-                    prompts.append(json.loads(line)["prompt"])
+                    prompt = json.loads(line)["prompt"]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise ValueError(f"{args.prompts_file}:{line_no}: expected {{\"prompt\": ...}} ({e})")
+                if not isinstance(prompt, str):
+                    raise ValueError(f"{args.prompts_file}:{line_no}: \"prompt\" must be a string, "
+                                     f"got {type(prompt).__name__}")
+                prompts.append(prompt)
             else:
                 prompts.append(line.replace("\\n", "\n"))
     if not prompts:
