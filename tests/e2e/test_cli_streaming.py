@@ -102,6 +102,14 @@ def test_chat_streams_and_keeps_within_the_context(ckpt):
     assert bad.returncode == 2 and "maximum context length is 96 tokens" in bad.stderr
 
 
+def test_chat_refuses_a_line_that_is_not_utf8_and_chats_on(ckpt):
+    r = subprocess.run(_cli("chat", ckpt, "--device", "cpu", "--max-model-len", "96", "--max-tokens", "3",
+                            "--ignore-eos"), input=b"h\xffi\nhello\n\n", capture_output=True, env=ENV, timeout=300)
+    stderr = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "[this message is not UTF-8 text; not sent]" in stderr and stderr.count("generation: 3 tokens") == 1
+
+
 def test_chat_line_editing_on_a_terminal(ckpt):
     """On a terminal, chat reads lines with readline: Up recalls the previous message (no `^[[A`)."""
     import pty

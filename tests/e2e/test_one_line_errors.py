@@ -68,6 +68,13 @@ def test_bad_prompts_file_is_one_line_naming_it(tmp_path, capsys, name, content,
     assert err.startswith("pagedmoe generate: error: ") and expected in err, err
 
 
+def test_prompt_that_is_not_utf8_is_one_line(capsys):
+    # a non-UTF-8 byte in argv reaches Python as a lone surrogate, which the tokenizer cannot encode
+    assert main(["generate", "--prompt", "a\udcffb", "--device", "cpu"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith("pagedmoe generate: error: prompt ") and "is not UTF-8 text" in err, err
+
+
 def test_ctrl_c_in_generate_exits_130_quietly(monkeypatch, capsys):
     from pagedmoe.entrypoints import streaming
 

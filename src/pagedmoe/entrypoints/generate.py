@@ -89,7 +89,20 @@ def _read_prompts(args) -> list[str]:
                 prompts.append(line.replace("\\n", "\n"))
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE")
+    for p in prompts:
+        if not _is_utf8(p):
+            raise ValueError(f"prompt {p[:60]!r} is not UTF-8 text")
     return prompts
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text holding bytes that were not UTF-8 (Python keeps them as lone surrogates in sys.argv and
+    stdin), which the tokenizer cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_fits(limit: int, num_prompt: int, max_tokens: Optional[int]) -> None:
@@ -157,6 +170,8 @@ def run_chat(args) -> int:
 
     if sys.stdin.isatty():
         import readline  # noqa: F401 - input() then edits lines and keeps a history (Up / Down)
+    if hasattr(sys.stdin, "reconfigure"):  # whatever the locale, a line that is not UTF-8 is refused, not fatal
+        sys.stdin.reconfigure(errors="surrogateescape")
     params = sampling_params_from_args(args)
     llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
     engine, tok = llm.engine, llm.get_tokenizer()
@@ -177,6 +192,9 @@ def run_chat(args) -> int:
             break
         if not line.strip():
             break
+        if not _is_utf8(line):
+            print("[this message is not UTF-8 text; not sent]", file=sys.stderr)
+            continue
         history.append({"role": "user", "content": line})
         ids, dropped = fit_conversation(tok, history, limit, reserve)
         if dropped:
