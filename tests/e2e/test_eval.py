@@ -2,6 +2,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from tiny_models import make_tiny_checkpoint
@@ -56,3 +57,26 @@ def test_eval_max_tokens_and_bad_dataset(tmp_path):
                  "--device", "cpu"]) == 0
     assert json.loads(out.read_text())["tokens"] == 50
     assert main(["eval", str(ckpt), "--dataset", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
+
+
+@pytest.mark.parametrize("args, content, expected", [
+    (["--dataset", "{d}"], b'{"text": "ok"}\n{"text": 5}\n', "d.jsonl:2: 'text' must be a string, got int"),
+    (["--dataset", "{d}"], b"abc\xff\n", "d.jsonl is not UTF-8 text (byte 3"),
+    (["--max-tokens", "0"], None, "--max-tokens must be >= 1, got 0"),
+    (["--output-json", "{tmp}/no/such/folder/r.json"], None, "--output-json"),
+])
+def test_eval_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, args, content, expected):
+    from pagedmoe.cli import main
+    from pagedmoe.engine import llm_engine
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", no_load)
+    data = tmp_path / "d.jsonl"
+    if content is not None:
+        data.write_bytes(content)
+    args = [a.format(d=data, tmp=tmp_path) for a in args]
+    assert main(["eval", "--device", "cpu", "--output-json", str(tmp_path / "r.json"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagedmoe eval: error: ") and "\n" not in err and expected in err, err

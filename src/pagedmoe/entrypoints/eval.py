@@ -33,16 +33,22 @@ def register(sub) -> None:
 def load_documents(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"dataset {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     if path.suffix == ".jsonl":
         docs = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     docs.append(json.loads(line)["text"])
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise ValueError(f"{path}:{i}: expected a JSON object with a 'text' field ({e})") from e
+                if not isinstance(docs[-1], str):
+                    raise ValueError(f"{path}:{i}: 'text' must be a string, got {type(docs[-1]).__name__}")
         return docs
-    return [path.read_text()]
+    return [text]
 
 
 def evaluate(engine, documents: list[str], context: int, max_tokens=None, show_progress: bool = True) -> dict:
@@ -108,10 +114,16 @@ def run(args) -> int:
     from pagedmoe.experts.activity import busiest_quarter_share
     from pagedmoe.extras import require
 
-    if args.plot:  # before the evaluation, not after it
+    # every check before the model loads and the evaluation runs, not after them
+    if args.plot:
         require("matplotlib", "plot", "eval --plot")
-    engine = LLMEngine(engine_config_from_args(args, model=args.model))
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise FileNotFoundError(f"{flag} {path}: folder {path.parent} does not exist")
     docs = load_documents(args.dataset or default_dataset())
+    engine = LLMEngine(engine_config_from_args(args, model=args.model))
     r = evaluate(engine, docs, args.context, args.max_tokens)
     shares = busiest_quarter_share(r["expert_usage"])
     print(f"{'model':<24} {'tokens':>8} {'perplexity':>11} {'top-1 acc':>10} {'busiest 25% share':>18}")
