@@ -315,6 +315,13 @@ def test_plan_cli_selection_errors(capsys):
     assert main(["plan", mixtral, "--gpu-memory-gb", "64", "--num-gpu-experts", "9"]) == 2
     assert main(["plan", mixtral, "--gpu-memory-gb", "lots"]) == 2
     capsys.readouterr()
+    # a budget that is no size at all: one line, before any table
+    for budget, expected in (("inf", "expected GiB"), ("nan", "expected GiB"), ("0", "must be > 0"),
+                             ("-4", "must be > 0"), ("weights-1000", "must be > 0")):
+        assert main(["plan", mixtral, "--gpu-memory-gb", "64", budget]) == 2, budget
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"pagedmoe plan: error: --gpu-memory-gb '{budget}'"), (budget, err)
+        assert expected in err and "\n" not in err.strip(), err
 
 
 def test_ring_wait_layers_and_the_ring_pipeline():

@@ -104,10 +104,14 @@ def parse_budget(text: str, weight_bytes: int) -> int:
     try:
         if t.startswith("weights"):
             rest = t[len("weights"):]
-            return int(weight_bytes + (float(rest) * GiB if rest else 0))
-        return int(float(t) * GiB)
-    except ValueError:
+            budget = int(weight_bytes + (float(rest) * GiB if rest else 0))
+        else:
+            budget = int(float(t) * GiB)
+    except (ValueError, OverflowError):  # not a number, nan, inf
         raise ValueError(f"--gpu-memory-gb {text!r}: expected GiB (e.g. 64) or weights+X") from None
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-gb {text!r} is {budget / GiB:.2f} GiB: it must be > 0")
+    return budget
 
 
 def _rows(shape, inputs, mode: str, num_gpu: Optional[int], compression_ratio: Optional[float]):
@@ -276,6 +280,9 @@ def run_plan(args) -> int:
     act += reserve
     buffers = planning_buffer_kind(args.expert_buffers, cuda=True)   # the plan is for a GPU
     host_ratio = LOSSLESS_PLANNING_RATIO if args.host_compression == "lossless" else 0.0
+    for s in shapes:  # every budget checked before anything is printed
+        for text in args.gpu_memory_gb:
+            parse_budget(text, s.weight_bytes)
     name = shape.name or path
     print(f"pagedmoe plan {name}: {shape.num_layers} layers ({shape.num_moe_layers} MoE) x {shape.num_experts} "
           f"experts, top-{shape.top_k}; weights {shape.weight_bytes / GiB:.2f} GiB (backbone "
