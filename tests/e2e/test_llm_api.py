@@ -181,6 +181,15 @@ def test_budget_too_small_names_the_minimum(ckpt):
         LLM(str(ckpt), device="cpu", gpu_memory_gb=0.001)
 
 
+def test_moe_backend_triton_without_cuda_fails_at_start_up(ckpt, monkeypatch):
+    """Not at the first request's step ('fused_moe runs on CUDA'), as --fused-ops on and --backbone-gemm triton."""
+    from pagedmoe import LLM
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--moe-backend triton runs Triton kernels: it needs a CUDA device"):
+        LLM(str(ckpt), device="cpu", max_model_len=64, moe_backend="triton")
+
+
 def test_dummy_weights_are_random_not_zero(ckpt):
     from pagedmoe import LLM
 

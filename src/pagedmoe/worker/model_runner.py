@@ -14,7 +14,7 @@ from pagedmoe.scheduler_output import SchedulerOutput
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, allocate_kv_cache, kv_cache_bytes
 from pagedmoe.models.layers.attention import AttentionMetadata, make_attention_backend
-from pagedmoe.models.layers.fused_ops import apply_fused_ops, resolve_fused_ops
+from pagedmoe.models.layers.fused_ops import apply_fused_ops, require_triton, resolve_fused_ops
 from pagedmoe.models.layers.linear import apply_backbone_gemm, resolve_backbone_gemm
 from pagedmoe.models.layers.moe import MOE_BACKENDS, sync_free
 from pagedmoe.models.moe_decoder import MoEForCausalLM
@@ -77,6 +77,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache, attn.backend = k_cache, v_cache, backend
         if moe_backend not in MOE_BACKENDS:
             raise ValueError(f"unknown MoE backend {moe_backend!r}; known: {sorted(MOE_BACKENDS)}")
+        if moe_backend == "triton":  # at start-up, not in the first request's step
+            require_triton("--moe-backend triton", device)
         for moe in model.moe_layers():
             moe.experts_fn = MOE_BACKENDS[moe_backend]
         apply_fused_ops(model, resolve_fused_ops(fused_ops, device))  # before the graphs capture the kernels
