@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -222,9 +223,9 @@ class EngineConfig:
         if self.enable_expert_parallel and self.expert_stats:
             raise ValueError("--expert-stats does not support --enable-expert-parallel yet (each rank's experts "
                              "are its own share)")
-        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
-            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
-        if self.swap_space is not None and not self.swap_space >= 0:
+        if self.gpu_memory_gb is not None and not 0 < self.gpu_memory_gb < math.inf:  # nan, inf: no budget
+            raise ValueError(f"gpu_memory_gb must be > 0 and finite, got {self.gpu_memory_gb}")
+        if self.swap_space is not None and not 0 <= self.swap_space < math.inf:
             raise ValueError(f"swap_space must be >= 0 (GiB of host memory for preempted requests' KV), got "
                              f"{self.swap_space}")
         if self.host_memory_gb is not None and not self.host_memory_gb > 0:

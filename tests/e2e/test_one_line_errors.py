@@ -68,6 +68,14 @@ def test_bad_prompts_file_is_one_line_naming_it(tmp_path, capsys, name, content,
     assert err.startswith("pagedmoe generate: error: ") and expected in err, err
 
 
+@pytest.mark.parametrize("flag, value", [("--gpu-memory-gb", "inf"), ("--gpu-memory-gb", "nan"),
+                                         ("--swap-space", "inf"), ("--swap-space", "nan")])
+def test_non_finite_sizes_are_one_line(capsys, flag, value):
+    assert main(["generate", "--prompt", "x", "--device", "cpu", flag, value]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith(f"pagedmoe generate: error: {flag[2:].replace('-', '_')} must be"), err
+
+
 def test_prompt_that_is_not_utf8_is_one_line(capsys):
     # a non-UTF-8 byte in argv reaches Python as a lone surrogate, which the tokenizer cannot encode
     assert main(["generate", "--prompt", "a\udcffb", "--device", "cpu"]) == 2
