@@ -295,3 +295,14 @@ def test_refusals(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert cli("decompress", bf16 / "c", tmp_path / "o5") == 0
     assert filecmp.cmp(bf16 / "model.safetensors", tmp_path / "o5" / "model.safetensors", shallow=False)
+
+
+def test_truncated_or_missing_source_is_named(tmp_path, capsys):
+    bf16 = _fake_checkpoint(tmp_path / "bf16", torch.bfloat16)
+    shard = bf16 / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert cli("compress", bf16, tmp_path / "o1", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert "truncated, 10 bytes shorter than its header says" in err and not (tmp_path / "o1").exists(), err
+    assert cli("compress", tmp_path / "nope", tmp_path / "o2", "--device", "cpu") == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "o2").exists()

@@ -119,6 +119,9 @@ def check_reproducible(path: PathLike, raw_header: bytes, header: dict) -> list[
                              f"this file cannot be reproduced byte for byte")
         pos = e
     size = os.path.getsize(path)
+    if 8 + len(raw_header) + pos > size:
+        raise ValueError(f"{path}: truncated, {8 + len(raw_header) + pos - size} bytes shorter than its header "
+                         f"says")
     if 8 + len(raw_header) + pos != size:
         raise ValueError(f"{path}: {size - 8 - len(raw_header) - pos} bytes after the last tensor; "
                          f"this file cannot be reproduced byte for byte")

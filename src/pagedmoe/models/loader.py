@@ -56,6 +56,8 @@ def build_model(hf_config, max_position: int, device: torch.device, dtype: torch
 
 def checkpoint_files(path: str) -> list[Path]:
     folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
