@@ -66,7 +66,7 @@ def test_generate_streams_before_the_process_ends(ckpt):
 
 
 def test_generate_logprobs_and_context_error(ckpt, tmp_path):
-    js = tmp_path / "out.json"
+    js = tmp_path / "new" / "out.json"  # its folder is made, as bench and plan make theirs
     r = subprocess.run(_cli("generate", ckpt, "--prompt", "x = 1", "--max-tokens", "4", "--ignore-eos", "--logprobs",
                             "2", "--device", "cpu", "--max-model-len", "64", "--output-json", str(js)),
                        capture_output=True, text=True, env=ENV, timeout=300)

@@ -52,7 +52,7 @@ def test_eval_max_tokens_and_bad_dataset(tmp_path):
     make_tiny_checkpoint("mixtral", ckpt, seed=2)
     data = tmp_path / "d.txt"
     data.write_text("for i in range(10):\n    print(i)\n" * 20)
-    out = tmp_path / "r.json"
+    out = tmp_path / "new" / "r.json"  # its folder is made, as bench and plan make theirs
     assert main(["eval", str(ckpt), "--dataset", str(data), "--max-tokens", "50", "--output-json", str(out),
                  "--device", "cpu"]) == 0
     assert json.loads(out.read_text())["tokens"] == 50
@@ -63,7 +63,6 @@ def test_eval_max_tokens_and_bad_dataset(tmp_path):
     (["--dataset", "{d}"], b'{"text": "ok"}\n{"text": 5}\n', "d.jsonl:2: 'text' must be a string, got int"),
     (["--dataset", "{d}"], b"abc\xff\n", "d.jsonl is not UTF-8 text (byte 3"),
     (["--max-tokens", "0"], None, "--max-tokens must be >= 1, got 0"),
-    (["--output-json", "{tmp}/no/such/folder/r.json"], None, "--output-json"),
 ])
 def test_eval_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, args, content, expected):
     from pagedmoe.cli import main
@@ -76,7 +75,7 @@ def test_eval_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypat
     data = tmp_path / "d.jsonl"
     if content is not None:
         data.write_bytes(content)
-    args = [a.format(d=data, tmp=tmp_path) for a in args]
+    args = [a.format(d=data) for a in args]
     assert main(["eval", "--device", "cpu", "--output-json", str(tmp_path / "r.json"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pagedmoe eval: error: ") and "\n" not in err and expected in err, err

@@ -119,9 +119,6 @@ def run(args) -> int:
         require("matplotlib", "plot", "eval --plot")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise FileNotFoundError(f"{flag} {path}: folder {path.parent} does not exist")
     docs = load_documents(args.dataset or default_dataset())
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     r = evaluate(engine, docs, args.context, args.max_tokens)
@@ -131,7 +128,9 @@ def run(args) -> int:
           f"{sum(shares) / len(shares):>18.3f}")
     r["busiest_quarter_share"] = shares
     r["model"] = engine.model_path
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)  # as bench and plan do
     args.output_json.write_text(json.dumps(r, indent=2))
     if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_expert_usage(r["expert_usage"], args.plot, f"expert usage: {engine.served_model_name}")
     return 0

@@ -138,6 +138,7 @@ def run_generate(args) -> int:
     outputs, rates = stream(engine, encoded, params, sys.stdout, before, after)
     print(rates.line(), file=sys.stderr)
     if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)  # as bench and plan do
         args.output_json.write_text(json.dumps([
             {"prompt": prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
              "finish_reason": o.outputs[0].finish_reason,
