@@ -29,6 +29,17 @@ def test_bench_throughput_line_and_json(ckpt, tmp_path, capsys):
     assert r["config"]["input_len"] == 12 and "git_commit" in r and "versions" in r
 
 
+@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--batch-size", "4", "-1"], ["--input-len", "0"],
+                                 ["--output-len", "0"]])
+def test_bench_latency_refuses_empty_sizes_in_one_line(ckpt, capsys, bad):
+    from pagedmoe.cli import main
+
+    assert main(["bench", "latency", str(ckpt), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                 *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pagedmoe bench: error: --batch-size, --input-len and --output-len must be >= 1", err
+
+
 def test_bench_latency_reports_floor(ckpt, tmp_path, capsys):
     from pagedmoe.cli import main
 

@@ -116,6 +116,8 @@ def _expert_counters(engine) -> dict:
 def run(args) -> int:
     import torch
 
+    if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 1:  # before the model loads
+        raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
     engine, config = make_engine(args)
     bw = args.hbm_bandwidth or (measure_hbm_bandwidth() if torch.cuda.is_available() else H200_HBM_BYTES_PER_S)
     results = []
