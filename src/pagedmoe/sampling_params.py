@@ -77,8 +77,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable) or >= 1, got {self.top_k}")
+        if self.top_k < -1:  # vLLM (and llama.cpp's --top-k): 0 and -1 both disable
+            raise ValueError(f"top_k must be 0 or -1 (disable) or >= 1, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:

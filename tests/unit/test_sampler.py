@@ -113,7 +113,7 @@ def test_logprobs_top_n_and_rank():
         assert math.isclose(out.sampled_logprob[i], lsm[i, tok].item(), rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
                                  dict(min_p=2.0), dict(max_tokens=0), dict(logprobs=50), dict(n=0),
                                  dict(stop=[""]), dict(stop_token_ids=[-1]), dict(min_tokens=5, max_tokens=2),
                                  # of the wrong type, or a seed torch refuses: refused here, not inside a step
@@ -123,6 +123,18 @@ def test_logprobs_top_n_and_rank():
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_top_k_zero_disables_as_in_vllm():
+    """vLLM, its HTTP API here and llama.cpp's --top-k: 0 and -1 both mean no top-k filter."""
+    s = Sampler(0, torch.device("cpu"))
+    logits = torch.randn(4, 50)
+
+    def draw(top_k):
+        params = [SamplingParams(temperature=1.0, top_k=top_k)] * 4
+        return s.sample(logits.clone(), params, [s.request_generator(7 + i) for i in range(4)]).token_ids
+
+    assert draw(0) == draw(-1)
 
 
 def test_all_rows_from_the_engine_generator_draw_as_the_gathered_rows_did():

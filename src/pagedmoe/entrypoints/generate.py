@@ -19,7 +19,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int]
                                                       " (default: until the model stops or the context is full)"))
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-k", type=int, default=-1, help="0 or -1 = off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
