@@ -64,6 +64,11 @@ CASES = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, {}, 400, "messages"),
     ("chat-top-logprobs-without-logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, {}, 400,
      "top_logprobs"),
+    # The context-length error names the field the client sent.
+    ("chat-max-tokens-too-long", "POST", CHAT, {"messages": MSG, "max_tokens": MAX_MODEL_LEN}, {}, 400,
+     "max_tokens"),
+    ("chat-max-completion-tokens-too-long", "POST", CHAT, {"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN},
+     {}, 400, "max_completion_tokens"),
     ("chat-tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
      {}, 400, "tools"),
     ("chat-template-kwargs-override", "POST", CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}},

@@ -187,6 +187,11 @@ class ChatCompletionRequest(SamplingFields):
     def max_output_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_output_tokens_param(self) -> str:
+        """The field the client set the output limit with, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class TokenizeRequest(_Base):
     model: Optional[StrictStr] = None

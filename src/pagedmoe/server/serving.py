@@ -95,7 +95,8 @@ class OpenAIServing:
             raise APIError(f"The model `{model[:200]}` does not exist.", 404, "invalid_request_error", "model",
                            "model_not_found")
 
-    def check_prompt(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: Optional[int], param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
         if not ids:
             raise invalid("the prompt is empty", param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -103,7 +104,7 @@ class OpenAIServing:
             raise invalid(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param)
         err = context_length_error(self.max_model_len, len(ids), max_tokens)
         if err is not None:
-            raise invalid(err[0], param if err[1] == "prompt" else err[1])
+            raise invalid(err[0], param if err[1] == "prompt" else max_tokens_param)
 
     def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
                         ) -> SamplingParams:
@@ -182,7 +183,7 @@ class OpenAIServing:
                                 req.chat_template_kwargs)
         # The template already wrote any BOS/special tokens it wants.
         ids = self.encode(text, "messages", add_special_tokens=False)
-        self.check_prompt(ids, req.max_output_tokens, "messages")
+        self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs))
 
