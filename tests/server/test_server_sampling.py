@@ -127,3 +127,15 @@ def test_continuous_usage_is_per_choice(client, chat):
     for i, counts in seen.items():
         assert counts[-1][1] == 5 and all(p == prompt_tokens[i] for p, _ in counts)
         assert [c for _, c in counts] == sorted(c for _, c in counts)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_needs_include_usage(client, chat):
+    # vLLM sends per-chunk usage only when include_usage and continuous_usage_stats are both true.
+    kw = dict(model=MODEL_NAME, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True},
+              extra_body={"ignore_eos": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **kw))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **kw))
+    assert chunks and all(chunk.usage is None and chunk.choices for chunk in chunks)

@@ -116,7 +116,8 @@ class SamplingFields(_Base):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM sends per-chunk usage only when include_usage and continuous_usage_stats are both true."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
