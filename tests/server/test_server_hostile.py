@@ -53,7 +53,12 @@ CASES = [
     ("logit-bias-not-a-token", "POST", C, {**OK, "logit_bias": {"abc": 1}}, {}, 400, "logit_bias"),
     ("logit-bias-out-of-vocab", "POST", C, {**OK, "logit_bias": {str(10 ** 9): 1}}, {}, 400, "logit_bias"),
     ("logit-bias-too-large", "POST", C, {**OK, "logit_bias": {"5": 500}}, {}, 400, "logit_bias"),
-    ("min-tokens-above-max", "POST", C, {**OK, "min_tokens": 5}, {}, 400, None),
+    ("min-tokens-above-max", "POST", C, {**OK, "min_tokens": 5}, {}, 400, "min_tokens"),
+    # vLLM: an omitted max_tokens is the rest of the context, and min_tokens may not exceed it.
+    ("min-tokens-above-rest-of-context", "POST", C, {**OK, "max_tokens": None, "min_tokens": MAX_MODEL_LEN}, {},
+     400, "min_tokens"),
+    ("chat-min-tokens-above-rest-of-context", "POST", CHAT, {"messages": MSG, "min_tokens": MAX_MODEL_LEN}, {},
+     400, "min_tokens"),
     ("stream-options-without-stream", "POST", C, {**OK, "stream_options": {"include_usage": True}}, {}, 400,
      "stream_options"),
     ("unknown-model", "POST", C, {**OK, "model": "gpt-17"}, {}, 404, "model"),

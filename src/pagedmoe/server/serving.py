@@ -106,8 +106,13 @@ class OpenAIServing:
         if err is not None:
             raise invalid(err[0], param if err[1] == "prompt" else max_tokens_param)
 
-    def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]
-                        ) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                        longest_prompt: int) -> SamplingParams:
+        # vLLM computes an omitted max_tokens (the rest of the context) and refuses a larger min_tokens.
+        limit = max_tokens if max_tokens is not None else self.max_model_len - longest_prompt
+        if req.min_tokens > limit:
+            raise invalid(f"min_tokens must be less than or equal to max_tokens={limit}, got {req.min_tokens}.",
+                          "min_tokens")
         bias = req.token_biases()
         if bias and max(bias) >= self.vocab_size:
             raise invalid(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(bias)}", "logit_bias")
@@ -153,7 +158,7 @@ class OpenAIServing:
             if req.echo:
                 self.need_tokenizer("echo")
                 echo.append(text if text is not None else self.tokenizer.decode(ids))
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, max(len(ids) for _, ids in prompts))
         return Prepared(prompts, params, echo)
 
     def need_tokenizer(self, param: Optional[str], hint: str = "") -> None:
@@ -185,7 +190,7 @@ class OpenAIServing:
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs))
+        return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs, len(ids)))
 
     # -- running ---------------------------------------------------------------------------------
     def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:
