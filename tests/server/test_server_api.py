@@ -184,6 +184,41 @@ def test_tokenize_detokenize_roundtrip(server):
     assert chat["count"] > 2
 
 
+def test_tokenize_add_special_tokens(tiny_model_dir, tmp_path):
+    # vLLM: add_special_tokens defaults to True for a prompt and False for messages (the chat template writes
+    # its own BOS); sent with messages, it adds the tokenizer's special tokens on top of the template's.
+    # The tiny tokenizer adds none, so this copy of the checkpoint gets one that prepends a BOS.
+    import shutil
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from server_utils import ServerThread, make_engine
+
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                              special_tokens=[("<|endoftext|>", bos)])
+    tok.save_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]
+    with ServerThread(make_engine(tmp_path, max_num_seqs=2)) as server:
+        def tokens(**body):
+            r = httpx.post(server.base_url + "/tokenize", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        plain = tokens(prompt=PROMPT, add_special_tokens=False)
+        assert tokens(prompt=PROMPT) == tokens(prompt=PROMPT, add_special_tokens=True) == [bos] + plain
+        chat = tokens(messages=messages)
+        assert bos not in chat and tokens(messages=messages, add_special_tokens=False) == chat
+        assert tokens(messages=messages, add_special_tokens=True) == [bos] + chat
+        # continue_final_message (vLLM's tokenize field) leaves the last message open.
+        assert tokens(messages=messages, add_generation_prompt=False, continue_final_message=True) == \
+            tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                               continue_final_message=True), add_special_tokens=False)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_token_text_is_left_out(client, ref, stream):
     # vLLM: the text of the token that stopped the request (a stop_token_ids entry, or EOS with

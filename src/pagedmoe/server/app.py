@@ -332,11 +332,13 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
             raise invalid("send exactly one of 'prompt' or 'messages'")
         serving.need_tokenizer(None)
         if req.prompt is not None:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens)
         else:
-            text = serving.render_chat(req.messages, req.add_generation_prompt,
-                                       template_kwargs=req.chat_template_kwargs)
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            if req.continue_final_message and req.add_generation_prompt:
+                raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
+            text = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template_kwargs)
+            ids = tokenizer.encode(text, add_special_tokens=req.special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")

@@ -195,12 +195,21 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Base):
+    """vLLM's two bodies in one: {"prompt"} or {"messages"}."""
+
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: StrictBool = True
+    # vLLM's defaults: True for a prompt; False for messages (the chat template writes its own BOS), where
+    # True adds the tokenizer's special tokens on top of the template's.
+    add_special_tokens: Optional[StrictBool] = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
 class DetokenizeRequest(_Base):
