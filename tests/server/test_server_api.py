@@ -73,6 +73,30 @@ def test_chat_matches_offline_chat(client, ref):
     assert r2.choices[0].message.content == want.outputs[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo(client, stream):
+    # vLLM's chat `echo`: the last message's content goes before each reply when it has the reply's role
+    # (the assistant's, or with add_generation_prompt false the last message's own); else nothing is echoed.
+    user, prefix = {"role": "user", "content": "print("}, {"role": "assistant", "content": "def "}
+    cases = [([user, prefix], {"add_generation_prompt": False, "continue_final_message": True}, "def "),
+             ([user, prefix], {}, "def "),
+             ([user], {}, ""),
+             ([user], {"add_generation_prompt": False}, "print(")]
+    for messages, flags, echoed in cases:
+        kw = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0, n=2)
+        plain = client.chat.completions.create(extra_body={"ignore_eos": True, **flags}, **kw)
+        if not stream:
+            r = client.chat.completions.create(extra_body={"ignore_eos": True, "echo": True, **flags}, **kw)
+            texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+        else:
+            texts = ["", ""]
+            for chunk in client.chat.completions.create(stream=True, extra_body={"ignore_eos": True, "echo": True,
+                                                                                  **flags}, **kw):
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+        assert texts == [echoed + c.message.content for c in sorted(plain.choices, key=lambda c: c.index)], flags
+
+
 def test_streaming_completion_with_usage(client):
     full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -170,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: StrictBool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -183,6 +184,14 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
+
+    def echo_text(self) -> str:
+        """vLLM's echo: the last message's content, put before the reply, when it has the reply's role (the
+        assistant's; with add_generation_prompt false, the last message's own, as for continue_final_message)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.text(len(self.messages) - 1)
 
     @property
     def max_output_tokens(self) -> Optional[int]:

@@ -335,11 +335,11 @@ class OpenAIServing:
 
     # -- /v1/chat/completions --------------------------------------------------------------------
     def chat_response(self, response_id: str, req: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict:
-        choices = []
+        choices, echo = [], req.echo_text()
         for i, out in enumerate(outputs):
             c = out.outputs[0]
             logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+            choices.append({"index": i, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, len(outputs)),
@@ -356,6 +356,13 @@ class OpenAIServing:
         for i in range(n):
             chunk = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], **usage_field}
+            if req.continuous_usage:
+                chunk["usage"] = self.choice_usage(prepared.prompts[0][1], None)
+            yield sse(chunk)
+        echo = req.echo_text()
+        for i in range(n if echo else 0):  # vLLM: one chunk per choice after the role chunks
+            chunk = {**base, "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                          "finish_reason": None}], **usage_field}
             if req.continuous_usage:
                 chunk["usage"] = self.choice_usage(prepared.prompts[0][1], None)
             yield sse(chunk)
