@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -22,6 +23,10 @@ CASES = [
     ("infinite-temperature", "POST", C, b'{"prompt": "hi", "temperature": 1e999}', {}, 400, "temperature"),
     ("deeply-nested-json", "POST", C, b"[" * 200_000 + b"]" * 200_000, {}, 400, None),
     ("invalid-utf8", "POST", C, b'{"prompt": "\xff\xfe\xfd"}', {}, 400, None),
+    ("lone-surrogate-prompt", "POST", C, b'{"prompt": "a\\ud800b"}', {}, 400, "prompt"),
+    ("lone-surrogate-message", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', {}, 400,
+     "messages"),
+    ("lone-surrogate-tokenize", "POST", "/tokenize", b'{"prompt": "ab\\ud800"}', {}, 400, "prompt"),
     ("5000-digit-integer", "POST", C, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, None),
     ("missing-prompt", "POST", C, {"max_tokens": 2}, {}, 400, "prompt"),
     ("prompt-is-number", "POST", C, {"prompt": 5}, {}, 400, "prompt"),
@@ -117,6 +122,39 @@ def test_hostile_request_gets_4xx_with_openai_error(server, case):
         err = assert_openai_error(_send(client, method, path, body, headers), status)
     if param is not None:
         assert err["param"] == param, err
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_bad_input_is_a_400_without_a_traceback(server, monkeypatch):
+    # A client error answered 400 logs one line at most: no traceback from uvicorn ("Exception in ASGI
+    # application": Starlette re-raises what reaches a handler registered for Exception), none from us.
+    seen = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "pagedmoe.server")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            body = b'{"prompt": "hi \\ud800", "max_tokens": 2}'
+            err = assert_openai_error(client.post(C, content=body, headers={"content-type": "application/json"}),
+                                      400)
+            assert err["message"] == "prompt contains a lone surrogate U+D800 at position 3, not valid UTF-8"
+            # Input refused deep inside (the tokenizer, the engine) with a TypeError or ValueError.
+            monkeypatch.setattr(server.app.state.serving, "check_model", lambda model: ("x",) + None)
+            err = assert_openai_error(client.post(C, json=OK), 400)
+            assert "tuple" in err["message"]
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    assert not [r for r in seen.records if r.exc_info], [r.getMessage() for r in seen.records]
+    assert len(seen.records) <= 1 and all("\n" not in r.getMessage() for r in seen.records)
 
 
 def test_server_is_healthy_after_hostile_requests(server):

@@ -26,7 +26,7 @@ from pagedmoe.server.async_engine import (AsyncEngine, EngineDeadError, Overload
 from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_experts
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
-from pagedmoe.server.serving import SSE_DONE, OpenAIServing, sse
+from pagedmoe.server.serving import SSE_DONE, OpenAIServing, check_utf8, sse
 
 logger = logging.getLogger("pagedmoe.server")
 
@@ -251,6 +251,16 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     async def _http_error(_request, exc: StarletteHTTPException):
         return error_response(APIError(str(exc.detail), exc.status_code, "invalid_request_error"))
 
+    # Registered by type, not left to the Exception handler below: Starlette re-raises whatever reaches that
+    # one after answering, so uvicorn would log a full traceback for a client's bad input.
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TypeError)
+    async def _bad_input(request: Request, exc: Exception):
+        err = to_api_error(exc)  # the engine or the tokenizer refused the request's input: a 400
+        logger.warning("%s %s: 400 for %s: %s", request.method, request.url.path, type(exc).__name__,
+                       str(exc)[:200])
+        return error_response(err)
+
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception):
         err = to_api_error(exc)
@@ -332,6 +342,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
             raise invalid("send exactly one of 'prompt' or 'messages'")
         serving.need_tokenizer(None)
         if req.prompt is not None:
+            check_utf8(req.prompt, "prompt", "prompt")
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens)
         else:
             if req.continue_final_message and req.add_generation_prompt:

@@ -32,6 +32,15 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def check_utf8(text: str, what: str, param: Optional[str]) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer takes: refuse it by name and place."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(f"{what} contains a lone surrogate U+{ord(text[e.start]):04X} at position {e.start}, "
+                      f"not valid UTF-8", param) from None
+
+
 @dataclass
 class _ChoiceState:
     """What one choice has already streamed."""
@@ -87,6 +96,7 @@ class OpenAIServing:
             raise invalid(f"the prompt has {len(text)} characters; no text longer than {self.max_prompt_chars} "
                           f"characters fits this model's maximum context length of {self.max_model_len} "
                           f"tokens", param)
+        check_utf8(text, param, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- validation and prompts ------------------------------------------------------------------
@@ -176,6 +186,8 @@ class OpenAIServing:
             raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
         conversation = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
                         for i, m in enumerate(messages)]
+        for i, m in enumerate(conversation):
+            check_utf8(m["content"], f"messages[{i}].content", "messages")
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
