@@ -97,6 +97,22 @@ def test_chat_echo(client, stream):
         assert texts == [echoed + c.message.content for c in sorted(plain.choices, key=lambda c: c.index)], flags
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_reply_role(client, stream):
+    # vLLM's get_chat_request_role: the assistant's after a generation prompt, else the last message's role.
+    user, prefix = {"role": "user", "content": "print("}, {"role": "assistant", "content": "def "}
+    cases = [([user], {}, "assistant"), ([user], {"add_generation_prompt": False}, "user"),
+             ([user, prefix], {"add_generation_prompt": False, "continue_final_message": True}, "assistant")]
+    for messages, flags, role in cases:
+        kw = dict(model=MODEL_NAME, messages=messages, max_tokens=2, n=2, extra_body=flags)
+        if not stream:
+            assert [c.message.role for c in client.chat.completions.create(**kw).choices] == [role, role], flags
+        else:
+            roles = [c.delta.role for chunk in client.chat.completions.create(stream=True, **kw)
+                     for c in chunk.choices if c.delta.role]
+            assert roles == [role, role], flags
+
+
 def test_streaming_completion_with_usage(client):
     full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -185,11 +185,16 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
 
+    @property
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM's get_chat_request_role: the assistant's after a generation prompt, else the
+        last message's own (the model goes on writing that message, as for continue_final_message)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echo_text(self) -> str:
-        """vLLM's echo: the last message's content, put before the reply, when it has the reply's role (the
-        assistant's; with add_generation_prompt false, the last message's own, as for continue_final_message)."""
+        """vLLM's echo: the last message's content, put before the reply, when it has the reply's role."""
         last = self.messages[-1]
-        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+        if not self.echo or last.role != self.reply_role:
             return ""
         return last.text(len(self.messages) - 1)
 

@@ -351,7 +351,7 @@ class OpenAIServing:
         for i, out in enumerate(outputs):
             c = out.outputs[0]
             logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
+            choices.append({"index": i, "message": {"role": req.reply_role, "content": echo + c.text, "tool_calls": []},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, len(outputs)),
@@ -366,7 +366,7 @@ class OpenAIServing:
         states, last = [_ChoiceState() for _ in range(n)], [None] * n
         holdback = self.holdback(prepared.params)
         for i in range(n):
-            chunk = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+            chunk = {**base, "choices": [{"index": i, "delta": {"role": req.reply_role, "content": ""},
                                           "logprobs": None, "finish_reason": None}], **usage_field}
             if req.continuous_usage:
                 chunk["usage"] = self.choice_usage(prepared.prompts[0][1], None)
