@@ -56,7 +56,7 @@ def test_batch_of_prompts_and_echo(client, ref):
 def test_chat_matches_offline_chat(client, ref):
     from pagedmoe import SamplingParams
 
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print('hello world')"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print('hello')\nprint(1)"}]
     want = ref.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -64,12 +64,13 @@ def test_chat_matches_offline_chat(client, ref):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want.outputs[0].text
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
-    # Text parts are joined like a plain string.
+    # Text parts are joined with newlines, as vLLM's chat_utils joins them for a template that takes a string.
     r2 = client.chat.completions.create(model=MODEL_NAME, max_tokens=10, temperature=0,
                                         messages=[messages[0], {"role": "user", "content": [
-                                            {"type": "text", "text": "print('hello "},
-                                            {"type": "text", "text": "world')"}]}],
+                                            {"type": "text", "text": "print('hello')"},
+                                            {"type": "text", "text": "print(1)"}]}],
                                         extra_body={"ignore_eos": True})
+    assert r2.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r2.choices[0].message.content == want.outputs[0].text
 
 

@@ -144,7 +144,8 @@ class ChatMessage(_Base):
     name: Optional[StrictStr] = None
 
     def text(self, index: int) -> str:
-        """The message's text; a list of parts must be text parts only."""
+        """The message's text; a list of parts must be text parts only, joined with newlines (vLLM's chat_utils,
+        for templates that take a message's content as a string)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -155,7 +156,7 @@ class ChatMessage(_Base):
                 raise invalid(f"messages[{index}].content[{j}]: only parts of type 'text' are supported "
                               f"(got {str(part.get('type'))[:40]!r})", "messages")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(SamplingFields):
