@@ -225,10 +225,10 @@ def test_tokenize_detokenize_roundtrip(server):
     assert chat["count"] > 2
 
 
-def test_tokenize_add_special_tokens(tiny_model_dir, tmp_path):
-    # vLLM: add_special_tokens defaults to True for a prompt and False for messages (the chat template writes
-    # its own BOS); sent with messages, it adds the tokenizer's special tokens on top of the template's.
-    # The tiny tokenizer adds none, so this copy of the checkpoint gets one that prepends a BOS.
+@pytest.fixture(scope="module")
+def bos_server(tiny_model_dir, tmp_path_factory):
+    """A server on a copy of the checkpoint whose tokenizer prepends a BOS (the tiny one adds no special tokens):
+    yields the server, that tokenizer and the BOS id."""
     import shutil
 
     from tokenizers.processors import TemplateProcessing
@@ -236,28 +236,51 @@ def test_tokenize_add_special_tokens(tiny_model_dir, tmp_path):
 
     from server_utils import ServerThread, make_engine
 
-    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(tmp_path)
+    path = tmp_path_factory.mktemp("tiny_bos")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
     bos = tok.convert_tokens_to_ids("<|endoftext|>")
     tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
                                                               special_tokens=[("<|endoftext|>", bos)])
-    tok.save_pretrained(tmp_path)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]
-    with ServerThread(make_engine(tmp_path, max_num_seqs=2)) as server:
-        def tokens(**body):
-            r = httpx.post(server.base_url + "/tokenize", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["tokens"]
+    tok.save_pretrained(path)
+    with ServerThread(make_engine(path, max_num_seqs=2)) as server:
+        yield server, tok, bos
 
-        plain = tokens(prompt=PROMPT, add_special_tokens=False)
-        assert tokens(prompt=PROMPT) == tokens(prompt=PROMPT, add_special_tokens=True) == [bos] + plain
-        chat = tokens(messages=messages)
-        assert bos not in chat and tokens(messages=messages, add_special_tokens=False) == chat
-        assert tokens(messages=messages, add_special_tokens=True) == [bos] + chat
-        # continue_final_message (vLLM's tokenize field) leaves the last message open.
-        assert tokens(messages=messages, add_generation_prompt=False, continue_final_message=True) == \
-            tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                               continue_final_message=True), add_special_tokens=False)
+
+def test_tokenize_add_special_tokens(bos_server):
+    # vLLM: add_special_tokens defaults to True for a prompt and False for messages (the chat template writes
+    # its own BOS); sent with messages, it adds the tokenizer's special tokens on top of the template's.
+    server, tok, bos = bos_server
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]
+
+    def tokens(**body):
+        r = httpx.post(server.base_url + "/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    plain = tokens(prompt=PROMPT, add_special_tokens=False)
+    assert tokens(prompt=PROMPT) == tokens(prompt=PROMPT, add_special_tokens=True) == [bos] + plain
+    chat = tokens(messages=messages)
+    assert bos not in chat and tokens(messages=messages, add_special_tokens=False) == chat
+    assert tokens(messages=messages, add_special_tokens=True) == [bos] + chat
+    # continue_final_message (vLLM's tokenize field) leaves the last message open.
+    assert tokens(messages=messages, add_generation_prompt=False, continue_final_message=True) == \
+        tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True), add_special_tokens=False)
+
+
+def test_chat_add_special_tokens(bos_server):
+    # vLLM's chat field (default false): true encodes the rendered template with the tokenizer's special tokens.
+    server, _, bos = bos_server
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(server.base_url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    for flag, want in [(None, chat), (False, chat), (True, [bos] + chat)]:
+        body = {"messages": messages, "max_tokens": 1, **({} if flag is None else {"add_special_tokens": flag})}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want), flag
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": messages, "add_special_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

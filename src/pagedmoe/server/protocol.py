@@ -172,6 +172,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: StrictBool = False
+    # vLLM's: the template writes its own BOS; true adds the tokenizer's special tokens on top, as /tokenize does.
+    add_special_tokens: StrictBool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

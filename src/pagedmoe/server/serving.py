@@ -198,8 +198,7 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> Prepared:
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template_kwargs)
-        # The template already wrote any BOS/special tokens it wants.
-        ids = self.encode(text, "messages", add_special_tokens=False)
+        ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs, len(ids)))
