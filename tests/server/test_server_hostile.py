@@ -157,6 +157,14 @@ def test_bad_input_is_a_400_without_a_traceback(server, monkeypatch):
     assert len(seen.records) <= 1 and all("\n" not in r.getMessage() for r in seen.records)
 
 
+def test_lone_surrogate_in_a_list_of_prompts_names_its_index(server):
+    body = b'{"prompt": ["hi", "ok \\ud800"], "max_tokens": 2}'
+    err = assert_openai_error(httpx.post(server.base_url + C, content=body,
+                                         headers={"content-type": "application/json"}, timeout=30), 400)
+    assert err["message"] == "prompt[1] contains a lone surrogate U+D800 at position 3, not valid UTF-8", err
+    assert err["param"] == "prompt"
+
+
 def test_server_is_healthy_after_hostile_requests(server):
     for case in CASES:  # make sure they all ran against this server, in any test order
         if "content-length" not in case[4] and "MB" not in case[0]:

@@ -91,12 +91,13 @@ class OpenAIServing:
             return None
         return (self.max_model_len - 1) * longest if longest else None
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True, what: Optional[str] = None) -> list[int]:
+        """`what` names the text in errors (default: `param`), e.g. prompt[2] of a list."""
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise invalid(f"the prompt has {len(text)} characters; no text longer than {self.max_prompt_chars} "
                           f"characters fits this model's maximum context length of {self.max_model_len} "
                           f"tokens", param)
-        check_utf8(text, param, param)
+        check_utf8(text, what or param, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- validation and prompts ------------------------------------------------------------------
@@ -156,10 +157,10 @@ class OpenAIServing:
         if len(raw) > MAX_PROMPTS_PER_REQUEST:
             raise invalid(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
         prompts, echo = [], []
-        for item in raw:
+        for i, item in enumerate(raw):
             if isinstance(item, str):
                 self.need_tokenizer("prompt", "send the prompt as token ids")
-                ids = self.encode(item, "prompt")
+                ids = self.encode(item, "prompt", what=f"prompt[{i}]" if isinstance(p, list) else "prompt")
                 text = item
             else:
                 ids, text = list(item), None
