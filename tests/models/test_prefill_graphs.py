@@ -108,6 +108,34 @@ def test_the_flag_is_checked():
         EngineConfig(prefill_graph_tokens=256, enforce_eager=True)
 
 
+def test_explicit_tokens_fail_loudly_where_no_graph_is_captured(ckpt, monkeypatch, capsys):
+    """On CPU an explicit --prefill-graph-tokens N (flag, env or LLM keyword) is refused in one line before the
+    model loads; the default (None) and 0 (eager) start."""
+    from pagedmoe import LLM
+    from pagedmoe.cli import main
+    from pagedmoe.engine import startup
+
+    with pytest.raises(ValueError, match="--prefill-graph-tokens 64 .* this engine runs on cpu"):
+        LLM(str(ckpt), device="cpu", max_model_len=64, prefill_graph_tokens=64)
+    for tokens in (None, 0):
+        llm = LLM(str(ckpt), device="cpu", max_model_len=64, prefill_graph_tokens=tokens)
+        assert llm.engine.runner.prefill_graphs is None
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(startup, "load_model", no_load)
+    argv = ["generate", str(ckpt), "--device", "cpu", "--max-model-len", "64", "--prompt", "x"]
+    assert main([*argv, "--prefill-graph-tokens", "32"]) == 2
+    monkeypatch.setenv("PAGEDMOE_PREFILL_GRAPH_TOKENS", "16")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("pagedmoe generate: error: --prefill-graph-tokens ") for e in err), err
+    monkeypatch.setenv("PAGEDMOE_PREFILL_GRAPH_TOKENS", "0")
+    with pytest.raises(AssertionError, match="the model loaded"):   # 0 is accepted: start-up goes on to load
+        main(argv)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prefill_graphs_on_cuda(ckpt, async_scheduling):

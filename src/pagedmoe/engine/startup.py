@@ -117,6 +117,9 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     # Tensor parallel: eager for now (capturing the all-reduces in the decode graphs is a GPU follow-up).
     eager = config.enforce_eager or dynamic or dims.mla is not None or parallel.enabled
     expert_plan = settle_expert_plan(config, hf_config, device, dtype, max_model_len, memory, eager)
+    eager_by = ("--expert-precision dynamic" if dynamic else "MLA attention" if dims.mla is not None
+                else "--tensor-parallel-size > 1" if parallel.enabled else None)
+    check_prefill_graph_tokens(config.prefill_graph_tokens, device, eager_by, expert_plan.paged)
     activity = ActivityTable(dims.num_layers - len(spec.dense_layers), dims.num_experts, device)
     if device.type == "cuda":
         _expandable_segments()  # before loading: what is freed goes back (see its docstring)
@@ -185,6 +188,22 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                         activity, plan, kv, runner, precision, memory, swap)
     finish_start(parts)  # rank 0 broadcasts its steps; a torchrun worker serves them here
     return parts
+
+
+def check_prefill_graph_tokens(tokens: Optional[int], device: torch.device, eager_by: Optional[str],
+                               paged: bool) -> None:
+    """--prefill-graph-tokens N > 0, given (by the flag or PAGEDMOE_PREFILL_GRAPH_TOKENS; its default is None),
+    fails loudly before the model loads where no prefill graph would be captured; 0 (eager) is accepted
+    everywhere. `eager_by`: what makes this engine run without CUDA graphs (--enforce-eager is refused by
+    config.py)."""
+    if not tokens:
+        return
+    why = (f"this engine runs on {device.type}" if device.type != "cuda" else
+           f"{eager_by} runs without CUDA graphs" if eager_by else
+           "paged experts prefill eager" if paged else None)
+    if why is not None:
+        raise ValueError(f"--prefill-graph-tokens {tokens} replays prefill steps from CUDA graphs, which need a "
+                         f"CUDA device and resident experts: {why}; leave the flag out (or pass 0)")
 
 
 def start_swap_space(config: EngineConfig, runner: ModelRunner, num_kv_blocks: int, max_model_len: int,

@@ -85,9 +85,6 @@ class ModelRunner:
         apply_backbone_gemm(model, resolve_backbone_gemm(backbone_gemm, device))
         self.graphs = None
         self.prefill_graphs = None
-        if prefill_graph_tokens and (enforce_eager or device.type != "cuda"):
-            logger.warning("--prefill-graph-tokens %d has no effect: this engine runs without CUDA graphs",
-                           prefill_graph_tokens)
         if device.type == "cuda" and not enforce_eager:
             moes = model.moe_layers()
             probe = torch.empty(1, model.dims.hidden_size, dtype=dtype, device=device)
@@ -98,6 +95,9 @@ class ModelRunner:
             if getattr(model.pager, "syncs_host", False) and graph_seqs <= 0:
                 logger.warning("CUDA graphs off: routed expert fetching syncs with the host in every MoE layer")
             elif moes and not sync_free(moes[0].experts_fn, probe, w13, w2):
+                if prefill_graph_tokens:
+                    raise ValueError(f"--prefill-graph-tokens {prefill_graph_tokens} replays CUDA graphs, which the "
+                                     f"{moe_backend} expert path cannot run in (it syncs with the host; use bfloat16)")
                 logger.warning("CUDA graphs off: the %s expert path syncs with the host (use bfloat16)",
                                moe_backend)
             else:
@@ -118,10 +118,7 @@ class ModelRunner:
         with resident experts (a pager plans its copies per forward, on the host)."""
         if tokens == 0:
             return
-        if self.model.pager is not None:
-            if tokens is not None:
-                logger.warning("--prefill-graph-tokens %d has no effect: prefill steps run eager with paged "
-                               "experts", tokens)
+        if self.model.pager is not None:  # an explicit N was refused at start-up (engine/startup.py)
             return
         # at most max_model_len: the padding sequence's positions and blocks stay inside the rotary table and
         # a block-table row
