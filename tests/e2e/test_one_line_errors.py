@@ -222,3 +222,31 @@ def test_nonfinite_flag_sees_one_bad_value_in_any_chunk(monkeypatch):
                 x.view(-1)[pos] = bad
                 assert loader._nonfinite_flag(x), (dtype, pos, bad)
     assert not loader._nonfinite_flag(torch.ones(3, dtype=torch.int64))
+
+
+def test_expert_stats_folder_is_made_and_an_unwritable_path_refused_before_loading(ckpt, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """--expert-stats is saved at exit: its folder is made at start (as --output-json's), and a path that cannot
+    be written fails in one line before the model loads, not as a warning after the run."""
+    import gc
+    import json
+
+    from pagedmoe.engine import startup
+
+    argv = ["generate", str(ckpt), "--device", "cpu", "--max-model-len", "64", "--prompt", "x", "--max-tokens", "2"]
+    stats = tmp_path / "new" / "sub" / "stats.json"
+    assert main([*argv, "--expert-stats", str(stats)]) == 0
+    gc.collect()   # the engine's finalizer saves the stats
+    assert "total" in json.loads(stats.read_text())
+    capsys.readouterr()
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(startup, "load_model", no_load)
+    (tmp_path / "afile").write_text("")
+    for bad, expected in ((tmp_path, "is a folder"), (tmp_path / "afile" / "s.json", "cannot be written")):
+        assert main([*argv, "--expert-stats", str(bad)]) == 2
+        err = _one_line(capsys.readouterr().err)
+        assert err.startswith(f"pagedmoe generate: error: --expert-stats {bad}") and expected in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "new"]   # no probe left behind

@@ -27,7 +27,7 @@ from pagedmoe import cuda_vmm
 from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.experts.activity import ActivityTable
 from pagedmoe.experts.build import build_experts, settle_buffers
-from pagedmoe.experts.dynamic.start import load_expert_stats, start_dynamic_precision
+from pagedmoe.experts.dynamic.start import load_expert_stats, prepare_expert_stats_path, start_dynamic_precision
 from pagedmoe.extras import require
 from pagedmoe.kvcache.block_pool import KVCacheManager
 from pagedmoe.kvcache.kv_cache import LendableKVCache, kv_bytes_per_block, kv_cache_bytes
@@ -75,6 +75,7 @@ class EngineParts:
 
 
 def start_engine(config: EngineConfig) -> EngineParts:
+    prepare_expert_stats_path(config.expert_stats)
     model_path = resolve_model(config.model)
     hf_config = load_hf_config(model_path)
     # --tensor-parallel-size: this process's rank (parallel/launch.py); a split the model cannot take is

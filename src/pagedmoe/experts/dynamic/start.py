@@ -12,6 +12,26 @@ from pagedmoe.experts.dynamic.offline import OfflineForms
 logger = logging.getLogger(__name__)
 
 
+def prepare_expert_stats_path(path: Optional[str]) -> None:
+    """--expert-stats PATH, before the model loads: its folder is made (as --output-json's), and a path the exit
+    could not write is refused now rather than warned about after the whole run."""
+    if not path:
+        return
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"--expert-stats {path} is a folder; give the path of a JSON file")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        if file.exists():
+            open(file, "a").close()       # opened for writing, left as it is (it is loaded next)
+        else:
+            open(file, "x").close()       # a probe: removed at once, so the first run still starts fresh
+            file.unlink()
+    except OSError as e:
+        raise ValueError(f"--expert-stats {path} cannot be written, so the stats could not be saved at exit "
+                         f"({e.strerror}: {e.filename})") from None
+
+
 def load_expert_stats(path: Optional[str], activity) -> Optional[dict]:
     """--expert-stats PATH: load the activity table when the file exists (the first run creates it)."""
     if not path or not Path(path).exists():
