@@ -43,11 +43,14 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. A prompt is a string, a list of token ids, or
-        {"prompt": str} / {"prompt_token_ids": [...]}; a list of ints alone is one prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+        """One output per prompt, in prompt order. A prompt is a string, a list (or tuple) of token ids, or
+        {"prompt": str} / {"prompt_token_ids": [...]}; a list or tuple of ints alone is one prompt. A prompt of
+        another kind is a ValueError naming it, before any request is queued."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -58,11 +61,11 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         for p in params:
             p.validate()
+        split = [_split_prompt(prompt, i) for i, prompt in enumerate(prompts)]
         groups: list[list[str]] = []  # the engine requests of each prompt: one per sample (n)
         try:
-            for prompt, p in zip(prompts, params):
+            for (text, token_ids), p in zip(split, params):
                 rid = f"gen-{next(self._ids)}"
-                text, token_ids = _split_prompt(prompt)
                 groups.append([])
                 for j in range(p.n):
                     # Only the final output is returned: skip the per-step outputs streaming needs.
@@ -128,15 +131,30 @@ def _merge(samples: list[RequestOutput]) -> RequestOutput:
     return dataclasses.replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs, error=error)
 
 
-def _split_prompt(prompt: PromptType):
-    if isinstance(prompt, str):
-        return prompt, None
+def _split_prompt(prompt: PromptType, index: int) -> tuple[Optional[str], Optional[list[int]]]:
+    """(text, token ids) of prompt number `index`; a ValueError naming it for anything generate() cannot run."""
+    text, ids = prompt, None
     if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"], None
-        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    if isinstance(prompt, (list, tuple)):
-        return None, list(prompt)
-    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+        if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+            raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if ids is None and text is None:
+            raise ValueError(f"prompt {index}: 'prompt' must be a string, got None")
+    elif isinstance(prompt, (list, tuple)):
+        text, ids = None, prompt
+    elif not isinstance(prompt, str):
+        raise ValueError(f"prompt {index} must be a string, a list of token ids or a dict, got "
+                         f"{type(prompt).__name__}")
+    if text is not None:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt {index} is not valid text: it holds a lone surrogate "
+                             f"(U+{ord(text[e.start]):04X} at index {e.start}), which UTF-8 cannot encode") from None
+    if ids is not None:
+        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise ValueError(f"prompt {index}: token ids must be a list of integers, got {ids!r:.80}")
+        ids = list(ids)
+    return text, ids

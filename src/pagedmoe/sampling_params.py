@@ -43,8 +43,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # a list or tuple is copied; anything else is left for validate() to name
+        if self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
@@ -87,10 +90,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.output_kind not in ("cumulative", "final_only"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes

@@ -119,6 +119,44 @@ def test_bad_requests_are_refused_and_engine_keeps_working(llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("prompts, expected", [
+    ("a\udcffb", r"prompt 0 is not valid text: it holds a lone surrogate \(U\+DCFF at index 1\)"),
+    (["ok", {"prompt": "\ud800"}], "prompt 1 is not valid text"),
+    (["ok", 5], "prompt 1 must be a string, a list of token ids or a dict, got int"),
+    ([{"prompt": 5}], "prompt 0: 'prompt' must be a string, got int"),
+    ([{"prompt_token_ids": 5}], "prompt 0: token ids must be a list of integers, got 5"),
+    ([[1, 2.5]], "prompt 0: token ids must be a list of integers"),
+    (5, "prompts must be a prompt or a list of prompts, got int"),
+])
+def test_bad_prompts_are_a_value_error_naming_them(llm, prompts, expected):
+    with pytest.raises(ValueError, match=expected):
+        llm.generate(prompts, _params(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_tuple_of_token_ids_is_one_prompt_as_a_list(llm):
+    """A list of ints is one token-id prompt (the documented form); a tuple is taken the same, alone or in a
+    batch."""
+    greedy = _params(temperature=0, max_tokens=2, ignore_eos=True)
+    want = llm.generate([1, 2, 3], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for prompts in ((1, 2, 3), [(1, 2, 3)], [{"prompt_token_ids": (1, 2, 3)}]):
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        assert len(out) == 1 and out[0].prompt_token_ids == [1, 2, 3] and out[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
+    (dict(stop=[5]), "stop must be a non-empty string or a list of them"),
+    (dict(stop=b"x"), "stop must be"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of non-negative integers, got 5"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must be"),
+])
+def test_bad_stop_is_a_value_error(kw, expected):
+    with pytest.raises(ValueError, match=expected):
+        _params(**kw)
+    assert _params(stop=("a", "b"), stop_token_ids=(1,)).stop == ["a", "b"]
+
+
 def test_a_step_that_raises_leaves_nothing_queued(llm, monkeypatch):
     """An error (or Ctrl-C) inside generate() aborts its requests: the next call does not run into them."""
     engine_step = llm.engine.step
