@@ -67,6 +67,29 @@ def test_bench_latency_reports_floor(ckpt, tmp_path, capsys):
     assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
+def test_bench_latency_output_len_1_has_no_decode_steps(ckpt, tmp_path, capsys):
+    """--output-len 1: the prefill step samples the only token. No "median of 0 ... nan" line, no per-step
+    expert traffic (it would be the prefill's); the JSON holds null, not NaN or "nan"."""
+    from pagedmoe.cli import main
+
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", str(ckpt), "--batch-size", "2", "--input-len", "10", "--output-len", "1",
+                 "--max-model-len", "64", "--device", "cpu", "--output-json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "nan" not in "\n".join(lines).lower() and not any("decode step (median" in l for l in lines), lines
+    decode = [l for l in lines if "decode steps" in l]
+    assert len(decode) == 1 and decode[0].startswith("Batch 2: no decode steps (--output-len 1"), decode
+    assert "HBM floor" in decode[0]
+    assert not any("GB/step" in l for l in lines), lines
+    text = out.read_text()
+    assert "nan" not in text.lower(), text
+    r = json.loads(text)["results"][0]
+    assert r["decode_steps"] == 0 and r["decode_step_ms"] == [] and r["prefill_time_s"] > 0
+    for key in ("median_decode_step_ms", "mean_decode_step_ms", "floor_over_measured", "expert_bytes_moved_per_step",
+                "routed_expert_bytes_per_step"):
+        assert r[key] is None, key
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bench_latency_reads_no_counter_between_decode_steps(ckpt, monkeypatch, async_scheduling):
     """Reading a counter waits for the device: between decode steps it absorbed the step in flight outside the

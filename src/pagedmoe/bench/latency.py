@@ -68,21 +68,22 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
             prefill_s += dt
     request_s = time.perf_counter() - t_request
     end = _expert_counters(engine)
-    per_step = {k: (end[k] - start[k]) / max(1, len(decode)) for k in end}
+    per_step = {k: (end[k] - start[k]) / len(decode) if decode else None for k in end}
     dims = engine.model.dims
     num_moe = len(engine.model.moe_layers())
     context = input_len + output_len // 2
     bytes_ = decode_step_bytes(dims, engine.dtype.itemsize, batch_size, context, num_moe,
                                dims.num_layers - num_moe, engine.model.spec.shared_intermediate_size)
     floor = bytes_.total / hbm_bw
-    median = statistics.median(decode) if decode else float("nan")
+    # no decode step (--output-len 1: the prefill step samples the only token): the decode figures are null
+    median = statistics.median(decode) if decode else None
     return {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "temperature": temperature,
         "request_latency_s": request_s,
         "prefill_time_s": prefill_s, "prefill_tokens_per_s": batch_size * input_len / prefill_s,
-        "decode_steps": len(decode), "median_decode_step_ms": 1e3 * median,
-        "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else float("nan"),
-        "decode_floor_ms": 1e3 * floor, "floor_over_measured": floor / median if decode else float("nan"),
+        "decode_steps": len(decode), "median_decode_step_ms": 1e3 * median if decode else None,
+        "mean_decode_step_ms": 1e3 * statistics.fmean(decode) if decode else None,
+        "decode_floor_ms": 1e3 * floor, "floor_over_measured": floor / median if decode else None,
         "step_bytes": {"experts": bytes_.expert_bytes, "backbone": bytes_.backbone_bytes, "kv": bytes_.kv_bytes},
         "hbm_bytes_per_s": hbm_bw, "decode_step_ms": [1e3 * d for d in decode],
         # issue 21: what paging moved against what the router needed (averages over the decode steps)
@@ -93,7 +94,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, hbm_bw
         "expert_fetch_stream_min_tokens": engine.expert_plan.stream_min_tokens,
         "expert_bytes_moved_per_step": per_step["moved"],
         "expert_bytes_decoded_per_step": per_step["decoded"],
-        "routed_expert_bytes_per_step": per_step["routed"] * engine.expert_store.expert_numel * engine.dtype.itemsize,
+        "routed_expert_bytes_per_step": per_step["routed"] * engine.expert_store.expert_numel * engine.dtype.itemsize
+        if decode else None,
         # routed fetching only: per decode step, routed (layer, expert) pairs found in the cache / fetched
         **{f"expert_cache_{k}_per_step": per_step[k] for k in ("hits", "misses") if k in per_step},
     }
@@ -129,10 +131,16 @@ def run(args) -> int:
               f"{args.output_len} out; first step to last, wall)")
         print(f"Batch {batch}: prefill {r['prefill_time_s'] * 1e3:.2f} ms for {batch} x {args.input_len} tokens "
               f"({r['prefill_tokens_per_s']:.0f} tokens/s)")
-        print(f"Batch {batch}: decode step (median of {r['decode_steps']}) {r['median_decode_step_ms']:.3f} ms; "
-              f"HBM floor {r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
-              f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
-              f"{bw / 1e12:.2f} TB/s); floor/measured = {r['floor_over_measured']:.2f}")
+        floor = (f"HBM floor {r['decode_floor_ms']:.3f} ms ({r['step_bytes']['experts'] / 1e9:.2f} GB experts + "
+                 f"{r['step_bytes']['backbone'] / 1e9:.2f} GB backbone + {r['step_bytes']['kv'] / 1e9:.2f} GB KV at "
+                 f"{bw / 1e12:.2f} TB/s)")
+        if r["decode_steps"]:
+            print(f"Batch {batch}: decode step (median of {r['decode_steps']}) {r['median_decode_step_ms']:.3f} ms; "
+                  f"{floor}; floor/measured = {r['floor_over_measured']:.2f}")
+        else:   # nor expert traffic per decode step
+            print(f"Batch {batch}: no decode steps (--output-len {args.output_len}: the prefill step samples the "
+                  f"only token); {floor}")
+            continue
         print(f"Batch {batch}: experts moved {r['expert_bytes_moved_per_step'] / 1e9:.3f} GB/step host->device "
               f"({r['expert_fetch']}), routed {r['routed_expert_bytes_per_step'] / 1e9:.3f} GB/step, decoded on the "
               f"device {r['expert_bytes_decoded_per_step'] / 1e9:.3f} GB/step")
