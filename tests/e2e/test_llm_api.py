@@ -219,6 +219,24 @@ def test_budget_too_small_names_the_minimum(ckpt):
         LLM(str(ckpt), device="cpu", gpu_memory_gb=0.001)
 
 
+def test_too_few_kv_blocks_names_the_flag_and_the_blocks_one_sequence_needs(ckpt, monkeypatch):
+    """--num-kv-blocks replaces the budget: too few for one max-length sequence is about the flag, not a budget
+    ("the minimum is 0.03 GiB"), and is refused before the model loads; exactly enough starts."""
+    from pagedmoe import LLM
+    from pagedmoe.engine import startup
+
+    LLM(str(ckpt), device="cpu", max_model_len=64, block_size=16, num_kv_blocks=4)   # 64 / 16: enough
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(startup, "load_model", no_load)
+    with pytest.raises(ValueError) as info:
+        LLM(str(ckpt), device="cpu", max_model_len=65, block_size=16, num_kv_blocks=4)
+    assert str(info.value) == ("--num-kv-blocks 4 cannot hold one sequence of max_model_len=65 tokens: that needs 5 "
+                               "blocks of 16 tokens; give at least 5 (or lower --max-model-len)")
+
+
 def test_moe_backend_triton_without_cuda_fails_at_start_up(ckpt, monkeypatch):
     """Not at the first request's step ('fused_moe runs on CUDA'), as --fused-ops on and --backbone-gemm triton."""
     from pagedmoe import LLM

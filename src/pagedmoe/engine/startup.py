@@ -101,6 +101,7 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
     check_gpu_packages(device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_model_len = resolve_max_model_len(config, hf_config)
+    check_num_kv_blocks(config.num_kv_blocks, config.block_size, max_model_len)
     name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
 
     # The process's device memory as the driver counts it (context, torch's pool, VMM mappings): what
@@ -189,6 +190,16 @@ def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> Engine
                         activity, plan, kv, runner, precision, memory, swap)
     finish_start(parts)  # rank 0 broadcasts its steps; a torchrun worker serves them here
     return parts
+
+
+def check_num_kv_blocks(num_kv_blocks: Optional[int], block_size: int, max_model_len: int) -> None:
+    """--num-kv-blocks N (which replaces the budget's sizing) must hold one sequence of max_model_len tokens:
+    refused before the model loads, naming the flag and the blocks one sequence needs."""
+    need = -(-max_model_len // block_size)
+    if num_kv_blocks is not None and num_kv_blocks < need:
+        raise ValueError(f"--num-kv-blocks {num_kv_blocks} cannot hold one sequence of max_model_len={max_model_len} "
+                         f"tokens: that needs {need} blocks of {block_size} tokens; give at least {need} (or lower "
+                         "--max-model-len)")
 
 
 def check_prefill_graph_tokens(tokens: Optional[int], device: torch.device, eager_by: Optional[str],
