@@ -297,6 +297,53 @@ def test_refusals(tmp_path, capsys):
     assert filecmp.cmp(bf16 / "model.safetensors", tmp_path / "o5" / "model.safetensors", shallow=False)
 
 
+def _corrupt_second_shard(packed: Path, bad: Path) -> Path:
+    """A copy of `packed` whose second shard (the first decompresses fine) has one expert array bit flipped."""
+    shutil.copytree(packed, bad)
+    shard = sorted(bad.glob("*.safetensors"))[1]
+    _flip(shard, next(k for k in _header(shard)[1] if k.endswith(".lx.raw")), at=3)
+    return shard
+
+
+@pytest.mark.parametrize("out_state", ["absent", "empty", "kept file"])
+def test_failed_decompress_leaves_nothing_so_a_rerun_works(src, packed, tmp_path, capsys, out_state):
+    """A corrupt second shard: the first, already written, is removed with everything else this run wrote (and
+    OUT, when the run made it), so the rerun on the repaired input needs no --force; a file that was in OUT
+    before stays."""
+    bad, out = tmp_path / "bad", tmp_path / "d"
+    shard = _corrupt_second_shard(packed, bad)
+    if out_state != "absent":
+        out.mkdir()
+    if out_state == "kept file":
+        (out / "notes").mkdir()
+        (out / "notes" / "mine.txt").write_text("keep")
+    before = _files(out) if out.exists() else None
+    force = ["--force"] if out_state == "kept file" else []   # a non-empty OUT needs --force, as before
+    assert cli("decompress", bad, out, "--device", "cpu", *force) == 2
+    assert shard.name in capsys.readouterr().err
+    assert (_files(out) if out.exists() else None) == before
+    shutil.copy2(packed / shard.name, shard)   # the input repaired
+    assert cli("decompress", bad, out, "--device", "cpu", *force) == 0
+    assert _files(out) == sorted(_files(src) + (before or []))
+    assert all(filecmp.cmp(src / rel, out / rel, shallow=False) for rel in _files(src))
+
+
+def test_failed_compress_leaves_nothing(src, tmp_path, capsys, monkeypatch):
+    from pagedmoe.entrypoints import compress
+
+    real, calls = compress.compress_file, []
+
+    def second_fails(file, *args, **kwargs):
+        calls.append(file)
+        if len(calls) == 2:
+            raise ValueError(f"{file.name}: boom")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(compress, "compress_file", second_fails)
+    assert cli("compress", src, tmp_path / "c", "--device", "cpu") == 2
+    assert "boom" in capsys.readouterr().err and len(calls) == 2 and not (tmp_path / "c").exists()
+
+
 def test_truncated_or_missing_source_is_named(tmp_path, capsys):
     bf16 = _fake_checkpoint(tmp_path / "bf16", torch.bfloat16)
     shard = bf16 / "model.safetensors"

@@ -18,6 +18,7 @@ import shutil
 import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 # weight formats that are not copied into OUT when the loader would not read them (e.g. a
@@ -97,6 +98,25 @@ def prepare_out(out: Path, src: Path, force: bool) -> Path:
                 f.unlink()
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+@contextmanager
+def undone_on_failure(out: Path, created: bool):
+    """On an error or Ctrl-C inside the block, remove what it wrote into OUT (the files and folders that were not
+    there when it began; OUT itself when `created`, i.e. this run made it), so a rerun after fixing the input
+    needs no --force. Files that were there stay."""
+    before = set(out.rglob("*"))
+    try:
+        yield
+    except BaseException:
+        for path in sorted(set(out.rglob("*")) - before, reverse=True):   # a folder's files before the folder
+            try:
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+            except OSError:
+                pass
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def copy_other_files(src: Path, dst: Path, handled: set[Path], skip_weights: bool) -> tuple[list, list]:
@@ -268,7 +288,13 @@ def run_compress(args) -> int:
     device = _resolve_device(args.device)
     files = checkpoint_files(str(src))
     _check_source(files, args.all_weights)
+    created = not out.exists()
     prepare_out(out, src, args.force)
+    with undone_on_failure(out, created):
+        return _compress_into(args, src, out, files, layout, device)
+
+
+def _compress_into(args, src: Path, out: Path, files: list[Path], layout, device) -> int:
     stats = defaultdict(lambda: [0, 0, 0])  # kind -> [tensors, original bytes, stored bytes]
     bar = _progress(sum(f.stat().st_size for f in files), f"Compressing on {device.type}")
     for file in files:
@@ -321,16 +347,18 @@ def run_decompress(args) -> int:
     ours = [f for f in checkpoint_files(str(src)) if written_by_compress(f)]
     if not ours:
         raise ValueError(f"{src} holds no shards written by `pagedmoe compress`")
+    created = not out.exists()
     prepare_out(out, src, args.force)
     bar = _progress(sum(f.stat().st_size for f in ours), f"Decompressing on {device.type}")
     written = 0
-    for f in ours:
-        bar.set_postfix_str(f.name)
-        (out / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-        written += decompress_file(f, out / f.relative_to(src), device)
-        bar.update(f.stat().st_size)
-    bar.close()
-    copied, _ = copy_other_files(src, out, set(ours), skip_weights=False)
+    with undone_on_failure(out, created):   # a corrupt later shard leaves no earlier one behind
+        for f in ours:
+            bar.set_postfix_str(f.name)
+            (out / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            written += decompress_file(f, out / f.relative_to(src), device)
+            bar.update(f.stat().st_size)
+        bar.close()
+        copied, _ = copy_other_files(src, out, set(ours), skip_weights=False)
     print(f"{len(ours)} weight file(s) written to {out} ({_size(written)}, sha256 of each equal to the "
           f"original); {len(copied)} other file(s) copied")
     return 0
