@@ -149,3 +149,14 @@ def test_chat_line_editing_on_a_terminal(ckpt):
     text = seen.decode(errors="replace")
     assert os.WEXITSTATUS(status) == 0, text[-2000:]
     assert "^[[A" not in text and text.count("hello there") >= 2
+
+
+def test_rates_line_without_a_prefill_or_decode_time():
+    # a one-token prompt runs in a decode step and max_tokens 1 has no decode step: no "nan tok/s"
+    from pagedmoe.entrypoints.streaming import Rates
+
+    line = Rates(prompt_tokens=1, generated_tokens=1, decode_tokens=0, decode_s=0.0, wall_s=0.1).line()
+    assert "nan" not in line and line.count("n/a tok/s") == 2, line
+    line = Rates(prompt_tokens=8, cached_tokens=4, prefill_s=0.5, generated_tokens=3, decode_tokens=2,
+                 decode_s=0.25, wall_s=1.0).line()
+    assert "4 cached, 0.50 s, 8.0 tok/s" in line and "generation: 3 tokens, 0.25 s, 8.0 tok/s" in line, line

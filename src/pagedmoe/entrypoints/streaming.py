@@ -25,13 +25,15 @@ class Rates:
 
     def line(self) -> str:
         """llama.cpp-style timings: prompt processing and generation rates."""
-        computed = self.prompt_tokens - self.cached_tokens
-        pp = computed / self.prefill_s if self.prefill_s > 0 else float("nan")
-        tg = self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+        def rate(tokens: int, seconds: float) -> str:
+            # no time of that kind (a one-token prompt runs in a decode step; max_tokens 1 has no decode step)
+            return f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "n/a tok/s"
+
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
-        return (f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_s:.2f} s, {pp:.1f} tok/s | "
-                f"generation: {self.generated_tokens} tokens, {self.decode_s:.2f} s, {tg:.1f} tok/s | "
-                f"total {self.wall_s:.2f} s")
+        return (f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_s:.2f} s, "
+                f"{rate(self.prompt_tokens - self.cached_tokens, self.prefill_s)} | "
+                f"generation: {self.generated_tokens} tokens, {self.decode_s:.2f} s, "
+                f"{rate(self.decode_tokens, self.decode_s)} | total {self.wall_s:.2f} s")
 
 
 def _holdback(params: SamplingParams) -> int:
