@@ -319,7 +319,7 @@ def _env_name(flag_name: str) -> str:
     return "PAGEDMOE_" + flag_name.upper()
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
@@ -333,7 +333,7 @@ class EnvVarError(ValueError):
     `--help` reports it, in one line: cli.py)."""
 
 
-_EXPECTED = {int: "an integer", float: "a number", _parse_bool: "a boolean (1/0, true/false, yes/no, on/off)"}
+_EXPECTED = {int: "an integer", float: "a number", parse_bool: "a boolean (1/0, true/false, yes/no, on/off)"}
 
 
 def env_default(flag_name: str, conv: Any = str, default: Any = None, choices: Optional[tuple] = None,
@@ -363,7 +363,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
         if meta.get("type") is bool:
-            default = env_default(f.name, _parse_bool, f.default)
+            default = env_default(f.name, parse_bool, f.default)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             continue
         conv = meta.get("type") or str

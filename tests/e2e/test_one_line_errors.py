@@ -33,6 +33,7 @@ def _one_line(text: str) -> str:
     ("PAGEDMOE_ENFORCE_EAGER", "maybe", "a boolean"),
     ("PAGEDMOE_DTYPE", "fp12", "one of auto, bfloat16, float16, float32"),
     ("PAGEDMOE_PORT", "http", "an integer"),                       # a server flag
+    ("PAGEDMOE_DISABLE_UVICORN_ACCESS_LOG", "maybe", "a boolean"),  # a server switch (was read as off)
     ("PAGEDMOE_REQUEST_TIMEOUT", "soon", "a number of seconds"),
 ])
 @pytest.mark.parametrize("cmd", [["--help"], ["generate", "--help"], ["plan", "--help"], ["serve"]], ids=" ".join)

@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import Any, Optional
 
-from pagedmoe.config import add_engine_args, engine_config_from_args, env_default
+from pagedmoe.config import add_engine_args, engine_config_from_args, env_default, parse_bool
 
 logger = logging.getLogger("pagedmoe.server")
 
@@ -20,10 +20,6 @@ def _env(name: str, conv, default: Any, expected: Optional[str] = None) -> Any:
 
 def _optional_float(text: str) -> Optional[float]:
     return None if text.lower() in ("", "none", "0") else float(text)
-
-
-def _bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes")
 
 
 def register(sub) -> None:
@@ -47,7 +43,7 @@ def register(sub) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", float, 30.0),
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   default=_env("disable_uvicorn_access_log", _bool, False))
+                   default=_env("disable_uvicorn_access_log", parse_bool, False))
     add_engine_args(p)  # includes --served-model-name
     p.set_defaults(func=run_serve)
 
