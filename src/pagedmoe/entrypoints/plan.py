@@ -72,10 +72,10 @@ def register(sub) -> None:
     p.add_argument("--compressed-gemm", default="auto", choices=["auto", "decode", *FUSED_TIER_MODELS],
                    help="as the engine's flag: decode (the compressed tier decoded each step) or a tier the MoE GEMM "
                         "reads in place (issue 23; no decode pass), modelled at its format's ratio unless "
-                        "--compression-ratio and its kernel's measured time: fused (format v2, 0.753, 2.8x bf16's "
-                        "reads), fused-hibyte (version 3, 0.78, 1.05x), fused-hibyte-exact (0.78, 2.8x); auto: "
-                        "fused-hibyte under --expert-compression lossless where the engine would run it (one GPU, "
-                        "bf16, sizes multiples of 64, not --expert-fetch routed), else decode")
+                        "--compression-ratio and its kernel's measured time in bf16 reads: "
+                        + ", ".join(f"{gemm} ({ratio}, {time}x)" for gemm, (ratio, time) in FUSED_TIER_MODELS.items())
+                        + "; auto: fused-hibyte under --expert-compression lossless where the engine would run it "
+                        "(one GPU, bf16, sizes multiples of 64, not --expert-fetch routed), else decode")
     p.add_argument("--fused-compression", action="store_true",
                    help="the same as --compressed-gemm fused (kept for older scripts)")
     p.add_argument("--host-compression", default=_env("host_compression", None), choices=["none", "lossless"],
