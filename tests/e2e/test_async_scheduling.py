@@ -98,6 +98,27 @@ def test_outputs_equal_plain_steps(ckpt, flags, penalties):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks       # every block came back
 
 
+def test_swap_out_in_a_step_that_runs_nothing(ckpt):
+    """4 blocks of 4 tokens. Step 3: A's token in flight is its last (A is not scheduled, its blocks still held) and B
+    needs a third block: B preempts itself, so the step runs no forward. B's KV must still reach the host (or B
+    recompute): swapped back in from a host slot never written, B's next tokens were computed over garbage. (No
+    prefix cache: it would give B its full blocks back without a copy.)"""
+    from pagedmoe import LLM, SamplingParams
+
+    greedy = dict(temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
+    params = [SamplingParams(max_tokens=2, **greedy), SamplingParams(max_tokens=6, **greedy)]
+    want = [o.outputs[0].token_ids for o in LLM(ckpt, device="cpu", max_model_len=16).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(ckpt, device="cpu", max_model_len=16, block_size=4, num_kv_blocks=4, swap_space=0.001,
+              enable_prefix_caching=False, async_scheduling=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert got == want
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.scheduler.swap.num_used_blocks == 0
+
+
 def test_step_n_plus_1_launches_before_step_n_is_read(ckpt, monkeypatch):
     """The overlap itself: each step's tokens are read back (the one blocking wait of a step) only after
     the next step is launched; without penalties no step waits for its predecessor."""

@@ -114,7 +114,20 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, start))
             budget -= num_new
         self.waiting.extendleft(reversed(held_back))
+        if out.swap_out and not out.scheduled:
+            self._recompute_instead_of_swapping(out)
         return out
+
+    def _recompute_instead_of_swapping(self, out: SchedulerOutput) -> None:
+        """A step that schedules nothing runs no forward, and the swap-out copies are queued before a forward: its
+        preempted requests recompute instead (--async-scheduling: every running request preempted itself or
+        samples its last token in the step in flight)."""
+        for request in self.waiting:
+            if request.request_id in out.preempted_ids and self.swap.holds(request.request_id):
+                self.swap.release(request.request_id)
+                request.num_computed_tokens = 0
+                self.num_swapped_total -= 1
+        out.swap_out.clear()
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
