@@ -68,3 +68,24 @@ def test_matches_with_small_prefill_chunks(reference):
     path, prompts, expected = reference
     got, engine = _generate(path, prompts, max_model_len=128, max_num_batched_tokens=5, max_num_seqs=3)
     assert got == expected
+
+
+def test_sliding_window_bounds_max_model_len(tmp_path):
+    """A config with a sliding window (Mixtral's `sliding_window`; Qwen's only with `use_sliding_window`): the engine
+    attends to the whole context, which is the window's attention only up to `sliding_window` tokens. Past it the
+    tokens were silently not the model's; now the default max_model_len stops at the window and a longer one is
+    refused. Within it, transformers' tokens."""
+    from pagedmoe import LLM
+
+    hf = make_tiny_checkpoint("mixtral", tmp_path / "mixtral", seed=4, sliding_window=24)
+    with pytest.raises(ValueError, match="sliding_window 24"):
+        LLM(str(tmp_path / "mixtral"), device="cpu", max_model_len=64)
+    prompt = torch.randint(1, 384, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+    got, engine = _generate(tmp_path / "mixtral", [prompt])
+    assert engine.max_model_len == 24 and got == [want[:MAX_NEW]]
+    # Qwen3-MoE without use_sliding_window: no window, max_position_embeddings as before
+    make_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3", sliding_window=24, use_sliding_window=False)
+    assert LLM(str(tmp_path / "qwen3"), device="cpu").engine.max_model_len == 256

@@ -280,14 +280,35 @@ def check_gpu_packages(device: torch.device) -> None:
         require("triton", "gpu", "running on a CUDA device")
 
 
+def sliding_window_of(hf_config) -> Optional[int]:
+    """The attention window transformers gives some layer of this config (the tokens a query sees, itself
+    included), or None. Mixtral's applies whenever set; Qwen's only with use_sliding_window (and layer_types)."""
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds is not None and "sliding_attention" not in kinds:
+        return None
+    return int(getattr(hf_config, "sliding_window", None) or 0) or None
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     if config.max_model_len is not None and max_pos and config.max_model_len > max_pos:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
+    # The engine attends to the whole context: the model's sliding-window attention only up to the window.
+    window = sliding_window_of(hf_config)
+    if window is not None and config.max_model_len is not None and config.max_model_len > window:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's sliding_window {window}: "
+                         f"pagedmoe has no sliding-window attention, so longer sequences would not get the "
+                         f"model's outputs (--max-model-len {window} or less)")
     max_model_len = config.max_model_len or max_pos
     if not max_model_len:
         raise ValueError("the config has no max_position_embeddings; pass max_model_len")
+    if window is not None and max_model_len > window:
+        logger.info("max_model_len %d: the model's sliding_window (pagedmoe has no sliding-window attention; "
+                    "max_position_embeddings is %d)", window, max_pos)
+        max_model_len = window
     return max_model_len
 
 
