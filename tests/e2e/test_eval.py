@@ -59,6 +59,24 @@ def test_eval_max_tokens_and_bad_dataset(tmp_path):
     assert main(["eval", str(ckpt), "--dataset", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
 
 
+def test_eval_documents_longer_than_the_tokenizers_max_length_raise_no_warning(tmp_path, capfd):
+    """Documents are cut into windows after tokenizing, so transformers' "Token indices sequence length is longer than
+    the specified maximum sequence length for this model ... will result in indexing errors" (every `pagedmoe eval`
+    of the default model: its held-out file is longer than its tokenizer's 2048) is wrong there."""
+    from pagedmoe.cli import main
+
+    ckpt = tmp_path / "m"
+    make_tiny_checkpoint("qwen3_moe", ckpt, seed=2)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 64}))
+    data = tmp_path / "d.txt"
+    data.write_text("for i in range(10):\n    print(i)\n" * 20)
+    assert main(["eval", str(ckpt), "--dataset", str(data), "--context", "32", "--output-json",
+                 str(tmp_path / "r.json"), "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["tokens"] > 64
+    assert "indexing errors" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("args, content, expected", [
     (["--dataset", "{d}"], b'{"text": "ok"}\n{"text": 5}\n', "d.jsonl:2: 'text' must be a string, got int"),
     (["--dataset", "{d}"], b"abc\xff\n", "d.jsonl is not UTF-8 text (byte 3"),

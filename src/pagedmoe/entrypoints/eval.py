@@ -63,7 +63,9 @@ def evaluate(engine, documents: list[str], context: int, max_tokens=None, show_p
         raise ValueError("--context must be at least 2")
     windows = []
     for doc in documents:
-        ids = engine.tokenizer.encode(doc)
+        # verbose=False: a document longer than the tokenizer's model_max_length is cut into windows below,
+        # so transformers' warning ("... will result in indexing errors") is wrong here
+        ids = engine.tokenizer.encode(doc, verbose=False)
         windows += [ids[i:i + context] for i in range(0, len(ids), context) if len(ids[i:i + context]) > 1]
     budget = max_tokens if max_tokens is not None else sum(len(w) - 1 for w in windows)
     nll, correct, scored = 0.0, 0, 0
