@@ -97,3 +97,20 @@ def test_eval_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypat
     assert main(["eval", "--device", "cpu", "--output-json", str(tmp_path / "r.json"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pagedmoe eval: error: ") and "\n" not in err and expected in err, err
+
+
+def test_context_longer_than_max_model_len_is_refused_and_the_default_fits(tmp_path, capsys):
+    # an explicit --context the engine cannot score whole is an error, not silently shortened; the default
+    # window fits a shorter model, and the JSON says which window was used
+    from pagedmoe.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    make_tiny_checkpoint("qwen3_moe", ckpt)
+    data = tmp_path / "d.txt"
+    data.write_text("def f(x):\n    return x * 2\n" * 40)
+    base = ["eval", str(ckpt), "--dataset", str(data), "--device", "cpu", "--max-model-len", "64",
+            "--max-tokens", "100"]
+    assert main(base + ["--context", "128", "--output-json", str(tmp_path / "a.json")]) == 2
+    assert "--context 128 exceeds max_model_len 64" in capsys.readouterr().err
+    assert main(base + ["--output-json", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["context"] == 64

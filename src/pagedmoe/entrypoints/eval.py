@@ -5,10 +5,14 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Optional
 
 from tqdm.auto import tqdm
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
+
+
+DEFAULT_CONTEXT = 512   # tokens per scored window
 
 
 def default_dataset() -> Path:
@@ -23,7 +27,9 @@ def register(sub) -> None:
     p.add_argument("--dataset", type=Path, default=None,
                    help="a .jsonl with a 'text' field per document, or a plain text file")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after scoring this many tokens")
-    p.add_argument("--context", type=int, default=512, help="tokens per scored window")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per scored window (default: {DEFAULT_CONTEXT}, or the model's max_model_len where "
+                        f"shorter)")
     p.add_argument("--output-json", type=Path, default=Path("eval-results.json"))
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer expert usage")
     add_engine_args(p)
@@ -51,14 +57,18 @@ def load_documents(path: Path) -> list[str]:
     return [text]
 
 
-def evaluate(engine, documents: list[str], context: int, max_tokens=None, show_progress: bool = True) -> dict:
-    """Non-overlapping windows of `context` tokens per document; every token after the first of a
-    window is predicted from the ones before it."""
+def evaluate(engine, documents: list[str], context: Optional[int], max_tokens=None, show_progress: bool = True
+             ) -> dict:
+    """Non-overlapping windows of `context` tokens per document (None: DEFAULT_CONTEXT, at most the engine's
+    max_model_len); every token after the first of a window is predicted from the ones before it."""
     import torch
 
     if engine.tokenizer is None:
         raise ValueError("evaluation needs a tokenizer")
-    context = min(context, engine.max_model_len)
+    if context is None:
+        context = min(DEFAULT_CONTEXT, engine.max_model_len)
+    elif context > engine.max_model_len:  # a window the engine cannot score whole: not silently shortened
+        raise ValueError(f"--context {context} exceeds max_model_len {engine.max_model_len}")
     if context < 2:
         raise ValueError("--context must be at least 2")
     windows = []
@@ -86,7 +96,7 @@ def evaluate(engine, documents: list[str], context: int, max_tokens=None, show_p
     if scored == 0:
         raise ValueError("the dataset has no tokens to score")
     activity = engine.activity.snapshot()["total"]
-    return {"tokens": scored, "perplexity": math.exp(nll / scored), "mean_nll": nll / scored,
+    return {"tokens": scored, "context": context, "perplexity": math.exp(nll / scored), "mean_nll": nll / scored,
             "top1_accuracy": correct / scored, "seconds": time.perf_counter() - start,
             "expert_usage": activity}
 
