@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -160,6 +161,70 @@ def test_torchrun_launch(ckpts, tmp_path):
             break
     assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-4000:]}"
     _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_ranks_outlive_the_starting_thread_and_die_with_rank0(ckpts, tmp_path):
+    """LLM(..., tensor_parallel_size=2) built in a thread pool (a web app's start-up, asyncio.to_thread): its rank
+    lives on after that thread ends (PR_SET_PDEATHSIG ended it with the thread, and the next step failed with
+    gloo's "Connection closed by peer"), and still exits once rank 0's process is killed."""
+    script, ready = tmp_path / "script.py", tmp_path / "ready"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+        from pagedmoe import LLM, SamplingParams
+        with ThreadPoolExecutor(1) as pool:
+            llm = pool.submit(LLM, {str(ckpts['qwen3_moe'])!r}, device="cpu", max_model_len=96,
+                              tensor_parallel_size=2).result()
+        time.sleep(1)  # the thread is gone: give a signal sent at its end the time to land
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        open({str(ready)!r}, "w").write(str(out[0].outputs[0].token_ids))
+        time.sleep(600)
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        workers = []
+        try:
+            deadline = time.monotonic() + 90
+            while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            workers = _children(proc.pid)
+            err.seek(0)
+            assert ready.exists(), f"rank 0 exited {proc.poll()}:\n{err.read()[-3000:]}"
+            assert len(workers) == 1 and _running(workers[0])
+            proc.kill()
+            proc.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while _running(workers[0]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _running(workers[0]), "rank 1 outlived rank 0's process"
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+            for pid in workers:
+                if _running(pid):
+                    os.kill(pid, 9)
 
 
 def test_expert_parallel_triton_skips_the_other_ranks_routes(ckpts, tmp_path):

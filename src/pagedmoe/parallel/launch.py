@@ -25,6 +25,8 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -88,19 +90,24 @@ def setup_parallel(config) -> ParallelState:
 
 def _spawn_worker(config, rank: int, port: int) -> None:
     """A fresh interpreter running parallel/worker.py (not multiprocessing's spawn: that re-imports the
-    user's main module, so a script without an `if __name__ == "__main__"` guard would start again), ended
-    by the kernel when this process dies."""
-    env = dict(os.environ, **NCCL_ENV, PAGEDMOE_NO_PROGRESS="1",
+    user's main module, so a script without an `if __name__ == "__main__"` guard would start again), which
+    ends itself when this process dies (watch_parent)."""
+    env = dict(os.environ, **NCCL_ENV, PAGEDMOE_NO_PROGRESS="1", PAGEDMOE_TP_PARENT=str(os.getpid()),
                PAGEDMOE_TP_CONFIG=base64.b64encode(pickle.dumps(config)).decode())
     subprocess.Popen([sys.executable, "-m", "pagedmoe.parallel.worker", str(rank), str(port)], env=env,
-                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                     stdin=subprocess.DEVNULL)
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
+def watch_parent(pid: int, interval_s: float = 0.5) -> None:
+    """A spawned rank ends when rank 0's process (`pid`) is gone. Not PR_SET_PDEATHSIG: that fires when the
+    *thread* that started the rank ends, so an LLM(...) built in a thread pool would lose its ranks with it."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(interval_s)
+        logger.error("tensor parallel: rank 0 (pid %d) is gone; this rank exits", pid)
+        exit_worker(1)
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    threading.Thread(target=watch, name="pagedmoe-watch-rank0", daemon=True).start()
 
 
 def _init(backend: str, rank: int, world: int, init_method: str, local_rank: int) -> None:
