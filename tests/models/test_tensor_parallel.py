@@ -136,33 +136,6 @@ def test_split_that_cannot_take_effect(ckpts, tmp_path):
         LLM(str(path), device="cpu", tensor_parallel_size=4, enable_expert_parallel=True)
 
 
-def test_torchrun_launch(ckpts, tmp_path):
-    """`torchrun --nproc-per-node 2 script.py`: every rank runs the script; LLM(...) returns on rank 0 only."""
-    script = tmp_path / "script.py"
-    out = tmp_path / "tokens.pt"
-    script.write_text(textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})
-        from tiny_models import greedy_logits
-        from pagedmoe import LLM
-        llm = LLM({str(ckpts['qwen2_moe'])!r}, device="cpu", max_model_len=96, tensor_parallel_size=2)
-        logits, outs = greedy_logits(llm, {LENGTHS!r}, max_tokens={MAX_TOKENS}, seed=5)
-        torch.save((logits, [o.outputs[0].token_ids for o in outs]), {str(out)!r})
-    """))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
-    for attempt in range(2):  # a port found free can be taken by a parallel test before torchrun binds it: once more
-        with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              "--master-port", str(port), str(script)], env=env, timeout=120, capture_output=True,
-                             text=True)
-        if run.returncode == 0 or "address already in use" not in (run.stderr + run.stdout).lower():
-            break
-    assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-4000:]}"
-    _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
-
-
 def _children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):
@@ -181,6 +154,67 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_torchrun_launch(ckpts, tmp_path):
+    """`torchrun --nproc-per-node 2 script.py`: every rank runs the script; LLM(...) returns on rank 0 only."""
+    script = tmp_path / "script.py"
+    out = tmp_path / "tokens.pt"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})
+        from tiny_models import greedy_logits
+        from pagedmoe import LLM
+        llm = LLM({str(ckpts['qwen2_moe'])!r}, device="cpu", max_model_len=96, tensor_parallel_size=2)
+        logits, outs = greedy_logits(llm, {LENGTHS!r}, max_tokens={MAX_TOKENS}, seed=5)
+        torch.save((logits, [o.outputs[0].token_ids for o in outs]), {str(out)!r})
+    """))
+    _torchrun(script)
+    _assert_same(_reference(ckpts["qwen2_moe"]), torch.load(out))
+
+
+def _torchrun(script, timeout=120) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAGEDMOE_NO_PROGRESS="1")
+    for attempt in range(2):  # a port found free can be taken by a parallel test before torchrun binds it: once more
+        with socket.socket() as s:  # torchrun's --master-port 0 is not shared with the ranks: a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(port), str(script)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # the ranks too: killing torchrun alone leaves them running
+            for pid in [*_children(proc.pid), proc.pid]:
+                os.kill(pid, 9)
+            stderr = proc.communicate()[1]
+            pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
+        if proc.returncode == 0 or "address already in use" not in (stderr + stdout).lower():
+            break
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{stderr[-4000:]}"
+
+
+def test_torchrun_second_engine_is_refused(ckpts, tmp_path):
+    """Under torchrun the other ranks serve the first engine and exit with it: a second LLM(...) on rank 0 (with
+    the first still open, or after its shutdown) is a ValueError instead of a wait for ranks that never come."""
+    script, out = tmp_path / "script.py", tmp_path / "errors.txt"
+    script.write_text(textwrap.dedent(f"""
+        from pagedmoe import LLM
+        kw = dict(device="cpu", max_model_len=96, tensor_parallel_size=2)
+        llm = LLM({str(ckpts['qwen3_moe'])!r}, **kw)
+        errors = []
+        for shutdown in (False, True):
+            if shutdown:
+                llm.engine.shutdown()
+            try:
+                LLM({str(ckpts['qwen3_moe'])!r}, **kw)
+            except ValueError as e:
+                errors.append(str(e))
+        open({str(out)!r}, "w").write("\\n".join(errors))
+    """))
+    _torchrun(script, timeout=60)
+    errors = out.read_text().splitlines()
+    assert len(errors) == 2 and all("once per launch" in e for e in errors), errors
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

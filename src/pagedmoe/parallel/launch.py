@@ -56,8 +56,13 @@ def _free_port() -> int:
 
 def setup_parallel(config) -> ParallelState:
     """Join (or create) this process's tensor-parallel group for `config`; the identity for one rank."""
+    global _TORCHRUN_JOINED
     n, ep = config.tensor_parallel_size, config.enable_expert_parallel
     state = get_state()
+    if n > 1 and _TORCHRUN_JOINED:
+        # the other ranks served the first engine and exit with it: a second group would wait for them forever
+        raise ValueError("under torchrun a script runs one tensor-parallel engine (the other ranks exit when it "
+                         "shuts down): create LLM(...) once per launch")
     if state.enabled and state.rank == 0 and not state.torchrun and _LIVE:
         # a second engine in this process (bench sweep): the previous engine's workers end first
         _LIVE[-1].close()
@@ -76,6 +81,7 @@ def setup_parallel(config) -> ParallelState:
             raise ValueError(f"--tensor-parallel-size {n} but torchrun started {world} processes")
         _init(backend, rank, world, "env://", int(os.environ.get("LOCAL_RANK", rank)))
         state = ParallelState(world, rank, ep, torchrun=True)
+        _TORCHRUN_JOINED = True
     else:
         port = _free_port()
         for rank in range(1, n):
@@ -154,6 +160,7 @@ def exit_worker(code: int = 0) -> None:
 
 
 _LIVE: list = []  # rank 0's StepBroadcast while its workers run
+_TORCHRUN_JOINED = False  # this process joined torchrun's group (once: its other ranks end with that engine)
 
 
 class StepBroadcast:
