@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -156,6 +159,43 @@ def test_engine_failure_is_reported_not_hung(tiny_model_dir):
         assert_openai_error(httpx.get(server.base_url + "/health"), 503)
         again = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
         assert_openai_error(again, 503)
+
+
+def _tp_worker_pid() -> int:
+    """The pid of the one tensor-parallel rank this process started."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ppid == os.getpid() and b"pagedmoe.parallel.worker" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank in /proc")
+def test_dead_tensor_parallel_rank_is_reported_while_idle(tiny_model_dir):
+    """--tensor-parallel-size 2 and rank 1 killed while the server is idle: within seconds the engine is reported
+    dead, naming the rank (`pagedmoe serve` then exits 1), and /health turns 503; it used to answer 200 until the
+    next request failed with gloo's "Connection closed by peer"."""
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2, device="cpu")
+    try:
+        with ServerThread(engine) as server:
+            dead = []
+            server.bridge.on_dead = dead.append
+            assert httpx.get(server.base_url + "/health").status_code == 200
+            os.kill(_tp_worker_pid(), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert dead and "tensor-parallel rank 1" in str(dead[0]), dead
+            assert_openai_error(httpx.get(server.base_url + "/health"), 503)
+    finally:
+        engine.shutdown()
 
 
 def test_swap_space_metrics(tiny_model_dir):

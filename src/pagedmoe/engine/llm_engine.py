@@ -156,6 +156,11 @@ class LLMEngine:
         if self.runner.control is not None:
             self.runner.control.close()
 
+    def check_health(self) -> None:
+        """RuntimeError when the engine can run no more steps: a tensor-parallel rank has exited (vLLM's name)."""
+        if self.runner.control is not None:
+            self.runner.control.check()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -84,8 +84,7 @@ def setup_parallel(config) -> ParallelState:
         _TORCHRUN_JOINED = True
     else:
         port = _free_port()
-        for rank in range(1, n):
-            _spawn_worker(config, rank, port)
+        _SPAWNED[:] = [_spawn_worker(config, rank, port) for rank in range(1, n)]
         _init(backend, 0, n, f"tcp://127.0.0.1:{port}", 0)
         state = ParallelState(n, 0, ep)
     set_state(state, dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
@@ -94,14 +93,14 @@ def setup_parallel(config) -> ParallelState:
     return state
 
 
-def _spawn_worker(config, rank: int, port: int) -> None:
+def _spawn_worker(config, rank: int, port: int) -> subprocess.Popen:
     """A fresh interpreter running parallel/worker.py (not multiprocessing's spawn: that re-imports the
     user's main module, so a script without an `if __name__ == "__main__"` guard would start again), which
     ends itself when this process dies (watch_parent)."""
     env = dict(os.environ, **NCCL_ENV, PAGEDMOE_NO_PROGRESS="1", PAGEDMOE_TP_PARENT=str(os.getpid()),
                PAGEDMOE_TP_CONFIG=base64.b64encode(pickle.dumps(config)).decode())
-    subprocess.Popen([sys.executable, "-m", "pagedmoe.parallel.worker", str(rank), str(port)], env=env,
-                     stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "pagedmoe.parallel.worker", str(rank), str(port)], env=env,
+                            stdin=subprocess.DEVNULL)
 
 
 def watch_parent(pid: int, interval_s: float = 0.5) -> None:
@@ -160,6 +159,7 @@ def exit_worker(code: int = 0) -> None:
 
 
 _LIVE: list = []  # rank 0's StepBroadcast while its workers run
+_SPAWNED: list = []  # rank 0's Popen of ranks 1..N-1 (none under torchrun)
 _TORCHRUN_JOINED = False  # this process joined torchrun's group (once: its other ranks end with that engine)
 
 
@@ -168,23 +168,39 @@ class StepBroadcast:
 
     def __init__(self) -> None:
         self.open = True
+        self.workers = list(_SPAWNED)
         _LIVE[:] = [self]
         atexit.register(self.close)
+
+    def check(self) -> None:
+        """RuntimeError when a spawned rank has exited: no step can run without it (LLMEngine.check_health)."""
+        for rank, proc in enumerate(self.workers, 1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {proc.returncode}")
 
     def send(self, host: dict) -> None:
         if not self.open:
             raise RuntimeError("this engine's tensor-parallel workers were shut down (a later engine in this "
                                "process replaced them)")
+        self.check()
         dist.broadcast_object_list([host], src=0, group=control_group())
 
     def close(self) -> None:
         """End the workers' loops and leave the group (a later engine in this process starts a new one)."""
         if self.open and dist.is_initialized():
             self.open = False
-            dist.broadcast_object_list([None], src=0, group=control_group())
+            try:
+                dist.broadcast_object_list([None], src=0, group=control_group())
+            except RuntimeError as e:  # a rank has died: the others' next collective fails and they exit
+                logger.warning("tensor parallel: not every rank heard the shutdown (%s)", str(e).splitlines()[0])
             dist.destroy_process_group()
             set_state(ParallelState())
             _LIVE.clear()
+            for proc in self.workers:  # reaped, not left as zombies while this process lives on
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tensor parallel: rank pid %d did not exit within 10 s", proc.pid)
 
 
 def abandon_group(state: ParallelState) -> None:

@@ -206,7 +206,9 @@ class AsyncEngine:
                     self.stats = dict(engine.get_stats())
                     return
                 if not engine.has_unfinished_requests():
-                    self._wakeup.wait()
+                    # idle: a dead tensor-parallel rank is found within a second, not at the next request
+                    self._wakeup.wait(1.0)
+                    engine.check_health()
                     continue
                 steps_before = engine.num_steps
                 outputs = engine.step()
