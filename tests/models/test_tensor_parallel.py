@@ -126,6 +126,10 @@ def test_split_that_cannot_take_effect(ckpts, tmp_path):
         LLM(str(ckpts["mixtral"]), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
         LLM(str(ckpts["mixtral"]), device="cpu", enable_expert_parallel=True)
+    # --num-gpu-experts counts a rank's experts: refused before any rank starts (check_split), naming both counts
+    with pytest.raises(ValueError, match="6 exceeds the 4 experts per layer a rank holds .* the model's 8 over 2"):
+        LLM(str(ckpts["mixtral"]), device="cpu", tensor_parallel_size=2, enable_expert_parallel=True,
+            num_gpu_experts=6)
     path = tmp_path / "dsv3"
     make_tiny_checkpoint("deepseek_v3", path, seed=1, attention_bias=True)
     with pytest.raises(ValueError, match="multi-head latent attention with biases"):

@@ -92,7 +92,13 @@ def start_engine(config: EngineConfig) -> EngineParts:
 def check_split(hf_config, config) -> None:
     """ValueError when the model cannot be split over --tensor-parallel-size ranks as asked."""
     dims, spec = spec_builder(hf_config)(hf_config)
-    shard_arch(dims, spec, config.tensor_parallel_size, config.enable_expert_parallel)
+    rank_dims, _ = shard_arch(dims, spec, config.tensor_parallel_size, config.enable_expert_parallel)
+    n, comp = config.experts.num_gpu_experts or 0, config.experts.num_compressed_experts or 0
+    if rank_dims.num_experts < dims.num_experts and n + comp > rank_dims.num_experts:
+        flags = f"--num-gpu-experts {n}" + (f" + --num-compressed-experts {comp}" if comp else "")
+        raise ValueError(f"{flags} exceeds the {rank_dims.num_experts} experts per layer a rank holds (they count "
+                         f"one rank's: --enable-expert-parallel splits the model's {dims.num_experts} over "
+                         f"{config.tensor_parallel_size} ranks)")
 
 
 def _start(config: EngineConfig, model_path: str, hf_config, parallel) -> EngineParts:
