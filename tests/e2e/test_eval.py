@@ -114,3 +114,13 @@ def test_context_longer_than_max_model_len_is_refused_and_the_default_fits(tmp_p
     assert "--context 128 exceeds max_model_len 64" in capsys.readouterr().err
     assert main(base + ["--output-json", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "b.json").read_text())["context"] == 64
+
+
+def test_tensor_parallel_is_refused_before_the_ranks_start(capsys, monkeypatch):
+    # scoring runs on one process: refused up front, not after both ranks loaded the model
+    from pagedmoe.cli import main
+    from pagedmoe.parallel import launch
+
+    monkeypatch.setattr(launch, "setup_parallel", lambda config: pytest.fail("ranks were started"))
+    assert main(["eval", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
+    assert "does not support --tensor-parallel-size > 1" in capsys.readouterr().err

@@ -131,6 +131,8 @@ def run(args) -> int:
         require("matplotlib", "plot", "eval --plot")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.tensor_parallel_size > 1:  # LLMEngine.score runs on one process: refused before the ranks start
+        raise ValueError("pagedmoe eval does not support --tensor-parallel-size > 1 yet")
     docs = load_documents(args.dataset or default_dataset())
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     r = evaluate(engine, docs, args.context, args.max_tokens)
