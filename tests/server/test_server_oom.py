@@ -39,3 +39,26 @@ def test_server_survives_an_oom_in_a_step(tmp_path):
         assert s.bridge.is_healthy
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         assert s.metrics()['pagedmoe:num_requests_aborted_total{reason="error"}'] == 2
+
+
+def test_a_failed_step_adds_no_token_latency(tmp_path):
+    """A request whose step fails got no token from it: no time-to-first-token (failed in its prefill) and no
+    inter-token latency (failed in a decode step) is observed for it, only the abort with reason "error"."""
+    make_tiny_checkpoint("qwen3_moe", tmp_path)
+    engine = make_engine(tmp_path)
+    execute = engine.runner.execute
+    body = {"model": MODEL_NAME, "prompt": [4, 8, 15, 16], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    ttft, itl = "pagedmoe:time_to_first_token_seconds_count", "pagedmoe:inter_token_latency_seconds_count"
+    with ServerThread(engine) as s:
+        url = s.base_url + "/v1/completions"
+        before = s.metrics()
+        engine.runner.execute = OomOnce(execute, at=1)   # the prefill step: no first token
+        assert httpx.post(url, json=body, timeout=60).status_code == 500
+        m = s.wait_idle()
+        assert m[ttft] == before[ttft] and m[itl] == before[itl]
+        engine.runner.execute = OomOnce(execute, at=3)   # two tokens, then the third step fails
+        assert httpx.post(url, json=body, timeout=60).status_code == 500
+        m = s.wait_idle()
+        assert m[ttft] == before[ttft] + 1 and m[itl] == before[itl] + 1
+        assert m['pagedmoe:num_requests_aborted_total{reason="error"}'] == 2
+        assert m["pagedmoe:e2e_request_latency_seconds_count"] == before["pagedmoe:e2e_request_latency_seconds_count"]

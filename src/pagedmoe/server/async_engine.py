@@ -263,7 +263,7 @@ class AsyncEngine:
             track = self._tracks.get(out.request_id)
             if track is None:
                 continue
-            if m is not None:
+            if m is not None and out.error is None:  # a failed step's output carries no new token
                 if track.last_token is None:
                     m.observe_ttft(now - track.arrival)
                 else:
