@@ -141,6 +141,20 @@ def test_pager_flat_stats_are_exported():
         assert line in text, line
 
 
+def test_quantized_tier_bytes_are_loaded_bytes(tiny_model_dir):
+    """--expert-precision static-int4: every expert sits in the quantized tier and is dequantised into the
+    compute buffers each step; expert_bytes_loaded_total counts those bytes under tier="quantized"."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, expert_placement="paged", expert_precision="static-int4")
+    with ServerThread(engine) as server:
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3,
+                                                                  "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200
+        m = server.wait_idle()
+    assert m['pagedmoe:experts{precision="int4",tier="quantized"}'] == 2 * 8
+    loaded = m['pagedmoe:expert_bytes_loaded_total{tier="quantized"}']
+    assert loaded == engine.get_stats()["expert_bytes_dequantized"] > 0
+
+
 def test_engine_failure_is_reported_not_hung(tiny_model_dir):
     """A step that raises kills the engine thread: open and new requests get 503, /health turns 503."""
     engine = make_engine(tiny_model_dir, max_num_seqs=4)

@@ -10,7 +10,7 @@ Paging keys in `get_stats()` (written by the expert-paging work; absent keys mea
 resident, nothing moved"):
   expert_bytes_loaded_total       {tier: bytes}                    -> counter{tier}
       (else the pager's flat counters: expert_bytes_h2d -> tier "host", expert_bytes_d2d -> "resident",
-       expert_bytes_decoded -> "compressed")
+       expert_bytes_decoded -> "compressed", expert_bytes_dequantized -> "quantized")
   experts                         {(tier, precision): count}, {"tier/precision": count}
                                   or {tier: {precision: count}}    -> gauge{tier, precision}
   expert_wait_seconds_total       float (else expert_wait_s)       -> counter
@@ -42,7 +42,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 DEFAULT_TIERS = ("compressed", "host")
 DEFAULT_DIRECTIONS = ("up", "down")
-PAGER_BYTE_COUNTERS = {"expert_bytes_h2d": "host", "expert_bytes_d2d": "resident", "expert_bytes_decoded": "compressed"}
+PAGER_BYTE_COUNTERS = {"expert_bytes_h2d": "host", "expert_bytes_d2d": "resident", "expert_bytes_decoded": "compressed",
+                       "expert_bytes_dequantized": "quantized"}
 _TIER_BYTES = re.compile(r"^expert_(\w+?)_bytes$")
 
 
