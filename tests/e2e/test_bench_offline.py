@@ -29,6 +29,20 @@ def test_bench_throughput_line_and_json(ckpt, tmp_path, capsys):
     assert r["config"]["input_len"] == 12 and "git_commit" in r and "versions" in r
 
 
+def test_bench_throughput_line_is_unique_with_the_progress_bar(ckpt, capsys, monkeypatch):
+    """With the progress bar on (an interactive run), stdout and stderr together (`2>&1 | tee log`) hold one
+    line starting with "Throughput:", the result: the bar is vLLM's "Processed prompts", not a second one."""
+    from pagedmoe.cli import main
+
+    monkeypatch.delenv("PAGEDMOE_NO_PROGRESS", raising=False)
+    assert main(["bench", "throughput", str(ckpt), "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                 "--max-model-len", "64", "--device", "cpu", "--load-format", "dummy"]) == 0
+    captured = capsys.readouterr()
+    lines = [l for text in (captured.out, captured.err) for l in text.replace("\r", "\n").splitlines()]
+    assert len([l for l in lines if l.startswith("Throughput:")]) == 1, lines
+    assert any(l.startswith("Processed prompts") for l in lines), lines
+
+
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--batch-size", "4", "-1"], ["--input-len", "0"],
                                  ["--output-len", "0"]])
 def test_bench_latency_refuses_empty_sizes_in_one_line(ckpt, capsys, bad):

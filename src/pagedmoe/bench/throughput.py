@@ -43,7 +43,7 @@ def run_throughput(engine, num_prompts: int, input_len: int, output_len: int, se
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", None, params, prompt_token_ids=p)
-    bar = tqdm(total=num_prompts, desc="Throughput",
+    bar = tqdm(total=num_prompts, desc="Processed prompts",  # vLLM's; not a second "Throughput:" line
                disable=not show_progress or os.environ.get("PAGEDMOE_NO_PROGRESS") is not None)
     num_output = 0
     while engine.has_unfinished_requests():
