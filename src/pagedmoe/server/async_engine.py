@@ -100,6 +100,13 @@ class AsyncEngine:
             logger.error("the engine thread did not stop within %.0f s", timeout_s)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
+    def refuse_all(self, reason: str) -> None:
+        """Answer every open request with EngineDeadError(reason) (503; a started stream: an error event and
+        [DONE]) and take no new ones; the engine thread aborts what it holds and stops."""
+        self._stopping = True
+        self._wakeup.set()
+        self._fail_all(EngineDeadError(reason))
+
     @property
     def is_healthy(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -48,12 +49,26 @@ def register(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
-def _make_server(config):
+def _make_server(config, bridge, shutdown_timeout: float):
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die of the
         signal (exit status -15). Here the signal only starts the graceful shutdown: exit status 0."""
+
+        async def shutdown(self, sockets=None):
+            # NOTE: past its timeout_graceful_shutdown uvicorn cancels the responses still running: a plain-text
+            # 500, a stream cut without [DONE], a traceback each. At --shutdown-timeout the bridge answers them
+            # instead (503 engine_unavailable; a stream's error event and [DONE]); uvicorn's own timeout, a
+            # second later, is left for a client that does not read its answer.
+            timer = asyncio.get_running_loop().call_later(
+                shutdown_timeout, bridge.refuse_all,
+                f"the server is shutting down: the request did not finish within --shutdown-timeout "
+                f"{shutdown_timeout:g} s")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -84,10 +99,10 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
-                            timeout_graceful_shutdown=args.shutdown_timeout,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 1,
                             access_log=not args.disable_uvicorn_access_log,
                             log_level=logging.getLevelName(logging.getLogger().level).lower())
-    server = _make_server(config)
+    server = _make_server(config, app.state.bridge, args.shutdown_timeout)
     dead = []
 
     def on_dead(exc: BaseException) -> None:
