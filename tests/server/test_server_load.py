@@ -133,3 +133,53 @@ def test_client_disconnect_frees_blocks_within_one_engine_step(tiny_model_dir):
         m = server.wait_idle()
     assert m['pagedmoe:num_requests_aborted_total{reason="disconnect"}'] == 3
     assert not engine.requests
+
+
+def test_a_non_streaming_handler_ends_when_its_client_leaves_even_if_the_cancel_is_lost(monkeypatch):
+    """Python < 3.12: asyncio.wait_for (--request-timeout) loses a cancel that comes as the awaited future
+    completes (CPython gh-86296), which under load happened to clients that hung up as an output arrived. The
+    handler's task then ran on until the deadline and ended in 'Task exception was never retrieved' with a
+    RequestTimeoutError traceback in the log. Closing the handle (the client left) ends its outputs instead."""
+    from pagedmoe.server.app import _unless_disconnected
+    from pagedmoe.server.async_engine import RequestHandle
+    from pagedmoe.server.serving import OpenAIServing
+
+    real_wait_for = asyncio.wait_for
+
+    async def wait_for_losing_a_cancel(aw, timeout):
+        fut = asyncio.ensure_future(aw)
+        try:
+            return await real_wait_for(asyncio.shield(fut), timeout)
+        except asyncio.CancelledError:
+            return await real_wait_for(fut, timeout)  # the cancel is lost, as in gh-86296
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_losing_a_cancel)
+
+    class Bridge:
+        request_timeout = 5.0
+
+        def __init__(self):
+            self.released = []
+
+        def _release(self, handle, reason):
+            self.released.append(reason)
+
+    class GoneClient:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def main():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx["message"]))
+        bridge = Bridge()
+        handle = RequestHandle(bridge, ["cmpl-x-0"], time.monotonic() + bridge.request_timeout)
+        assert await _unless_disconnected(GoneClient(), OpenAIServing.final_outputs(handle, 1), handle) is None
+        deadline = time.monotonic() + 2.0  # well before the request's own deadline
+        while len(asyncio.all_tasks()) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return bridge.released, len(asyncio.all_tasks()) - 1, errors
+
+    released, left, errors = asyncio.run(main())
+    assert released == ["disconnect"]
+    assert left == 0, "the handler's task outlived its client"
+    assert errors == []

@@ -319,6 +319,10 @@ class RequestHandle:
                 self._ready.clear()
                 if self._error is not None:
                     raise self._error
+                if self._closed:
+                    # closed from outside (its client left). NOTE: the handler's task is cancelled too, but
+                    # before Python 3.12 asyncio.wait_for (--request-timeout) can lose that cancel (gh-86296)
+                    return
                 latest, self._latest = self._latest, {}
                 for i in sorted(latest):
                     if latest[i].error is not None:
@@ -359,3 +363,4 @@ class RequestHandle:
         if not self._closed:
             self._closed = True
             self.bridge._release(self, reason)
+            self._ready.set()  # outputs() ends
