@@ -257,3 +257,22 @@ def test_request_larger_than_the_waiting_bound_is_a_400(tiny_model_dir):
         r = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 2, "n": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
         assert server.metrics().get('pagedmoe:num_requests_rejected_total{reason="queue_full"}', 0) == 0
+
+
+def test_retry_after_uses_the_rate_over_the_span_observed(monkeypatch):
+    # 20 completions in the last 2 s drain 20 waiting requests in ~2 s: Retry-After 2, not 30 (the old rule
+    # divided by the whole 30 s window right after start-up or an idle spell)
+    from pagedmoe.server import async_engine
+
+    class Idle:
+        def get_stats(self):
+            return {"num_requests_waiting": 20}
+
+    bridge = async_engine.AsyncEngine(Idle())
+    now = 1000.0
+    monkeypatch.setattr(async_engine.time, "monotonic", lambda: now)
+    bridge._finish_times.extend(now - 2.0 + 0.1 * i for i in range(20))
+    assert bridge._retry_after_s() == 2
+    bridge._finish_times.clear()
+    bridge._finish_times.extend([now - 40.0, now - 0.2])   # one old completion outside the window, one recent
+    assert bridge._retry_after_s() == 20                   # one a second at most (the span's 1 s floor)

@@ -131,12 +131,15 @@ class AsyncEngine:
                                   f"(--max-waiting-requests {limit}); retry later", self._retry_after_s())
 
     def _retry_after_s(self) -> int:
-        """Seconds until the queue has likely drained: waiting requests / recent completion rate."""
+        """Seconds until the queue has likely drained: waiting requests / the completion rate over the last 30 s,
+        measured over the span those completions cover (at least 1 s): a server that has been finishing
+        requests for 2 s is not taken as 15x slower than it is."""
         now, window = time.monotonic(), 30.0
-        recent = sum(1 for t in list(self._finish_times) if now - t < window)
-        if recent == 0:
+        recent = [t for t in list(self._finish_times) if now - t < window]   # in completion order
+        if not recent:
             return 1
-        return int(min(60, max(1, math.ceil(self.num_waiting / (recent / window)))))
+        rate = len(recent) / max(1.0, now - recent[0])
+        return int(min(60, max(1, math.ceil(self.num_waiting / rate))))
 
     def submit(self, request_id: str, prompts: list[tuple[Optional[str], list[int]]],
                params: Union[SamplingParams, list[SamplingParams]], arrival: Optional[float] = None
