@@ -15,7 +15,9 @@ class SamplingParams:
     OpenAI defines them), then temperature, top_k, top_p and min_p filtering, then sampling (greedy
     takes the argmax of the penalised logits). logprobs=N returns, per generated token, the
     log-probabilities (of the raw model distribution) of the N most likely tokens and of the sampled one.
-    n > 1 returns n samples of the prompt (with a seed, sample j uses seed + j).
+    prompt_logprobs=K returns, per prompt token after the first, the logprob and rank of that token and the
+    K most likely ones at its position (RequestOutput.prompt_logprobs; the prompt is computed whole, no prefix
+    cache hit). n > 1 returns n samples of the prompt (with a seed, sample j uses seed + j).
     """
 
     n: int = 1
@@ -34,6 +36,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # "cumulative": LLMEngine.step returns this request's output after every token (streaming);
@@ -52,9 +55,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         # Types first: a float top_k or a string temperature would otherwise pass and fail inside an engine step.
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
-            if value is None and name in ("max_tokens", "logprobs", "seed"):
+            if value is None and name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -90,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list) or any(
@@ -148,5 +153,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's shape)
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     metrics: dict = field(default_factory=dict)
     error: Optional[str] = None  # finish_reason "error": what failed (e.g. out of GPU memory in its step)

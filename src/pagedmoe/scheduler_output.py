@@ -23,6 +23,15 @@ class ScheduledRequest:
         """True when this step reaches the request's last known token, so a new token is sampled."""
         return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """This step's positions whose logits give prompt logprobs (SamplingParams.prompt_logprobs): each predicts
+        the prompt token after it, so the last prompt position (it samples) is not one. Empty when not asked."""
+        if self.request.params.prompt_logprobs is None:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(start, min(start + self.num_new_tokens, self.request.num_prompt_tokens - 1))
+
 
 @dataclass
 class SchedulerOutput:
@@ -35,6 +44,12 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def prompt_logprob_spans(self) -> list[tuple[ScheduledRequest, range]]:
+        """(scheduled request, positions) of the rows whose logits the step adds after the sampling rows for prompt
+        logprobs, in row order; [] in a step where nobody asks for them."""
+        spans = [(s, s.prompt_logprob_positions) for s in self.scheduled if s.request.params.prompt_logprobs is not None]
+        return [(s, r) for s, r in spans if r]
 
     @property
     def is_empty(self) -> bool:

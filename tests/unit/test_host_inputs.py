@@ -85,3 +85,25 @@ def test_fresh_marks_steps_of_whole_prompts_only():
         runner = SimpleNamespace(block_size=BS, block_tables=BlockTables(16), device=torch.device("cpu"))
         inputs = ModelRunner.to_device(runner, ModelRunner.host_inputs(runner, out, kv))
         assert inputs.meta.fresh is fresh, pick
+
+
+def test_prompt_logprob_rows_follow_the_sampling_rows():
+    """SamplingParams.prompt_logprobs: the positions that predict a prompt token go after the sampling rows, in
+    prompt_logprob_spans' order (a non-final chunk's last position too, not a whole prompt's); none asked: the
+    logits_indices of the sampling rows only."""
+    rng = random.Random(1)
+    rows = _rows(rng)
+    tables = {r.request_id: rng.sample(range(200), -(-(start + n) // BS)) for r, start, n in rows}
+    kv = SimpleNamespace(block_table=lambda rid: tables[rid], has=lambda rid: True)
+    runner = SimpleNamespace(block_size=BS, block_tables=BlockTables(16))
+    out = SchedulerOutput([ScheduledRequest(r, n, start) for r, start, n in rows])
+    plain = ModelRunner.host_inputs(runner, out, kv)
+    assert plain["num_prompt_rows"] == 0 and plain["logits_indices"].tolist() == [0, 24, 25, 28]
+    for r, _, _ in rows:
+        r.params.prompt_logprobs = 1
+    host = ModelRunner.host_inputs(runner, out, kv)
+    # "chunk" (rows 1..11 of the step, positions 6..16 of 23) and "prompt" (rows 12..24, the last one samples)
+    assert [(s.request.request_id, list(p)) for s, p in out.prompt_logprob_spans()] == [
+        ("chunk", list(range(6, 17))), ("prompt", list(range(12))), ("one-block", list(range(2)))]
+    assert host["logits_indices"].tolist() == [0, 24, 25, 28] + list(range(1, 12)) + list(range(12, 24)) + [26, 27]
+    assert host["num_prompt_rows"] == 25

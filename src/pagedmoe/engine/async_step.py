@@ -110,6 +110,7 @@ class AsyncScheduling:
         e = self.engine
         pending = (prev.sample.tokens, prev.index_of()) if prev is not None and prev.sampling else None
         logits, rows = e.runner.execute(sched, e.kv, pending)
+        logits = e.take_prompt_logprobs(sched, logits, len(rows))  # a step with prompt logprobs reads them back here
         e.activity.end_step()
         e.num_steps += 1
         step = InFlightStep(sched, [sched.scheduled[r].request for r in rows])

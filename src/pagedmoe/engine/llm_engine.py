@@ -22,7 +22,7 @@ from pagedmoe.engine.startup import pick_device, start_engine
 from pagedmoe.experts.dynamic.start import save_expert_stats
 from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
-from pagedmoe.worker.sampler import Sampler
+from pagedmoe.worker.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger("pagedmoe")
 
@@ -101,6 +101,8 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request: give each of n samples its own request "
                              "(SamplingParams.for_sample; LLM.generate and the server do)")
+        if params.prompt_logprobs is not None and self.runner.control is not None:
+            raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1 yet")
         if params.logit_bias and max(params.logit_bias) >= self.model.dims.vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model.dims.vocab_size}")
         text = None
@@ -222,6 +224,7 @@ class LLMEngine:
             st["prefill_tokens"] += sched.num_batched_tokens
 
     def _finish_step(self, sched, logits, rows) -> list[RequestOutput]:
+        logits = self.take_prompt_logprobs(sched, logits, len(rows))
         self.scheduler.update(sched.scheduled)
         self.activity.end_step()
         self.num_steps += 1
@@ -236,6 +239,23 @@ class LLMEngine:
         if self.pager is not None:
             self.pager.end_step()  # the sample reached the host: every event of the step is done
         return self.emit(sampling, sample)
+
+    def take_prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor, num_sampling: int) -> torch.Tensor:
+        """SamplingParams.prompt_logprobs: the step's logits rows after the sampling ones (ModelRunner.execute) become
+        prompt logprob entries of their requests (read back now); the sampling rows' logits are returned."""
+        spans = sched.prompt_logprob_spans()
+        if not spans:
+            return logits
+        targets, wants = [], []
+        for s, positions in spans:
+            targets += s.request.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            wants += [s.request.params.prompt_logprobs] * len(positions)
+        entries = prompt_logprobs(logits[num_sampling:], targets, wants)
+        row = 0
+        for s, positions in spans:
+            self.outputs.append_prompt_logprobs(s.request, positions.start + 1, entries[row:row + len(positions)])
+            row += len(positions)
+        return logits[:num_sampling]
 
     def emit(self, sampling: list[Request], sample) -> list[RequestOutput]:
         """Append each sampled token, check stops, and build the outputs (engine/output.py). Requests that

@@ -97,6 +97,16 @@ class OutputProcessor:
             request.finish_time = now
         return status
 
+    def append_prompt_logprobs(self, request: Request, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Prompt logprob entries of prompt tokens first, first + 1, ...; those it already has (a prompt computed
+        again after preemption) are left as they are."""
+        have = request.prompt_logprobs
+        assert first <= len(have), "prompt logprobs arrive in prompt order"
+        for entry in entries[len(have) - first:]:
+            for t, lp in entry.items():
+                lp.decoded_token = self.decode([t]) if self.tokenizer is not None else None
+            have.append(entry)
+
     def _detokenize(self, request: Request) -> None:
         """Extend output_text by the newest token's text, decoding a few tokens instead of the whole output
         (a full decode per token costs O(length) per step). Tokens [detok_prefix, detok_read) are decoded as
@@ -157,6 +167,7 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
+            prompt_logprobs=list(request.prompt_logprobs) if p.prompt_logprobs is not None else None,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
                      "finish_time": request.finish_time, "num_preemptions": request.num_preemptions},
             error=request.error,

@@ -37,6 +37,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # SamplingParams.prompt_logprobs: entry i is prompt token i's (None for token 0), filled chunk by chunk
+    prompt_logprobs: list[Optional[dict[int, Logprob]]] = field(default_factory=lambda: [None])
     # Tokens whose KV is in the cache. Reset to 0 on preemption (recompute).
     num_computed_tokens: int = 0
     # --async-scheduling: tokens sampled by steps still in flight, not yet in output_token_ids (0, 1, or 2

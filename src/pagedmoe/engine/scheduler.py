@@ -97,8 +97,9 @@ class Scheduler:
                     break
                 budget -= out.scheduled[-1].num_new_tokens
                 continue
-            # prefix caching: start after the blocks already cached (a waiting request has none computed)
-            cached = self.kv.find_cached(request)
+            # prefix caching: start after the blocks already cached (a waiting request has none computed); cached
+            # tokens have no logits, so a request asking for prompt logprobs computes its whole prompt (as vLLM)
+            cached = self.kv.find_cached(request) if request.params.prompt_logprobs is None else []
             if self.kv.waits_for(request, len(cached)):
                 held_back.append(self.waiting.popleft())  # its next block is being computed: share it
                 continue

@@ -158,6 +158,7 @@ class ModelRunner:
         # placeholder here; execute() fills it on the device from that step's tokens (pending_ids: its
         # index in input_ids -> the request)
         pending_ids: dict[int, str] = {}
+        prompt_rows: list[torch.Tensor] = []  # SamplingParams.prompt_logprobs (none: the step as is)
         for row, s in enumerate(out.scheduled):
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             table = kv.block_table(req.request_id)
@@ -184,13 +185,18 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(qsl[-1] - 1)
                 sampling_rows.append(row)
+            if req.params.prompt_logprobs is not None and s.prompt_logprob_positions:
+                # the rows of out.prompt_logprob_spans(), in that order, go after the sampling rows (from the
+                # request's first row of the step: its positions start at num_computed_tokens)
+                prompt_rows.append(torch.arange(len(s.prompt_logprob_positions)) + qsl[-2])
         block_tables = self.block_tables.gather([s.request.request_id for s in out.scheduled], tables,
                                                 max(map(len, tables)), kv.has)
         flush()
         return dict(input_ids=torch.tensor(input_ids, dtype=torch.int64),
                     positions=_cat(pos_parts), slots=_cat(slot_parts), qsl=torch.tensor(qsl, dtype=torch.int32),
                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
-                    logits_indices=torch.tensor(logits_indices, dtype=torch.int64), sampling_rows=sampling_rows,
+                    logits_indices=_cat([torch.tensor(logits_indices, dtype=torch.int64)] + prompt_rows),
+                    num_prompt_rows=sum(map(len, prompt_rows)), sampling_rows=sampling_rows,
                     max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
                     is_decode_only=all(s.num_new_tokens == 1 for s in out.scheduled), pending_ids=pending_ids,
                     swap_out=out.swap_out, swap_in=out.swap_in)
@@ -221,7 +227,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager,
                 pending: Optional[tuple[torch.Tensor, dict[str, int]]] = None) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample).
+        """Run one step. Returns (logits [N, V] float32, rows of out.scheduled that sample); a step with prompt
+        logprobs has the rows of out.prompt_logprob_spans() after the N sampling rows, and runs eager.
 
         pending (--async-scheduling): (tokens [M] on the device, request id -> index) of the step still in
         flight, whose tokens are the inputs of this step's rows that decode after it."""
@@ -245,6 +252,9 @@ class ModelRunner:
             src = torch.tensor([index_of[r] for r in placeholders.values()], dtype=torch.int64)
             # NOTE: queued behind the step that sampled `tokens` (one stream): no host sync
             inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, to_device_async(src, self.device)))
+        if host.get("num_prompt_rows"):  # prompt logprobs: eager (the graphs end at the sampling rows)
+            logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+            return logits, inputs.sampling_rows
         if inputs.meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(host["seq_lens"])):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
             if self.model.pager is not None:

@@ -149,7 +149,8 @@ class DeviceSample:
         token_list = tokens.tolist()
         if len(self._tensors) == 1:
             return SampleOutput(token_list, [None] * len(self.params), [None] * len(self.params))
-        return SampleOutput(token_list, *_host_logprobs(token_list, self.params, *self._tensors[1:]))
+        wants = [p.logprobs for p in self.params]
+        return SampleOutput(token_list, *_host_logprobs(token_list, wants, *self._tensors[1:]))
 
 
 class Sampler:
@@ -199,23 +200,33 @@ class Sampler:
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
             return None
-        n_top = max(max(w or 0 for w in want), 1)
-        parts = []
-        for i in range(0, logits.shape[0], FILTER_ROWS):   # FILTER_ROWS rows at a time: no [N, V] copy
-            logprobs = torch.log_softmax(logits[i:i + FILTER_ROWS], dim=-1)
-            top_vals, top_ids = logprobs.topk(n_top, dim=-1)
-            chosen = logprobs.gather(-1, tokens[i:i + FILTER_ROWS].unsqueeze(-1)).squeeze(-1)
-            ranks = (logprobs > chosen.unsqueeze(-1)).sum(-1) + 1
-            parts.append((top_vals, top_ids, chosen, ranks))
-        return tuple(torch.cat(p) for p in zip(*parts))
+        return _logprob_parts(logits, tokens, max(max(w or 0 for w in want), 1))
 
 
-def _host_logprobs(token_list, params, top_vals, top_ids, chosen, ranks):
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], wants: list[int]) -> list[dict[int, Logprob]]:
+    """SamplingParams.prompt_logprobs: raw logits [M, V] of prompt positions and the prompt token after each ->
+    per row, that token's logprob and rank, then the wants[i] most likely tokens (vLLM's entries). Reads back."""
+    parts = _logprob_parts(logits, to_device(targets, logits.device), max(max(wants), 1))
+    return _host_logprobs(targets, wants, *(t.cpu() for t in parts))[0]
+
+
+def _logprob_parts(logits, tokens, n_top):
+    """(top n_top values, their ids, the logprob of tokens[i], its rank) of each row's log_softmax, on the device."""
+    parts = []
+    for i in range(0, logits.shape[0], FILTER_ROWS):   # FILTER_ROWS rows at a time: no [N, V] copy
+        logprobs = torch.log_softmax(logits[i:i + FILTER_ROWS], dim=-1)
+        top_vals, top_ids = logprobs.topk(n_top, dim=-1)
+        chosen = logprobs.gather(-1, tokens[i:i + FILTER_ROWS].unsqueeze(-1)).squeeze(-1)
+        ranks = (logprobs > chosen.unsqueeze(-1)).sum(-1) + 1
+        parts.append((top_vals, top_ids, chosen, ranks))
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _host_logprobs(token_list, wants, top_vals, top_ids, chosen, ranks):
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     chosen, ranks = chosen.tolist(), ranks.tolist()
     out_lp, out_chosen = [], []
-    for i, p in enumerate(params):
-        w = p.logprobs
+    for i, w in enumerate(wants):
         if w is None:
             out_lp.append(None)
             out_chosen.append(None)
