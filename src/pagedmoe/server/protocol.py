@@ -122,7 +122,7 @@ class SamplingFields(_Base):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
-    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
+    max_tokens: Optional[StrictInt] = Field(default=16, ge=0)  # 0: echo only (check_unsupported)
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
@@ -134,8 +134,17 @@ class CompletionRequest(SamplingFields):
             raise invalid("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise invalid("best_of must be 1", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens must be at least 1, got 0 (0 only with echo: the prompt and its logprobs)",
+                          "max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise invalid("max_tokens 0 (echo without generation) is not supported with stream", "max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation (echo, max_tokens 0: lm-eval-harness's loglikelihood): the engine samples
+        one token, which the response leaves out."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(_Base):

@@ -118,7 +118,7 @@ class OpenAIServing:
             raise invalid(err[0], param if err[1] == "prompt" else max_tokens_param)
 
     def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                        longest_prompt: int) -> SamplingParams:
+                        longest_prompt: int, prompt_logprobs: Optional[int] = None) -> SamplingParams:
         # vLLM computes an omitted max_tokens (the rest of the context) and refuses a larger min_tokens.
         limit = max_tokens if max_tokens is not None else self.max_model_len - longest_prompt
         if req.min_tokens > limit:
@@ -138,6 +138,7 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=req.token_biases(),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except (ValueError, TypeError) as e:
@@ -169,7 +170,9 @@ class OpenAIServing:
             if req.echo:
                 self.need_tokenizer("echo")
                 echo.append(text if text is not None else self.tokenizer.decode(ids))
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, max(len(ids) for _, ids in prompts))
+        # echo with logprobs: the prompt's too (vLLM's); echo without generation samples one token, left out
+        params = self.sampling_params(req, 1 if req.echo_only else req.max_tokens, req.logprobs,
+                                      max(len(ids) for _, ids in prompts), req.logprobs if req.echo else None)
         return Prepared(prompts, params, echo)
 
     def need_tokenizer(self, param: Optional[str], hint: str = "") -> None:
@@ -222,10 +225,11 @@ class OpenAIServing:
         return last  # type: ignore[return-value]
 
     @staticmethod
-    def usage(outputs: list[Optional[RequestOutput]], n: int = 1) -> dict:
-        """outputs: one per choice (None: nothing yet); a prompt's tokens count once for its n samples."""
+    def usage(outputs: list[Optional[RequestOutput]], n: int = 1, generated: bool = True) -> dict:
+        """outputs: one per choice (None: nothing yet); a prompt's tokens count once for its n samples; generated
+        False: echo without generation, no completion tokens."""
         prompt = sum(len(o.prompt_token_ids) for i, o in enumerate(outputs) if o is not None and i % n == 0)
-        completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None)
+        completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None) if generated else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
@@ -266,16 +270,18 @@ class OpenAIServing:
         return start < end and (logprobs or continuous_usage or self.tokenizer is None)
 
     # -- logprobs --------------------------------------------------------------------------------
-    def completion_logprobs(self, out: RequestOutput, start: int, end: int, state: _ChoiceState) -> dict:
+    def completion_logprobs(self, out: RequestOutput, start: int, end: int, state: _ChoiceState,
+                            echo: bool = False) -> dict:
+        """Tokens [start, end) of the output; echo: the prompt's tokens go first (the first one's logprob null)."""
         c = out.outputs[0]
+        pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs)) if echo else []
+        pairs += [(c.token_ids[pos], c.logprobs[pos]) for pos in range(start, end)]
         tokens, token_lps, tops, offsets = [], [], [], []
-        for pos in range(start, end):
-            entry = c.logprobs[pos]
-            tid = c.token_ids[pos]
-            tok = entry[tid].decoded_token or ""
+        for tid, entry in pairs:
+            tok = self.tokenizer.decode([tid]) if entry is None else entry[tid].decoded_token or ""
             tokens.append(tok)
-            token_lps.append(_lp(entry[tid].logprob))
-            tops.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
+            token_lps.append(None if entry is None else _lp(entry[tid].logprob))
+            tops.append(None if entry is None else {(lp.decoded_token or ""): _lp(lp.logprob) for lp in entry.values()})
             offsets.append(state.text_offset)
             state.text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -302,14 +308,18 @@ class OpenAIServing:
         for i, out in enumerate(outputs):
             c = out.outputs[0]
             prefix = prepared.echo[i // prepared.n] if req.echo else ""
+            text, end, finish, stop = prefix + c.text, len(c.token_ids), c.finish_reason, c.stop_reason
+            if req.echo_only:  # the one token sampled is left out (vLLM's echo without generation)
+                text, end, finish, stop = prefix, 0, "length", None
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.completion_logprobs(out, 0, len(c.token_ids), _ChoiceState(text_offset=len(prefix)))
-            choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                # echoed, the prompt's tokens come first (vLLM's), the offsets counted from theirs
+                logprobs = self.completion_logprobs(out, 0, end, _ChoiceState(), echo=req.echo)
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": stop})
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, prepared.n),
-                "system_fingerprint": None}
+                "model": self.served_model_name, "choices": choices,
+                "usage": self.usage(outputs, prepared.n, generated=not req.echo_only), "system_fingerprint": None}
 
     async def completion_stream(self, response_id: str, req: CompletionRequest, prepared: Prepared,
                                 handle: RequestHandle) -> AsyncIterator[str]:
@@ -319,7 +329,9 @@ class OpenAIServing:
         holdback = self.holdback(prepared.params)
         base = {"id": response_id, "object": "text_completion", "created": created, "model": self.served_model_name}
         usage_field = {"usage": None} if req.include_usage else {}
-        if req.echo:
+        # echo with logprobs: the prompt goes with the choice's first chunk, once its logprobs are in (vLLM's)
+        echo_later = [req.echo and req.logprobs is not None] * n
+        if req.echo and not echo_later[0]:
             for i in range(n):
                 text = prepared.echo[i // prepared.n]
                 states[i].text_offset = len(text)
@@ -333,7 +345,10 @@ class OpenAIServing:
             delta, start, end = self.advance(out, states[i], holdback)
             if not self.worth_a_chunk(delta, out, start, end, req.logprobs is not None, req.continuous_usage):
                 continue
-            logprobs = self.completion_logprobs(out, start, end, states[i]) if req.logprobs is not None else None
+            logprobs = (self.completion_logprobs(out, start, end, states[i], echo=echo_later[i])
+                        if req.logprobs is not None else None)
+            if echo_later[i]:
+                delta, echo_later[i] = prepared.echo[i // prepared.n] + delta, False
             c = out.outputs[0]
             choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
