@@ -48,7 +48,8 @@ class SchedulerOutput:
     def prompt_logprob_spans(self) -> list[tuple[ScheduledRequest, range]]:
         """(scheduled request, positions) of the rows whose logits the step adds after the sampling rows for prompt
         logprobs, in row order; [] in a step where nobody asks for them."""
-        spans = [(s, s.prompt_logprob_positions) for s in self.scheduled if s.request.params.prompt_logprobs is not None]
+        spans = [(s, s.prompt_logprob_positions) for s in self.scheduled
+                 if s.request.params.prompt_logprobs is not None]
         return [(s, r) for s, r in spans if r]
 
     @property

@@ -53,12 +53,16 @@ def _generate(llm, prompts, asks):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_matches_transformers_in_a_mixed_batch(reference, chunked):
+@pytest.mark.parametrize("chunked, async_scheduling", [(False, False), (True, False), (True, True)])
+def test_matches_transformers_in_a_mixed_batch(reference, chunked, async_scheduling):
+    """async_scheduling: the engine's --async-scheduling loop (on the CPU: the same order of work, no overlap)."""
     path, prompts, ref = reference
     kw = dict(max_num_batched_tokens=5, max_num_seqs=3) if chunked else {}
+    kw["async_scheduling"] = async_scheduling
     asks = [3, None, 0, None, 5, 2]
-    outs = _generate(_llm(path, **kw), prompts, asks)
+    llm = _llm(path, **kw)
+    assert (llm.engine._async is not None) == async_scheduling
+    outs = _generate(llm, prompts, asks)
     plain = _generate(_llm(path, **kw), prompts, [None] * len(prompts))
     for out, p, r, k, alone in zip(outs, prompts, ref, asks, plain):
         if k is None:
