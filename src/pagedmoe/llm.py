@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from pagedmoe.config import engine_config_from_kwargs
+from pagedmoe.engine.limits import lone_surrogate
 from pagedmoe.engine.llm_engine import LLMEngine
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 
@@ -148,11 +149,10 @@ def _split_prompt(prompt: PromptType, index: int) -> tuple[Optional[str], Option
     if text is not None:
         if not isinstance(text, str):
             raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
+        at = lone_surrogate(text)
+        if at is not None:
             raise ValueError(f"prompt {index} is not valid text: it holds a lone surrogate "
-                             f"(U+{ord(text[e.start]):04X} at index {e.start}), which UTF-8 cannot encode") from None
+                             f"(U+{ord(text[at]):04X} at index {at}), which UTF-8 cannot encode")
     if ids is not None:
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise ValueError(f"prompt {index}: token ids must be a list of integers, got {ids!r:.80}")

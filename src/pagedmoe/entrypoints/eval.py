@@ -10,6 +10,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
+from pagedmoe.engine.limits import read_utf8
 
 
 DEFAULT_CONTEXT = 512   # tokens per scored window
@@ -39,10 +40,7 @@ def register(sub) -> None:
 def load_documents(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"dataset {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    text = read_utf8(path, "dataset")
     if path.suffix == ".jsonl":
         docs = []
         for i, line in enumerate(text.splitlines(), 1):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
-from pagedmoe.engine.limits import context_length_error
+from pagedmoe.engine.limits import context_length_error, lone_surrogate, read_utf8
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int] = 64) -> None:
@@ -69,10 +69,7 @@ def _read_prompts(args) -> list[str]:
         if not args.prompts_file.is_file():
             what = "is not a file" if args.prompts_file.exists() else "does not exist"
             raise FileNotFoundError(f"prompts file {args.prompts_file} {what}")
-        try:
-            text = args.prompts_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompts file {args.prompts_file} is not UTF-8 text (byte {e.start}: {e.reason})")
+        text = read_utf8(args.prompts_file, "prompts file")
         for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -90,19 +87,9 @@ def _read_prompts(args) -> list[str]:
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE")
     for p in prompts:
-        if not _is_utf8(p):
+        if lone_surrogate(p) is not None:
             raise ValueError(f"prompt {p[:60]!r} is not UTF-8 text")
     return prompts
-
-
-def _is_utf8(text: str) -> bool:
-    """False for text holding bytes that were not UTF-8 (Python keeps them as lone surrogates in sys.argv and
-    stdin), which the tokenizer cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_fits(limit: int, num_prompt: int, max_tokens: Optional[int]) -> None:
@@ -193,7 +180,7 @@ def run_chat(args) -> int:
             break
         if not line.strip():
             break
-        if not _is_utf8(line):
+        if lone_surrogate(line) is not None:
             print("[this message is not UTF-8 text; not sent]", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from pagedmoe.engine.limits import context_length_error
+from pagedmoe.engine.limits import context_length_error, lone_surrogate
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
@@ -34,11 +34,14 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def check_utf8(text: str, what: str, param: Optional[str]) -> None:
     """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer takes: refuse it by name and place."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise invalid(f"{what} contains a lone surrogate U+{ord(text[e.start]):04X} at position {e.start}, "
-                      f"not valid UTF-8", param) from None
+    at = lone_surrogate(text)
+    if at is not None:
+        raise invalid(f"{what} contains a lone surrogate U+{ord(text[at]):04X} at position {at}, not valid UTF-8",
+                      param)
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @dataclass
@@ -230,14 +233,12 @@ class OpenAIServing:
         False: echo without generation, no completion tokens."""
         prompt = sum(len(o.prompt_token_ids) for i, o in enumerate(outputs) if o is not None and i % n == 0)
         completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None) if generated else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return _usage(prompt, completion)
 
     @staticmethod
     def choice_usage(prompt_ids: list[int], out: Optional[RequestOutput]) -> dict:
         """continuous_usage_stats, as vLLM sends it: one choice's prompt and its tokens so far."""
-        completion = len(out.outputs[0].token_ids) if out is not None else 0
-        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(prompt_ids) + completion}
+        return _usage(len(prompt_ids), len(out.outputs[0].token_ids) if out is not None else 0)
 
     @staticmethod
     def holdback(params: SamplingParams) -> int:
