@@ -175,11 +175,10 @@ class AsyncEngine:
         refused = [f.done() and not f.cancelled() and f.exception() is not None for f in handle.add_futures]
         unfinished = [rid for rid, done, bad in zip(handle.rids, handle.finished, refused) if not (done or bad)]
         if unfinished and self.dead is None:
+            # NOTE: counted by the engine thread, which alone knows whether the request finished meanwhile
             for rid in unfinished:
-                self._commands.append(("abort", rid))
+                self._commands.append(("abort", rid, reason))
             self._wakeup.set()
-            if self.metrics is not None:
-                self.metrics.count_aborted(reason, len(unfinished))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -242,13 +241,19 @@ class AsyncEngine:
             cmd = self._commands.popleft()
             applied = True
             if cmd[0] == "abort":
-                if self.engine.abort_request(cmd[1]):
-                    self._tracks.pop(cmd[1], None)
+                _, rid, reason = cmd
+                self.engine.abort_request(rid)
+                # a request is counted once: here if it has not finished (its track is still there), else in _record
+                if self._tracks.pop(rid, None) is not None and self.metrics is not None:
+                    self.metrics.count_aborted(reason)
                 continue
             _, rid, text, ids, params, arrival, fut = cmd
             num_adds += 1
             if not fut.set_running_or_notify_cancel():
-                continue  # the handler went away before we got here: never add it
+                # the handler went away before we got here: never added, but counted as aborted by the
+                # abort queued behind this add
+                self._tracks[rid] = _Track(arrival, len(ids))
+                continue
             try:
                 self.engine.add_request(rid, text, params, prompt_token_ids=ids)
             except Exception as e:  # noqa: BLE001 - bad input goes back to the handler as a 400

@@ -1,0 +1,42 @@
+"""Each request is counted once in the request metrics (request_success_total or num_requests_aborted_total), with
+the reason that ended it, whatever the order in which the engine and the client finish."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from fault_injection import OomOnce
+from server_utils import MODEL_NAME, ServerThread, make_engine
+
+
+def _value(metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value("pagedmoe:" + name, {"model_name": MODEL_NAME, **labels}) or 0.0
+
+
+def test_a_client_leaving_after_its_request_finished_is_not_counted_again(tiny_model_dir):
+    from pagedmoe.sampling_params import SamplingParams
+    from pagedmoe.server.async_engine import AsyncEngine
+    from pagedmoe.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL_NAME)
+    bridge = AsyncEngine(make_engine(tiny_model_dir), metrics=metrics)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def run():
+        bridge.start()
+        done = bridge.submit("done", [(None, [4, 8, 15])], params)
+        # The loop is blocked here, so the finished output cannot reach the handle: the engine finishes the
+        # request, then its client goes away before the output was read.
+        deadline = time.monotonic() + 30
+        while _value(metrics, "request_success_total", finished_reason="length") < 1:
+            assert time.monotonic() < deadline, "the request did not finish"
+            time.sleep(0.01)
+        done.close("disconnect")
+        bridge.submit("gone", [(None, [4, 8, 15])], params).close("disconnect")   # left at once: one abort
+        await bridge.shutdown()       # the engine thread applies the queued aborts before it stops
+
+    asyncio.run(run())
+    assert _value(metrics, "request_success_total", finished_reason="length") == 1
+    assert _value(metrics, "num_requests_aborted_total", reason="disconnect") == 1
