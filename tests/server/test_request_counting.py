@@ -40,3 +40,20 @@ def test_a_client_leaving_after_its_request_finished_is_not_counted_again(tiny_m
     asyncio.run(run())
     assert _value(metrics, "request_success_total", finished_reason="length") == 1
     assert _value(metrics, "num_requests_aborted_total", reason="disconnect") == 1
+
+
+def test_samples_ended_by_a_sibling_failure_are_counted_as_errors(tiny_model_dir):
+    """n=2, one sequence at a time: sample 0's second step fails (out of memory), so the request fails and
+    sample 1 (waiting) is aborted with it. Both count as "error": the client did nothing."""
+    from server_utils import slow_down
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    engine.runner.execute = OomOnce(engine.runner.execute, at=2)
+    slow_down(engine, 0.02)           # sample 1 is still running when the abort reaches the engine
+    body = {"model": MODEL_NAME, "prompt": [4, 8, 15, 16], "max_tokens": 50, "n": 2, "ignore_eos": True}
+    with ServerThread(engine) as s:
+        assert httpx.post(s.base_url + "/v1/completions", json=body, timeout=60).status_code == 500
+        m = s.wait_idle()
+    assert m['pagedmoe:num_requests_aborted_total{reason="error"}'] == 2
+    assert m.get('pagedmoe:num_requests_aborted_total{reason="client"}', 0) == 0
+    assert m.get('pagedmoe:request_success_total{finished_reason="length"}', 0) == 0

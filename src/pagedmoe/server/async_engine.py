@@ -346,6 +346,9 @@ class RequestHandle:
         except RequestTimeoutError:
             reason = "timeout"
             raise
+        except RequestFailedError:
+            reason = "error"    # a sample's step failed: its siblings end with it, not by the client's doing
+            raise
         finally:
             self.close(reason)
 
