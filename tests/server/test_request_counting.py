@@ -57,3 +57,27 @@ def test_samples_ended_by_a_sibling_failure_are_counted_as_errors(tiny_model_dir
     assert m['pagedmoe:num_requests_aborted_total{reason="error"}'] == 2
     assert m.get('pagedmoe:num_requests_aborted_total{reason="client"}', 0) == 0
     assert m.get('pagedmoe:request_success_total{finished_reason="length"}', 0) == 0
+
+
+def test_prompt_tokens_are_counted_when_their_prefill_ends(tiny_model_dir):
+    """vLLM's prompt_tokens_total: a request's whole prompt, once, when its prefill is done (at its first token):
+    not at admission, not chunk by chunk, not for a request aborted or failed before its first token."""
+    from pagedmoe.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=16, max_num_seqs=1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("aborted", None, params, prompt_token_ids=list(range(3, 13)))
+    engine.abort_request("aborted")
+    engine.add_request("long", None, params, prompt_token_ids=list(range(3, 43)))    # 40 tokens: 3 chunks
+    assert engine.get_stats()["prompt_tokens_total"] == 0
+    engine.step()
+    engine.step()
+    assert engine.get_stats()["prompt_tokens_total"] == 0       # two chunks in, no token yet
+    engine.step()
+    assert engine.get_stats()["prompt_tokens_total"] == 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.runner.execute = OomOnce(engine.runner.execute, at=1)   # its prefill fails: never processed
+    engine.add_request("failed", None, params, prompt_token_ids=list(range(3, 13)))
+    assert engine.step()[0].error is not None
+    assert engine.get_stats()["prompt_tokens_total"] == 40

@@ -133,7 +133,6 @@ class LLMEngine:
             self._generators[request_id] = self.sampler.request_generator(params.seed)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
-        self.prompt_tokens_total += len(ids)
         return request
 
     def generators_of(self, requests: list[Request]) -> list[Optional[torch.Generator]]:
@@ -265,6 +264,10 @@ class LLMEngine:
         for i, request in enumerate(sampling):
             if request.is_finished:
                 continue
+            if request.first_token_time is None:
+                # vLLM's prompt_tokens_total: the whole prompt (cached tokens too) once its prefill is done, i.e. at
+                # its first token; never for a request aborted or failed before that, nor again after a preemption
+                self.prompt_tokens_total += request.num_prompt_tokens
             self.generation_tokens_total += 1
             status = self.outputs.append_token(request, sample.token_ids[i], sample.logprobs[i],
                                                sample.sampled_logprob[i], now)

@@ -115,7 +115,8 @@ class EngineStatsCollector:
                     s.get("kv_cache_usage_perc", 0.0))
         yield gauge("num_kv_blocks", "KV cache blocks in total.", s.get("num_kv_blocks", 0))
         yield gauge("num_free_kv_blocks", "KV cache blocks free.", s.get("num_free_kv_blocks", 0))
-        yield counter("prompt_tokens_total", "Prompt tokens admitted.", s.get("prompt_tokens_total", 0))
+        yield counter("prompt_tokens_total", "Prompt tokens processed (a request's whole prompt, counted when its "
+                      "prefill ends).", s.get("prompt_tokens_total", 0))
         yield counter("generation_tokens_total", "Tokens generated.", s.get("generation_tokens_total", 0))
         yield counter("num_preemptions_total", "Preemptions so far (recomputed or swapped).",
                       s.get("num_preemptions_total", 0))
