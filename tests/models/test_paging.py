@@ -36,8 +36,8 @@ def test_paged_logits_bit_identical_to_resident(ckpt, flags):
     stats = engine.get_stats()
     n_res = flags.get("num_gpu_experts", 0)
     num_moe = len(engine.model.moe_layers())
-    assert stats["experts"].get("resident/bf16", 0) == n_res * num_moe
-    assert stats["experts"].get("host/bf16", 0) == (8 - n_res) * num_moe
+    assert stats["experts"].get("resident/fp32", 0) == n_res * num_moe     # float32 weights
+    assert stats["experts"].get("host/fp32", 0) == (8 - n_res) * num_moe
     # Every forward streams every host-tier expert of every layer.
     per_forward = engine.pager.bytes_per_forward
     assert per_forward == (8 - n_res) * num_moe * engine.expert_store.expert_numel * 4  # float32

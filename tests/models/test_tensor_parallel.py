@@ -91,7 +91,7 @@ def test_two_ranks_match_one_process(ckpts, family, flags):
     if "cpu_moe" in flags or "num_gpu_experts" in flags:
         n = 0 if "cpu_moe" in flags else flags["num_gpu_experts"]
         stats = engine.get_stats()["experts"]
-        assert stats.get("resident/float32", stats.get("resident/bf16", 0)) in (0, n * len(engine.model.moe_layers()))
+        assert stats.get("resident/fp32", stats.get("resident/bf16", 0)) in (0, n * len(engine.model.moe_layers()))
         assert engine.pager is not None and engine.get_stats()["expert_bytes_h2d"] > 0
 
 

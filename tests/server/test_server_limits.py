@@ -94,6 +94,9 @@ def test_metrics_names_and_paging_defaults(server):
     resident = {k: v for k, v in m.items() if k.startswith("pagedmoe:experts{") and 'tier="resident"' in k}
     assert sum(resident.values()) == 2 * 8, resident
     assert sum(v for k, v in m.items() if k.startswith("pagedmoe:experts{")) == 2 * 8
+    # the precision label is the dtype the experts are held in (float32 on the CPU), not the table's "bf16"
+    assert str(server.engine.dtype) == "torch.float32"
+    assert m['pagedmoe:experts{precision="fp32",tier="resident"}'] == 2 * 8
     assert m['pagedmoe:expert_bytes_loaded_total{tier="host"}'] == 0
     assert m['pagedmoe:expert_precision_changes_total{direction="down"}'] == 0
 

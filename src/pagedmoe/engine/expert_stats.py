@@ -5,10 +5,19 @@ from __future__ import annotations
 from typing import Optional
 
 
+def dtype_label(dtype) -> str:
+    """The precision label of weights held in `dtype`: bf16, fp16, fp32."""
+    name = str(dtype).replace("torch.", "")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, name)
+
+
 def expert_stats(store, pager, precision) -> dict:
-    """Placement, experts per (tier, precision), bytes per tier; the pager's counters; dynamic precision's."""
+    """Placement, experts per (tier, precision), bytes per tier; the pager's counters; dynamic precision's.
+    The table calls the exact rung "bf16" whatever the weights' dtype: the label says the dtype they are held in."""
+    exact = dtype_label(store.dtype)
     out = {"expert_placement": "paged" if store.paged else "resident",
-           "experts": {f"{tier}/{prec}": n for (tier, prec), n in store.table.counts().items()},
+           "experts": {f"{tier}/{exact if prec == 'bf16' else prec}": n
+                       for (tier, prec), n in store.table.counts().items()},
            "expert_resident_bytes": store.resident_bytes, "expert_compressed_bytes": store.compressed_bytes,
            "expert_quantized_bytes": store.quantized_bytes, "expert_host_bytes": store.host_bytes,
            "expert_buffer_bytes": store.buffer_bytes}

@@ -28,6 +28,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedmoe.engine.expert_stats import dtype_label
+
 P = "pagedmoe:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -47,11 +49,6 @@ PAGER_BYTE_COUNTERS = {"expert_bytes_h2d": "host", "expert_bytes_d2d": "resident
 _TIER_BYTES = re.compile(r"^expert_(\w+?)_bytes$")
 
 
-def _precision_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, name)
-
-
 def count_resident_experts(engine) -> dict[tuple[str, str], int]:
     """Without paging stats: every expert of every MoE layer is resident at the model's dtype."""
     total = 0
@@ -60,7 +57,7 @@ def count_resident_experts(engine) -> dict[tuple[str, str], int]:
         # NOTE: duck-typed on the MoE layer (num_experts + stacked w13) so this file does not import models/.
         total = sum(int(m.num_experts) for m in model.modules()
                     if hasattr(m, "w13") and isinstance(getattr(m, "num_experts", None), int))
-    return {("resident", _precision_name(getattr(engine, "dtype", "bf16"))): total}
+    return {("resident", dtype_label(getattr(engine, "dtype", "bf16"))): total}
 
 
 def _experts_items(value) -> Iterable[tuple[str, str, float]]:
