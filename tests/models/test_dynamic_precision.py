@@ -150,6 +150,15 @@ def test_dynamic_flags_fail_loudly():
     assert c.watermarks() == (0.1, 1.0) and c.placement() == ("paged", 0)
 
 
+def test_a_kv_pool_with_nothing_to_lend_is_refused(ckpt):
+    """--num-kv-blocks 16 is one max_model_len=256 sequence: no block is left to lend, no expert could ever leave the
+    floor. Refused in one line; one block more (16 KiB, more than int4 -> int8 of one expert) starts."""
+    with pytest.raises(ValueError, match=r"^--expert-precision dynamic cannot take effect with --num-kv-blocks 16: "
+                                         r".* give --num-kv-blocks 17 or more, or use --expert-precision static-int4$"):
+        _llm(ckpt, expert_precision="dynamic", num_kv_blocks=16)
+    assert _llm(ckpt, expert_precision="dynamic", num_kv_blocks=17).engine.precision.withheld == 1
+
+
 @pytest.mark.gpu
 def test_gpu_dynamic_exact_and_side_stream_publish(ckpt):
     """On CUDA: exact dynamic equals resident (bf16, eager), and a build on the side stream is invisible

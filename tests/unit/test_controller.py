@@ -160,6 +160,25 @@ def test_promotion_waits_for_the_pool_tail_and_a_release_the_device_cannot_map_i
     check_invariant(kv, mgr)
 
 
+def test_a_small_pool_promotes_back_within_what_it_can_lend():
+    """One max_model_len sequence (min_usable_blocks 25 of 40) needs more blocks than the watermarks' midpoint (12)
+    leaves free, so only 15 blocks can ever be lent. Promotions are sized by that bound too: sized by the watermarks
+    alone (28 blocks' worth), every batch was refused whole and nothing was ever promoted back."""
+    kv, rt, mgr = make(blocks=40, min_usable_blocks=25)
+    start = mgr.withheld
+    assert 0 < start <= 40 - 25
+    kv.allocate("r", (40 - start - 2) * 16)          # 2 free < low 4: demote
+    assert all(m.bytes_delta < 0 for m in mgr.tick())
+    demoted = mgr.withheld
+    assert demoted < start
+    kv.free("r")
+    for _ in range(10):
+        mgr.tick()
+    assert mgr.stats.promotions > 0 and mgr.withheld == start == 40 - 25     # as far back as the pool can lend
+    assert mgr.grow_room_bytes() < BYTES["int8"] - BYTES["int4"]              # no room for the smallest move
+    check_invariant(kv, mgr)
+
+
 def test_precision_metrics_exported():
     """The manager's stats feed Prometheus: changes by direction and KV blocks lent to experts."""
     from prometheus_client import CollectorRegistry, generate_latest

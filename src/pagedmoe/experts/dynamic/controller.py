@@ -165,7 +165,9 @@ class PressureController:
                 for i, s, d, b in zip(idx.tolist(), src.tolist(), dst.tolist(), delta.tolist())]
 
     # -- decisions ----------------------------------------------------------------------------------------
-    def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:
+    def step(self, num_free_blocks: int, last_access: Mapping[ExpertKey, int],
+             max_grow_bytes: Optional[int] = None) -> list[Move]:
+        """`max_grow_bytes`: at most this many more expert bytes (the lender's own bound), else the watermarks'."""
         wm = self.watermarks
         if num_free_blocks < wm.low:
             self.demoting = True
@@ -174,7 +176,8 @@ class PressureController:
         if self.demoting:
             return self.demote((wm.mid - num_free_blocks) * self.block_bytes, last_access)
         if num_free_blocks > wm.high:
-            return self._promote((num_free_blocks - wm.mid) * self.block_bytes, last_access)
+            room = (num_free_blocks - wm.mid) * self.block_bytes
+            return self._promote(room if max_grow_bytes is None else min(room, max_grow_bytes), last_access)
         return []
 
     def demote(self, need_bytes: int, last_access: Mapping[ExpertKey, int]) -> list[Move]:

@@ -109,6 +109,12 @@ class DynamicPrecisionManager:
         self.withheld += need
         return True
 
+    def grow_room_bytes(self) -> int:
+        """How many more bytes the experts may take: the pool keeps `min_usable_blocks` blocks usable (one
+        max_model_len sequence), whatever the watermarks allow."""
+        lendable = (self.num_blocks - self.min_usable_blocks) * self.block_bytes
+        return lendable - (self.controller.total_bytes() - self.floor_bytes)
+
     def _release_to(self, total_bytes: int) -> None:
         """Give back the blocks the experts no longer need. Fewer come back when their memory cannot be
         mapped yet (torch still caching the experts' old forms); `tick` tries again."""
@@ -130,11 +136,14 @@ class DynamicPrecisionManager:
         free, wm, ctl = self.kv.num_free_blocks, self.watermarks, self.controller
         # Rank experts only when the controller would act (the hysteresis band costs nothing).
         demote = free < wm.low or (ctl.demoting and free < wm.mid)
-        promote = free > wm.high and ctl.num_below(self.policy.top) > 0
+        # NOTE: promotions are bounded by what the pool can lend too: where one sequence's blocks are more than the
+        # watermarks' midpoint (a small pool), a batch sized by the watermarks alone never fit and none happened
+        grow = self.grow_room_bytes()
+        promote = free > wm.high and grow > 0 and ctl.num_below(self.policy.top) > 0
         if not (demote or promote):
             ctl.demoting = ctl.demoting and free < wm.mid
             return []
-        moves = ctl.step(free, self._refresh_activity())
+        moves = ctl.step(free, self._refresh_activity(), max_grow_bytes=grow)
         return self._start(moves)
 
     def demote_to(self, target_bytes: int, bytes_per_rung: Optional[Mapping[str, int]] = None) -> int:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from pagedmoe.experts.dynamic.manager import DynamicPrecisionManager, parse_state
 from pagedmoe.experts.dynamic.offline import OfflineForms
+from pagedmoe.experts.dynamic.precision import LADDER, rung_index
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ def start_dynamic_precision(config, model_path: str, store, kv, block_bytes: int
         store.dynamic.offline = offline
         rel = rel if rel is not None else offline.rel_error()
         logger.info("dynamic expert precision: offline lossy forms %s", sorted(offline.files))
+    if config.num_kv_blocks is not None:
+        check_something_to_lend(kv.num_blocks, min_usable_blocks, block_bytes, store.dynamic.bytes_per_rung(),
+                                store.dynamic.min_precision)
     low, high = config.experts.watermarks()
     mgr = DynamicPrecisionManager(store.dynamic, kv, block_bytes, low, high, store.dynamic.min_precision,
                                   activity=activity, min_usable_blocks=min_usable_blocks, initial=initial,
@@ -72,3 +76,18 @@ def start_dynamic_precision(config, model_path: str, store, kv, block_bytes: int
     logger.info("dynamic expert precision: %s; %d KV blocks lent to experts (watermarks %d / %d of %d blocks)",
                 mgr.precision_counts(), mgr.withheld, mgr.watermarks.low, mgr.watermarks.high, mgr.num_blocks)
     return mgr
+
+
+def check_something_to_lend(num_blocks: int, min_usable_blocks: int, block_bytes: int, bytes_per_rung: dict,
+                            floor: str) -> None:
+    """--num-kv-blocks: the blocks beyond one max_model_len sequence are all the experts can ever take above the
+    floor. Where they cannot hold the smallest one-rung step of one expert, no expert could ever move: refused."""
+    sizes = [bytes_per_rung[p] for p in LADDER[:rung_index(floor) + 1] if p in bytes_per_rung]
+    step = min((a - b for a, b in zip(sizes, sizes[1:]) if a > b), default=None)
+    if step is None or (num_blocks - min_usable_blocks) * block_bytes >= step:
+        return
+    need = min_usable_blocks + -(-step // block_bytes)
+    raise ValueError(f"--expert-precision dynamic cannot take effect with --num-kv-blocks {num_blocks}: one "
+                     f"max_model_len sequence keeps {min_usable_blocks} of them, and the rest cannot hold one expert "
+                     f"a rung above --min-expert-precision {floor}, so every expert would stay at {floor}; give "
+                     f"--num-kv-blocks {need} or more, or use --expert-precision static-{floor}")
