@@ -79,6 +79,7 @@ def test_eval_documents_longer_than_the_tokenizers_max_length_raise_no_warning(t
 
 @pytest.mark.parametrize("args, content, expected", [
     (["--dataset", "{d}"], b'{"text": "ok"}\n{"text": 5}\n', "d.jsonl:2: 'text' must be a string, got int"),
+    (["--dataset", "{d}"], b'\n{"txt": "ok"}\n', "d.jsonl:2: expected a JSON object with a 'text' field ('text')"),
     (["--dataset", "{d}"], b"abc\xff\n", "d.jsonl is not UTF-8 text (byte 3"),
     (["--max-tokens", "0"], None, "--max-tokens must be >= 1, got 0"),
 ])

@@ -56,6 +56,8 @@ def test_empty_env_value_means_unset(monkeypatch):
 @pytest.mark.parametrize("name, content, expected", [
     ("prompts.txt", b"def f(\xff\xfe\n", "prompts.txt is not UTF-8 text (byte 6"),
     ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": 5}\n', 'prompts.jsonl:2: "prompt" must be a string, got int'),
+    ("prompts.jsonl", b'{"prompt": "ok"}\n\n[1]\n',
+     'prompts.jsonl:3: expected {"prompt": ...} (list indices must be integers or slices, not str)'),
     ("folder", None, "folder is not a file"),
 ])
 def test_bad_prompts_file_is_one_line_naming_it(tmp_path, capsys, name, content, expected):

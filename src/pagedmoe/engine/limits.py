@@ -1,7 +1,8 @@
 """The input checks every front end shares (the server's 400, the CLI's error, the offline API's ValueError):
-the context window, worded the same way; text that is not UTF-8."""
+the context window, worded the same way; text that is not UTF-8; a .jsonl file's string fields."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,24 @@ def read_utf8(path: Path, what: str) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def jsonl_strings(path: Path, text: str, field: str, expected: str, name: str) -> list[str]:
+    """The string `field` of each non-blank line of `text` (the .jsonl file `path`). A ValueError names the file and
+    line: "expected `expected`" for a line that is not a JSON object with the field, and `name` (the field as the
+    front end quotes it) for a value that is not a string."""
+    values = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)[field]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{line_no}: expected {expected} ({e})") from e
+        if not isinstance(value, str):
+            raise ValueError(f"{path}:{line_no}: {name} must be a string, got {type(value).__name__}")
+        values.append(value)
+    return values
 
 
 def context_length_error(limit: int, num_prompt: int, max_tokens: Optional[int]) -> Optional[tuple[str, str]]:

@@ -10,7 +10,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
-from pagedmoe.engine.limits import read_utf8
+from pagedmoe.engine.limits import jsonl_strings, read_utf8
 
 
 DEFAULT_CONTEXT = 512   # tokens per scored window
@@ -42,16 +42,7 @@ def load_documents(path: Path) -> list[str]:
         raise FileNotFoundError(f"dataset {path} does not exist")
     text = read_utf8(path, "dataset")
     if path.suffix == ".jsonl":
-        docs = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{i}: expected a JSON object with a 'text' field ({e})") from e
-                if not isinstance(docs[-1], str):
-                    raise ValueError(f"{path}:{i}: 'text' must be a string, got {type(docs[-1]).__name__}")
-        return docs
+        return jsonl_strings(path, text, "text", "a JSON object with a 'text' field", "'text'")
     return [text]
 
 

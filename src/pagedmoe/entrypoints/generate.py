@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedmoe.config import add_engine_args, engine_config_from_args
-from pagedmoe.engine.limits import context_length_error, lone_surrogate, read_utf8
+from pagedmoe.engine.limits import context_length_error, jsonl_strings, lone_surrogate, read_utf8
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int] = 64) -> None:
@@ -70,20 +70,10 @@ def _read_prompts(args) -> list[str]:
             what = "is not a file" if args.prompts_file.exists() else "does not exist"
             raise FileNotFoundError(f"prompts file {args.prompts_file} {what}")
         text = read_utf8(args.prompts_file, "prompts file")
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            if args.prompts_file.suffix == ".jsonl":
-                try:
-                    prompt = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{args.prompts_file}:{line_no}: expected {{\"prompt\": ...}} ({e})")
-                if not isinstance(prompt, str):
-                    raise ValueError(f"{args.prompts_file}:{line_no}: \"prompt\" must be a string, "
-                                     f"got {type(prompt).__name__}")
-                prompts.append(prompt)
-            else:
-                prompts.append(line.replace("\\n", "\n"))
+        if args.prompts_file.suffix == ".jsonl":
+            prompts += jsonl_strings(args.prompts_file, text, "prompt", '{"prompt": ...}', '"prompt"')
+        else:
+            prompts += [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE")
     for p in prompts:
