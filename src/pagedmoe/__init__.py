@@ -1,8 +1,10 @@
 """pagedmoe: MoE inference on memory-short GPUs (paged experts, lossless tier, dynamic precision)."""
 from pagedmoe.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from pagedmoe.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams",
+           "__version__"]
 
 
 def __getattr__(name):

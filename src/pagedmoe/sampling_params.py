@@ -5,6 +5,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedmoe.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -18,6 +20,8 @@ class SamplingParams:
     prompt_logprobs=K returns, per prompt token after the first, the logprob and rank of that token and the
     K most likely ones at its position (RequestOutput.prompt_logprobs; the prompt is computed whole, no prefix
     cache hit). n > 1 returns n samples of the prompt (with a seed, sample j uses seed + j).
+    structured_outputs constrains the output (a JSON schema, a regex, a choice, a grammar: structured_outputs.py):
+    disallowed tokens get -inf before everything above, so logprobs are of the masked distribution (as vLLM's).
     """
 
     n: int = 1
@@ -39,6 +43,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # "cumulative": LLMEngine.step returns this request's output after every token (streaming);
     # "final_only": only once it finishes (LLM.generate and the offline benchmarks: no per-step copies).
     output_kind: str = "cumulative"
@@ -102,6 +107,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.output_kind not in ("cumulative", "final_only"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.compiled()  # a bad schema, regex or grammar fails here (made once)
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 

@@ -17,8 +17,9 @@ N + 1:
 The scheduler is one step behind for stops: a request that stops at N was scheduled into N + 1 too; that
 step's token for it is dropped (it is finished when N + 1 completes) and its blocks were freed at N. What
 a request receives is what a plain step gives it: greedy and seeded tokens, logprobs, stop strings,
-min_tokens (counted with the pending token). Steps with penalties need the previous token on the host:
-when step N samples a penalised request, N completes before N + 1 is scheduled (a plain step). Batches
+min_tokens (counted with the pending token). Steps with penalties or structured outputs need the previous
+token on the host (the penalty counts; the grammar's mask): when step N samples a penalised or constrained
+request, N completes before N + 1 is scheduled (a plain step). Batches
 can differ from a plain run (a request stopping at N still takes a row of N + 1), so unseeded sampling
 draws differently. Not with paged experts, dynamic precision or tensor parallelism (their per-step
 host work assumes the plain order): the engine refuses the flag there. Without the flag it is on wherever it
@@ -85,8 +86,10 @@ class AsyncScheduling:
         t0 = time.perf_counter()
         prev, outputs = self.in_flight, []
         self.in_flight = None
-        if prev is not None and any(r.params.penalised for r in prev.sampling):
-            outputs, prev = self._complete(prev), None  # penalties need its tokens on the host first
+        if prev is not None and (any(r.params.penalised for r in prev.sampling)
+                                 or (e.structured.active and any(r.matcher is not None for r in prev.sampling))):
+            # penalties and structured outputs' masks need its tokens on the host first
+            outputs, prev = self._complete(prev), None
         sched = e.scheduler.schedule()
         launched, failed = None, False
         if not sched.is_empty:
@@ -117,6 +120,7 @@ class AsyncScheduling:
         if not step.sampling:
             return step
         logits = e.outputs.mask_min_tokens(logits, step.sampling)
+        logits = e.structured.mask(logits, step.sampling)  # constrained requests have no pending token (step())
         params = [r.params for r in step.sampling]
         # a penalised request has no pending token here (step() completed the step that sampled it)
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in step.sampling]

@@ -19,6 +19,7 @@ from pagedmoe.engine.output import OutputProcessor
 from pagedmoe.engine.request import Request, RequestStatus
 from pagedmoe.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedmoe.engine.startup import pick_device, start_engine
+from pagedmoe.engine.structured import StructuredOutputs
 from pagedmoe.experts.dynamic.start import save_expert_stats
 from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
@@ -76,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, parts.swap)
         self.sampler = Sampler(config.seed, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.hf_config, self.model_path)
+        self.structured = StructuredOutputs(self.tokenizer, self.outputs.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
@@ -131,6 +133,12 @@ class LLMEngine:
         request = Request(request_id, ids, params, prompt=text, max_tokens=max_tokens)
         if params.seed is not None:  # before storing anything: a seed torch refuses leaves no trace
             self._generators[request_id] = self.sampler.request_generator(params.seed)
+        if params.structured_outputs is not None:
+            try:
+                self.structured.start(request)  # its matcher (a grammar llguidance cannot build fails here)
+            except Exception:
+                self._generators.pop(request_id, None)
+                raise
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
@@ -144,8 +152,14 @@ class LLMEngine:
         if request is None:
             return False
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        self._generators.pop(request_id, None)
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        """A finished request's per-request state: its generator, its structured-outputs entry."""
+        self.requests.pop(request_id, None)
+        self._generators.pop(request_id, None)
+        self.structured.finished(request_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes (vLLM's name): later requests compute every token again."""
@@ -206,8 +220,7 @@ class LLMEngine:
             request = s.request
             request.error, request.finish_time = error, now
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-            self.requests.pop(request.request_id, None)
-            self._generators.pop(request.request_id, None)
+            self._forget(request.request_id)
             outputs.append(self.outputs.make_output(request))
         return outputs
 
@@ -231,6 +244,7 @@ class LLMEngine:
             return []
         sampling = [sched.scheduled[r].request for r in rows]
         logits = self.outputs.mask_min_tokens(logits, sampling)
+        logits = self.structured.mask(logits, sampling)   # structured outputs; nothing when none is constrained
         params = [r.params for r in sampling]
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                      if any(p.penalised for p in params) else None)
@@ -273,8 +287,7 @@ class LLMEngine:
                                                sample.sampled_logprob[i], now)
             if status is not None:
                 self.scheduler.finish_request(request, status)
-                self.requests.pop(request.request_id, None)
-                self._generators.pop(request.request_id, None)
+                self._forget(request.request_id)
             elif request.params.output_kind == "final_only":
                 continue
             results.append(self.outputs.make_output(request))

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from pagedmoe.engine.request import Request, RequestStatus
+from pagedmoe.engine.structured import advance
 from pagedmoe.sampling_params import CompletionOutput, Logprob, RequestOutput
 from pagedmoe.worker.sampler import to_device
 
@@ -75,6 +76,8 @@ class OutputProcessor:
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += sampled_logprob
         n_out = len(request.output_token_ids)
+        # structured outputs: the grammar complete (nothing but EOS allowed) ends the request, its last token kept
+        grammar_done = request.matcher is not None and advance(request.matcher, token)
         status = None
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -88,6 +91,8 @@ class OutputProcessor:
             self._detokenize(request)  # final_only without stop strings: decoded once, at the end
         if status is None and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(request, old_len)
+        if status is None and grammar_done:
+            status = RequestStatus.FINISHED_STOPPED
         if status is None and n_out >= request.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -54,6 +54,9 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     error: Optional[str] = None  # why the request failed (status FINISHED_ERROR)
+    # structured outputs (engine/structured.py): the llguidance matcher of this sequence's grammar, advanced with
+    # each output token; None when the output is unconstrained
+    matcher: Optional[object] = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

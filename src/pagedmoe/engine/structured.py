@@ -1,0 +1,92 @@
+"""Structured outputs in the engine: one llguidance matcher per constrained sequence (Request.matcher), a token
+bitmask per constrained row each step, the matcher advanced with each sampled token.
+
+- add_request: `start(request)` builds the matcher from the compiled grammar (structured_outputs.py) and the
+  engine's tokenizer (llguidance's bridge, built once, at the first constrained request);
+- each step, before sampling: `mask(logits, requests)` fills the bitmask of the constrained rows on the host and
+  sets their disallowed tokens to -inf (worker/token_mask.py); the logits' columns past the tokenizer's vocabulary
+  (padding rows of the embedding) are disallowed too. Only while some request is constrained (`active`): an
+  unconstrained step does no work here;
+- OutputProcessor.append_token calls `advance(matcher, token)`: a matcher that has stopped (the grammar is
+  complete and allows nothing but EOS) finishes its request ("stop").
+The matcher lives on the Request, so preemption (recompute keeps the output tokens), prefix caching and n > 1
+(one request per sample) need nothing more. --async-scheduling completes a step that sampled a constrained
+request before launching the next (engine/async_step.py): its mask needs that token. Under tensor parallelism
+rank 0 alone samples, so the mask is applied there only.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedmoe.structured_outputs import import_llguidance
+from pagedmoe.worker.token_mask import apply_token_bitmask
+
+if TYPE_CHECKING:
+    from pagedmoe.engine.request import Request
+
+logger = logging.getLogger("pagedmoe")
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.active: set[str] = set()   # ids of unfinished constrained requests
+        self._ll_tokenizer = None
+
+    def _bridge(self):
+        """llguidance's view of the engine's tokenizer (built once: ~1 s for a large vocabulary)."""
+        if self._ll_tokenizer is None:
+            llguidance = import_llguidance()
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model was loaded without one")
+            size = len(self.tokenizer)
+            eos = sorted(t for t in self.eos_token_ids if t < size) or None
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=eos)
+            except Exception as e:  # noqa: BLE001 - a slow (not Rust-backed) tokenizer, an unusual one
+                raise ValueError(f"structured outputs cannot use this model's tokenizer: {e}") from None
+        return self._ll_tokenizer
+
+    def start(self, request: "Request") -> None:
+        """The request's matcher; a ValueError (before the request is queued) if its grammar cannot be built."""
+        so = request.params.structured_outputs
+        llguidance = import_llguidance()
+        matcher = llguidance.LLMatcher(self._bridge(), so.compiled(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{so.kind}: {' '.join(matcher.get_error().split())[:500]}")
+        request.matcher = matcher
+        self.active.add(request.request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.active.discard(request_id)
+
+    def mask(self, logits: torch.Tensor, requests: list["Request"]) -> torch.Tensor:
+        """logits [N, V] of the step's sampling rows -> the same with each constrained row's disallowed tokens at
+        -inf (a new tensor); the input itself when no row is constrained."""
+        if not self.active:
+            return logits
+        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if not rows:
+            return logits
+        import llguidance.torch as llg_torch
+
+        vocab = self._bridge().vocab_size
+        bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+        for j, i in enumerate(rows):
+            llg_torch.fill_next_token_bitmask(requests[i].matcher, bitmask, j)
+        return apply_token_bitmask(logits, rows, bitmask, vocab)
+
+
+def advance(matcher, token: int) -> bool:
+    """Feed the sampled token to the matcher; True when the output is complete (the matcher has stopped: its
+    grammar allows nothing more), or when the matcher failed (a token it did not allow: logged)."""
+    if not matcher.consume_token(token):
+        logger.warning("structured outputs: the matcher refused token %d (%s); the request stops", token,
+                       matcher.get_error())
+        return True
+    return matcher.is_stopped()
+
