@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies (pydantic) and the error type the routes raise.
 
 Field names, defaults and meanings follow OpenAI's API; the extra sampling fields vLLM accepts
-(`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) are accepted too. Unknown fields
+(`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `structured_outputs`, ...) are accepted too. Unknown fields
 are ignored, as vLLM does. A field pagedmoe cannot honour (tools, suffix, ...) is a 400, not a silent
 no-op.
 
@@ -14,11 +14,17 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from pagedmoe.structured_outputs import StructuredOutputsParams
+
 # torch.Generator.manual_seed accepts exactly this range; larger values would fail inside the engine.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_STOP_STRINGS = 64  # the engine scans every stop string after every token
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_N = 128  # samples per prompt
+# vLLM's guided decoding fields, removed in vLLM 0.12 for `structured_outputs`: refused by name, not ignored
+REMOVED_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                         "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern",
+                         "guided_decoding_backend": None}
 
 
 class APIError(Exception):
@@ -75,9 +81,22 @@ class SamplingFields(_Base):
     stop_token_ids: Optional[TokenIds] = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (structured_outputs.py)
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
 
     def check_unsupported(self) -> None:
         """Refuse what the engine cannot do rather than ignoring it."""
+        for name, key in REMOVED_GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                instead = (f'send "structured_outputs": {{"{key}": ...}}' if key else "leave it out")
+                raise invalid(f"{name} was removed in vLLM 0.12 and is not accepted: {instead}", name)
         if not 1 <= self.n <= MAX_N:
             raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 100.0:
@@ -110,6 +129,25 @@ class SamplingFields(_Base):
             out[token] = float(value)
         return out
 
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The constraint of response_format or structured_outputs (not both), compiled (a bad schema, regex or
+        grammar, or llguidance missing, is a 400 here); None for none or response_format text."""
+        fmt, extra = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type") not in (None, "text") and extra is not None:
+            raise invalid("give response_format or structured_outputs, not both", "structured_outputs")
+        param = "structured_outputs" if extra is not None else "response_format"
+        try:
+            if extra is not None:
+                params = StructuredOutputsParams.from_dict(extra)
+            else:
+                params = _response_format_params(fmt)
+            if params is not None:
+                params.compiled()
+        except (ValueError, TypeError) as e:
+            raise invalid(str(e) if param == "structured_outputs" else str(e).replace("structured_outputs", param),
+                          param) from None
+        return params
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -118,6 +156,23 @@ class SamplingFields(_Base):
     def continuous_usage(self) -> bool:
         """vLLM sends per-chunk usage only when include_usage and continuous_usage_stats are both true."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def _response_format_params(fmt: Optional[dict]) -> Optional[StructuredOutputsParams]:
+    """OpenAI's response_format: {"type": "text"} (none), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}} (the schema is required; strict is how every
+    constrained output is)."""
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format: type 'json_schema' needs json_schema.schema, a JSON schema object")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}")
 
 
 class CompletionRequest(SamplingFields):
@@ -174,7 +229,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     add_generation_prompt: StrictBool = True
@@ -190,8 +244,6 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid("tools are not supported", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("tool_choice is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise invalid("response_format: only type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:

@@ -128,6 +128,10 @@ class OpenAIServing:
             raise invalid(f"min_tokens must be less than or equal to max_tokens={limit}, got {req.min_tokens}.",
                           "min_tokens")
         bias = req.token_biases()
+        structured = req.structured_outputs_params()
+        if structured is not None:
+            self.need_tokenizer("structured_outputs" if req.structured_outputs is not None else "response_format",
+                                "structured outputs mask tokens by their text")
         if bias and max(bias) >= self.vocab_size:
             raise invalid(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(bias)}", "logit_bias")
         try:
@@ -143,7 +147,7 @@ class OpenAIServing:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured)
         except (ValueError, TypeError) as e:
             first = str(e).split(" ", 1)[0]
             raise invalid(str(e), first if first in type(req).model_fields else None) from None
