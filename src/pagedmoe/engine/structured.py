@@ -72,12 +72,11 @@ class StructuredOutputs:
         rows = [i for i, r in enumerate(requests) if r.matcher is not None]
         if not rows:
             return logits
-        import llguidance.torch as llg_torch
-
         vocab = self._bridge().vocab_size
         bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
-        for j, i in enumerate(rows):
-            llg_torch.fill_next_token_bitmask(requests[i].matcher, bitmask, j)
+        for j, i in enumerate(rows):   # llguidance writes row j in place (host memory, its layout: token_mask.py)
+            row = bitmask[j]
+            requests[i].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         return apply_token_bitmask(logits, rows, bitmask, vocab)
 
 
