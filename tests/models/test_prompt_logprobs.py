@@ -100,3 +100,29 @@ def test_refused_out_of_range():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=1.5)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_close_to_transformers(reference):
+    """On CUDA in bf16 (the step that asks for prompt logprobs runs eager; its neighbours' decode steps replay
+    graphs, async scheduling on): within bf16 tolerance of transformers' float32 log_softmax, the generation
+    unchanged by asking."""
+    from pagedmoe import LLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path, prompts, ref = reference
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=64)
+    asks = [3, None, 0, None, 5, 2]
+    outs = _generate(llm, prompts, asks)
+    plain = _generate(llm, prompts, [None] * len(prompts))
+    for out, p, r, k, alone in zip(outs, prompts, ref, asks, plain):
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        if k is None:
+            assert out.prompt_logprobs is None
+            continue
+        entries = out.prompt_logprobs
+        assert len(entries) == len(p) and entries[0] is None
+        got = torch.tensor([entries[i][p[i]].logprob for i in range(1, len(p))])
+        want = torch.stack([r[i - 1][p[i]] for i in range(1, len(p))])
+        assert (got - want).abs().max().item() < 0.1, (got, want)

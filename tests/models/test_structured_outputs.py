@@ -241,3 +241,29 @@ def test_token_bitmask_unpacks_llguidance_layout():
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [0, 5, 31, 32, 63]   # 70: past the tokenizer
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1]
     assert out[2, 5] == logits[2, 5]
+
+
+@pytest.mark.gpu
+def test_cuda_async_scheduling_and_graphs(ckpt):
+    """On CUDA (bf16, decode CUDA graphs, --async-scheduling on by default with resident experts): every
+    constrained output satisfies its constraint, greedy outputs are those of plain steps, and an unconstrained
+    neighbour's greedy tokens are those it gets alone."""
+    import torch
+    from pagedmoe import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    so = _so(json=SCHEMA, disable_any_whitespace=True)
+    runs = {}
+    for async_on in (True, False):
+        llm = LLM(ckpt, device="cuda", dtype="bfloat16", max_model_len=256, async_scheduling=async_on)
+        assert (llm.engine._async is not None) == async_on
+        runs[async_on] = (_texts(llm, PROMPTS, _params(so, temperature=0.0)),
+                          [o.outputs[0].token_ids for o in _mixed(llm)])
+        for text in runs[async_on][0]:
+            _check_person(text)
+        plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        alone = llm.generate(["def add(a, b):"], plain, use_tqdm=False)[0].outputs[0].token_ids
+        assert runs[async_on][1][0] == alone
+        del llm
+    assert runs[True] == runs[False]
