@@ -205,9 +205,19 @@ def run_size(name, m, T, dev, dtype, quick, v2_variants=True):
             # block_m 64, so an expert routed more than 64 rows decodes its weights twice)
             tier = dataclasses.replace(layer_tiles(layer, T * m["A"], m["E"], dtype, fast=True), num_warps=4,
                                        num_warps2=4)
+            big = dataclasses.replace(layer, **FAST_LARGE_TILES)
             candidates += ([("tm-k4-tier", tier)] if tier != layer4 else []) + \
-                ([("tm-k4-m128", dataclasses.replace(layer, **FAST_LARGE_TILES))]
+                ([("tm-k4-m128", big)]
                  if tier.block_m < FAST_LARGE_TILES["block_m"] and T * m["A"] >= 32 * m["E"] else [])
+            # where 128-row blocks apply (32 rows an expert or more): their neighbours, to find the fastest there;
+            # "swap": the decoded weight tile on the MMA's M side (the token rows are its N)
+            if T * m["A"] >= 32 * m["E"]:
+                candidates += [("tm-k4-m128-w8", dataclasses.replace(big, num_warps=8, num_warps2=8)),
+                               ("tm-k4-m128-n128-w8", dataclasses.replace(big, block_n=128, block_n2=128,
+                                                                          num_warps=8, num_warps2=8)),
+                               ("tm-k4-m128-s4", dataclasses.replace(big, num_stages=4, num_stages2=4)),
+                               ("tm-k4-swap-m128", dataclasses.replace(big, swap_ab=True)),
+                               ("tm-k4-swap-m64", dataclasses.replace(layer4, swap_ab=True))]
             for label, ov in ([("layer", None), ("layer-warps4", "layer4")] + HB_VARIANTS +
                               candidates):
                 try:
