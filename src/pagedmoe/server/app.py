@@ -27,6 +27,7 @@ from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
 from pagedmoe.server.serving import SSE_DONE, OpenAIServing, check_utf8, sse
+from pagedmoe.server.tools import check_parser_flags, check_tools
 
 logger = logging.getLogger("pagedmoe.server")
 
@@ -217,8 +218,11 @@ def _own_tokenizer(engine):
 
 def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = 1024,
               request_timeout: Optional[float] = None, max_body_bytes: int = MAX_BODY_BYTES,
-              shutdown_timeout: float = 30.0) -> FastAPI:
-    """An OpenAI-compatible app around a loaded LLMEngine. The engine thread starts with the app's lifespan."""
+              shutdown_timeout: float = 30.0, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
+    """An OpenAI-compatible app around a loaded LLMEngine. The engine thread starts with the app's lifespan.
+    enable_auto_tool_choice + tool_call_parser: vLLM's flags for tool_choice "auto" (tools.py)."""
+    parser = check_parser_flags(enable_auto_tool_choice, tool_call_parser)
     name = engine.served_model_name
     metrics = ServerMetrics(name)
     bridge = AsyncEngine(engine, max_waiting_requests, request_timeout, metrics)
@@ -226,7 +230,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     tokenizer = _own_tokenizer(engine)
     dims = getattr(getattr(engine, "model", None), "dims", None)
     vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer or ())
-    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size)
+    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser)
     started = int(time.time())
 
     @asynccontextmanager
@@ -310,7 +314,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         outputs = await _run(request, handle, prepared.num_choices)
         if outputs is None:
             return Response(status_code=499)
-        return JSONResponse(serving.chat_response(response_id, req, outputs))
+        return JSONResponse(serving.chat_response(response_id, req, prepared, outputs))
 
     @app.get("/v1/models")
     async def models():
@@ -348,7 +352,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
             if req.continue_final_message and req.add_generation_prompt:
                 raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
             text = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, check_tools(req.tools) if req.tools else None)
             ids = tokenizer.encode(text, add_special_tokens=req.special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 

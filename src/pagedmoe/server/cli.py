@@ -43,6 +43,13 @@ def register(sub) -> None:
                         "past it the request is aborted and answered 504")
     g.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", float, 30.0),
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=_env("enable_auto_tool_choice", parse_bool, False),
+                   help='tool_choice "auto" (the default when a request gives tools): the model may call tools, '
+                        "found in its text by --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=_env("tool_call_parser", str, None),
+                   help="the format of the model's tool calls, for --enable-auto-tool-choice: hermes "
+                        "(<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    default=_env("disable_uvicorn_access_log", parse_bool, False))
     add_engine_args(p)  # includes --served-model-name
@@ -90,14 +97,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.server.app import build_app
+    from pagedmoe.server.tools import check_parser_flags
 
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    check_parser_flags(args.enable_auto_tool_choice, args.tool_call_parser)   # before the (long) load
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
+                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout + 1,
                             access_log=not args.disable_uvicorn_access_log,

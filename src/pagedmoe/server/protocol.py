@@ -2,8 +2,8 @@
 
 Field names, defaults and meanings follow OpenAI's API; the extra sampling fields vLLM accepts
 (`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `structured_outputs`, ...) are accepted too. Unknown fields
-are ignored, as vLLM does. A field pagedmoe cannot honour (tools, suffix, ...) is a 400, not a silent
-no-op.
+are ignored, as vLLM does. A field pagedmoe cannot honour (suffix, best_of > 1, ...) is a 400, not a silent
+no-op. `tools` / `tool_choice` are checked in tools.py (they depend on the server's flags).
 
 Responses are plain dicts built in `serving.py`: they are written once per token while streaming, and
 building pydantic objects there would only cost time.
@@ -206,6 +206,8 @@ class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[dict[str, Any]], None] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[Any]] = None   # an assistant's earlier calls (checked in tools.py)
+    tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
 
     def text(self, index: int) -> str:
         """The message's text; a list of parts must be text parts only, joined with newlines (vLLM's chat_utils,
@@ -229,8 +231,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Any]] = None   # checked, with tool_choice, in tools.py
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -240,10 +243,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise invalid("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice is not supported", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -278,6 +277,7 @@ class TokenizeRequest(_Base):
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Any]] = None   # with messages: given to the chat template, as on /v1/chat/completions
     # vLLM's defaults: True for a prompt; False for messages (the chat template writes its own BOS), where
     # True adds the tokenizer's special tokens on top of the template's.
     add_special_tokens: Optional[StrictBool] = None

@@ -14,8 +14,10 @@ from typing import AsyncIterator, Optional
 from pagedmoe.engine.limits import context_length_error, lone_surrogate
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
+from pagedmoe.server import tools as tool_calls
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
                                       CompletionRequest, SamplingFields, invalid)
+from pagedmoe.structured_outputs import StructuredOutputsParams
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                              "continue_final_message", "chat_template", "tools", "documents"}
@@ -59,6 +61,7 @@ class Prepared:
     prompts: list[tuple[Optional[str], list[int]]]
     params: SamplingParams
     echo: list[str] = field(default_factory=list)
+    tools: Optional[tool_calls.ToolMode] = None   # chat with tools (tools.py)
 
     @property
     def n(self) -> int:
@@ -77,8 +80,9 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, tool_parser: Optional[str] = None) -> None:
         self.bridge, self.tokenizer = bridge, tokenizer
+        self.tool_parser = tool_parser   # "auto" tool choice: --tool-call-parser (with --enable-auto-tool-choice)
         self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
         self.max_prompt_chars = self._max_prompt_chars()
 
@@ -121,7 +125,9 @@ class OpenAIServing:
             raise invalid(err[0], param if err[1] == "prompt" else max_tokens_param)
 
     def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                        longest_prompt: int, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        longest_prompt: int, prompt_logprobs: Optional[int] = None,
+                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """constraint: a tool_choice's (named, required), which response_format / structured_outputs may not join."""
         # vLLM computes an omitted max_tokens (the rest of the context) and refuses a larger min_tokens.
         limit = max_tokens if max_tokens is not None else self.max_model_len - longest_prompt
         if req.min_tokens > limit:
@@ -129,6 +135,11 @@ class OpenAIServing:
                           "min_tokens")
         bias = req.token_biases()
         structured = req.structured_outputs_params()
+        if constraint is not None:
+            if structured is not None:
+                raise invalid("tool_choice 'required' or a named function constrains the output itself; leave out "
+                              "response_format and structured_outputs", "tool_choice")
+            structured = constraint
         if structured is not None:
             self.need_tokenizer("structured_outputs" if req.structured_outputs is not None else "response_format",
                                 "structured outputs mask tokens by their text")
@@ -187,7 +198,8 @@ class OpenAIServing:
             raise invalid("this model was loaded without a tokenizer" + (f": {hint}" if hint else ""), param)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
+                    continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+                    tools: Optional[list[dict]] = None) -> str:
         self.need_tokenizer("messages", "use /v1/completions with token ids")
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
@@ -195,10 +207,17 @@ class OpenAIServing:
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-        conversation = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
-                        for i, m in enumerate(messages)]
-        for i, m in enumerate(conversation):
-            check_utf8(m["content"], f"messages[{i}].content", "messages")
+        conversation = []
+        for i, m in enumerate(messages):
+            check_utf8(m.text(i), f"messages[{i}].content", "messages")
+            turn = {"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
+            if m.tool_calls is not None:
+                turn["tool_calls"] = tool_calls.template_messages_tool_calls(m.tool_calls, i)
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            conversation.append(turn)
+        if tools:
+            kwargs["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -207,12 +226,15 @@ class OpenAIServing:
             raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
 
     def chat_prompt(self, req: ChatCompletionRequest) -> Prepared:
+        tools = tool_calls.resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template_kwargs)
+                                req.chat_template_kwargs, tools.tools if tools else None)
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return Prepared([(text, ids)], self.sampling_params(req, req.max_output_tokens, logprobs, len(ids)))
+        params = self.sampling_params(req, req.max_output_tokens, logprobs, len(ids),
+                                      constraint=tools.constraint() if tools else None)
+        return Prepared([(text, ids)], params, tools=tools)
 
     # -- running ---------------------------------------------------------------------------------
     def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:
@@ -266,11 +288,12 @@ class OpenAIServing:
         state.done = out.finished
         return delta, start, state.num_tokens
 
-    def worth_a_chunk(self, delta: str, out: RequestOutput, start: int, end: int, logprobs: bool,
+    def worth_a_chunk(self, new, out: RequestOutput, start: int, end: int, logprobs: bool,
                       continuous_usage: bool) -> bool:
-        """Send a chunk for new text, the end, or new tokens whose text is held back or absent when the
-        client counts tokens (logprobs, continuous usage) or there is no tokenizer to make text."""
-        if delta or out.finished:
+        """Send a chunk for something new (`new`: text, or a chat delta), the end, or new tokens whose text is held
+        back or absent when the client counts tokens (logprobs, continuous usage) or there is no tokenizer to make
+        text."""
+        if new or out.finished:
             return True
         return start < end and (logprobs or continuous_usage or self.tokenizer is None)
 
@@ -366,13 +389,20 @@ class OpenAIServing:
         yield SSE_DONE
 
     # -- /v1/chat/completions --------------------------------------------------------------------
-    def chat_response(self, response_id: str, req: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict:
-        choices, echo = [], req.echo_text()
+    def chat_response(self, response_id: str, req: ChatCompletionRequest, prepared: Prepared,
+                      outputs: list[RequestOutput]) -> dict:
+        choices, echo, tools = [], req.echo_text(), prepared.tools
         for i, out in enumerate(outputs):
             c = out.outputs[0]
             logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
-            choices.append({"index": i, "message": {"role": req.reply_role, "content": echo + c.text, "tool_calls": []},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            content, calls, finish = c.text, [], c.finish_reason
+            if tools is not None and tools.stream() is not None:
+                content, calls, stream = tools.message(c.text)
+                finish = tools.finish_reason(stream, finish)
+            if echo:
+                content = echo + (content or "")
+            choices.append({"index": i, "message": {"role": req.reply_role, "content": content, "tool_calls": calls},
+                            "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, len(outputs)),
                 "system_fingerprint": None}
@@ -385,6 +415,8 @@ class OpenAIServing:
         n = prepared.num_choices
         states, last = [_ChoiceState() for _ in range(n)], [None] * n
         holdback = self.holdback(prepared.params)
+        tools = prepared.tools if prepared.tools is not None and prepared.tools.stream() is not None else None
+        streams = [tools.stream() for _ in range(n)] if tools else None
         for i in range(n):
             chunk = {**base, "choices": [{"index": i, "delta": {"role": req.reply_role, "content": ""},
                                           "logprobs": None, "finish_reason": None}], **usage_field}
@@ -401,13 +433,18 @@ class OpenAIServing:
         async for i, out in handle.outputs():
             last[i] = out
             delta, start, end = self.advance(out, states[i], holdback)
-            if not self.worth_a_chunk(delta, out, start, end, req.logprobs, req.continuous_usage):
+            c = out.outputs[0]
+            message, finish = {"content": delta} if delta else {}, c.finish_reason
+            if streams is not None:   # tool calls: the text becomes content and tool call deltas (tools.py)
+                content, calls = streams[i].feed(delta, out.finished)
+                calls = tools.keep(calls)
+                message = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+                finish = tools.finish_reason(streams[i], finish)
+            if not self.worth_a_chunk(message, out, start, end, req.logprobs, req.continuous_usage):
                 continue
             logprobs = self.chat_logprobs(out, start, end, req.top_logprobs or 0) if req.logprobs else None
-            c = out.outputs[0]
-            chunk = {**base, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
-                                          "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                          "stop_reason": c.stop_reason}], **usage_field}
+            chunk = {**base, "choices": [{"index": i, "delta": message, "logprobs": logprobs,
+                                          "finish_reason": finish, "stop_reason": c.stop_reason}], **usage_field}
             if req.continuous_usage:
                 chunk["usage"] = self.choice_usage(out.prompt_token_ids, out)
             yield sse(chunk)
