@@ -80,14 +80,17 @@ class LLM:
         return self._run(groups, use_tqdm)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+             add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations. tools: OpenAI
+        function tools ({"type": "function", "function": {"name", "description", "parameters"}}), given to the chat
+        template as vLLM's LLM.chat does; the calls are in the output's text, in the model's own format."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() instead")
+        extra = {"tools": tools} if tools else {}
         prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **extra))}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

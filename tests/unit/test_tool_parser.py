@@ -1,0 +1,186 @@
+"""server/tools.py without a server: the hermes parser on crafted texts (whole and streamed in pieces of every size
+give the same), required's array splitter, named's deltas, request validation (tools, tool_choice, the flags)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")  # server/tools.py builds the server's 400s
+
+from pagedmoe.server import tools  # noqa: E402
+from pagedmoe.server.protocol import APIError  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "description": "now"}}]
+
+
+def _auto():
+    return tools.resolve(TOOLS, "auto", True, "hermes")
+
+
+def _names_args(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _streamed(mode, text: str, size: int):
+    """Feed `text` in pieces of `size` characters; the content and the calls accumulated as a client does."""
+    stream = mode.stream()
+    content, calls = "", {}
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for k, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, k == len(pieces) - 1)
+        content += c
+        for d in mode.keep(deltas):
+            entry = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            assert ("id" in d) == (d["index"] not in calls or entry["name"] == "")  # id, type, name: first delta only
+            entry["name"] += d["function"].get("name", "")
+            entry["arguments"] += d["function"]["arguments"]
+    return content, [{"function": calls[i]} for i in sorted(calls)], stream
+
+
+HERMES_CASES = [
+    # text, content, calls
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
+     [("get_weather", {"city": "Paris"})]),
+    ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Let me look.\n\n",
+     [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call> and then some text', " and then some text",
+     [("get_weather", {"city": "Rome"})]),
+    # malformed JSON stays in the content, tags and all; the good call is still taken
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>\n<tool_call>{"name": "get_time"}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>\n', [("get_time", {})]),
+    ('<tool_call>[1, 2]</tool_call>', "<tool_call>[1, 2]</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    # arguments sent as a JSON string are kept as that string
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', None,
+     [("get_weather", {"city": "Oslo"})]),
+    # an unclosed block at the end counts when its body parses, else stays content
+    ('x <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}', "x ", [("get_time", {"zone": "utc"})]),
+    ('x <tool_call>{"name": "get_ti', 'x <tool_call>{"name": "get_ti', []),
+    # no calls: the text as it is, whitespace too; a lone "<tool" is text
+    ("Just an answer. <tool", "Just an answer. <tool", []),
+    ("  \n", "  \n", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES_CASES)
+def test_hermes_whole_and_streamed(text, content, calls):
+    mode = _auto()
+    got_content, got_calls, stream = mode.message(text)
+    assert got_content == content
+    assert _names_args(got_calls) == calls
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
+    assert mode.finish_reason(stream, "stop") == ("tool_calls" if calls else "stop")
+    for size in (1, 2, 3, 5, 11, len(text) + 1):
+        s_content, s_calls, _ = _streamed(mode, text, size)
+        assert s_content == (content or ""), size
+        assert _names_args(s_calls) == calls, size
+
+
+def test_hermes_streams_content_before_the_call_at_once():
+    stream = _auto().stream()
+    assert stream.feed("Sure, ", False) == ("Sure, ", [])
+    assert stream.feed("checking <tool", False) == ("checking ", [])     # "<tool" may open a call: held
+    assert stream.feed('_call>{"name": "get_time", ', False) == ("", [])
+    content, calls = stream.feed('"arguments": {}}</tool_call>', False)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_time"] and calls[0]["index"] == 0
+    assert stream.feed("\n", True) == ("\n", [])     # whitespace after content is kept
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    mode = tools.resolve(TOOLS, "auto", False, "hermes")
+    text = '<tool_call>{"name": "get_time"}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    _, calls, _ = mode.message(text)
+    assert [c["function"]["name"] for c in calls] == ["get_time"]
+
+
+def test_named_and_required_streams():
+    named = tools.resolve(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, True, None)
+    stream = named.stream()
+    _, first = stream.feed('{"ci', False)
+    assert first == [{"index": 0, "id": first[0]["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    assert stream.feed('ty": "x"}', True) == ("", [{"index": 0, "function": {"arguments": 'ty": "x"}'}}])
+    assert named.finish_reason(stream, "stop") == "stop"
+    content, calls, _ = named.message('{"city": "x"}')
+    assert content == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "x"}'}
+
+    required = tools.resolve(TOOLS, "required", True, None)
+    text = '[{"name": "get_weather", "parameters": {"city": "Lyon"}}, {"name": "get_time", "parameters": {}}]'
+    content, calls, stream = required.message(text)
+    assert content == "" and _names_args(calls) == [("get_weather", {"city": "Lyon"}), ("get_time", {})]
+    assert required.finish_reason(stream, "stop") == "tool_calls"
+    assert required.finish_reason(stream, "length") == "length"
+    for size in (1, 4, 7):
+        assert _names_args(_streamed(required, text, size)[1]) == _names_args(calls)
+    # cut off: the items complete by then
+    assert _names_args(required.message(text[:70])[1]) == [("get_weather", {"city": "Lyon"})]
+
+
+def test_required_schema():
+    defs_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}},
+        "x-guidance": {"whitespace_flexible": False}}}}
+    schema = tools.required_schema([defs_tool, TOOLS[1]])
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["$defs"] == {"P": {"type": "integer"}} and schema["x-guidance"] == {"whitespace_flexible": False}
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["f"]}
+    assert "$defs" not in first["properties"]["parameters"] and "x-guidance" not in first["properties"]["parameters"]
+    assert second["properties"]["parameters"] == {"type": "object", "properties": {}}
+    clash = {"type": "function", "function": {"name": "g", "parameters": {"$defs": {"P": {"type": "string"}}}}}
+    with pytest.raises(APIError, match=r"\$defs/P"):
+        tools.required_schema([defs_tool, clash])
+
+
+@pytest.mark.parametrize("tool_list, choice, parser, param, match", [
+    (None, "auto", "hermes", "tool_choice", "needs tools"),
+    (None, {"type": "function", "function": {"name": "get_time"}}, None, "tool_choice", "needs tools"),
+    (TOOLS, "auto", None, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
+    (TOOLS, None, None, "tool_choice", "--enable-auto-tool-choice"),   # auto is the default with tools
+    (TOOLS, "sometimes", None, "tool_choice", "must be 'none', 'auto', 'required'"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "tool_choice", "not in tools"),
+    (TOOLS, {"type": "function"}, None, "tool_choice", "expected"),
+    ([{"type": "function"}], "none", None, "tools", "tools\\[0\\].function"),
+    ([{"type": "code_interpreter"}], "none", None, "tools", "only tools of type 'function'"),
+    ([{"type": "function", "function": {"name": ""}}], "none", None, "tools", "non-empty"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "none", None, "tools", "JSON schema"),
+    ([TOOLS[0], TOOLS[0]], "none", None, "tools", "given twice"),
+    ("f", "none", None, "tools", "a list"),
+])
+def test_resolve_refuses(tool_list, choice, parser, param, match):
+    with pytest.raises(APIError, match=match) as e:
+        tools.resolve(tool_list, choice, True, parser)
+    assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_resolve_modes():
+    assert tools.resolve(None, None, True, None) is None
+    assert tools.resolve(None, "none", True, None) is None
+    assert tools.resolve([], None, True, "hermes") is None
+    assert tools.resolve(TOOLS, "none", True, None).stream() is None
+    assert tools.resolve(TOOLS, None, True, "hermes").choice == "auto"
+
+
+def test_parser_flags():
+    assert tools.check_parser_flags(False, None) is None
+    assert tools.check_parser_flags(True, "hermes") == "hermes"
+    with pytest.raises(ValueError, match="known: hermes"):
+        tools.check_parser_flags(True, "mistral")
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        tools.check_parser_flags(True, None)
+    with pytest.raises(ValueError, match="no effect without --enable-auto-tool-choice"):
+        tools.check_parser_flags(False, "hermes")
+
+
+def test_template_tool_calls():
+    calls = tools.template_messages_tool_calls(
+        [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+         {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}}], 2)
+    assert calls[0]["function"]["arguments"] == {"a": 1} and calls[1]["function"]["arguments"] == "not json"
+    with pytest.raises(APIError, match=r"messages\[2\].tool_calls\[0\]"):
+        tools.template_messages_tool_calls([{"id": "1"}], 2)
