@@ -79,8 +79,11 @@ CASES = [
      "max_tokens"),
     ("chat-max-completion-tokens-too-long", "POST", CHAT, {"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN},
      {}, 400, "max_completion_tokens"),
-    ("chat-tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    ("chat-tool-without-name", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {}}]},
      {}, 400, "tools"),
+    # tool_choice auto (the default with tools) needs --enable-auto-tool-choice --tool-call-parser
+    ("chat-tools-auto-without-flags", "POST", CHAT,
+     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tool_choice"),
     ("chat-template-kwargs-override", "POST", CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}},
      {}, 400, "chat_template_kwargs"),
     ("get-on-post-route", "GET", C, None, {}, 405, None),

@@ -147,7 +147,8 @@ def _hoist(schema: dict, defs: dict, guidance: list, name: str) -> dict:
 
 
 def required_schema(tools: list[dict]) -> dict:
-    """tool_choice "required": a non-empty array of calls, each {"name": a tool's name, "parameters": its schema}."""
+    """tool_choice "required": a non-empty array of calls, each {"name": a tool's name, "parameters": its schema} and
+    nothing else (vLLM's schema leaves other keys open; the parser would drop them)."""
     defs: dict = {}
     guidance: list = []
     variants = []
@@ -156,7 +157,7 @@ def required_schema(tools: list[dict]) -> dict:
         variants.append({"type": "object",
                          "properties": {"name": {"type": "string", "enum": [name]},
                                         "parameters": _hoist(_parameters(tool), defs, guidance, name)},
-                         "required": ["name", "parameters"]})
+                         "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     schema.update(copy.deepcopy(defs))
     if guidance:
