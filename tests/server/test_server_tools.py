@@ -5,7 +5,7 @@ to the non-streamed message, tool and assistant tool_calls messages, /tokenize w
 from __future__ import annotations
 
 import json
-import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -51,7 +51,7 @@ def tools_model_dir(tmp_path_factory):
     make_tiny_checkpoint("qwen3_moe", path, max_position_embeddings=MAX_LEN)
     from pagedmoe.config import default_model_path
 
-    template = json.loads((__import__("pathlib").Path(default_model_path()) / "tokenizer_config.json").read_text())
+    template = json.loads((Path(default_model_path()) / "tokenizer_config.json").read_text())
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = template["chat_template"]
@@ -219,7 +219,8 @@ def test_auto_needs_the_flags(server, client):
 
 
 @pytest.mark.parametrize("body, param, match", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not in tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
     ({"tool_choice": NAMED}, "tool_choice", "needs tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
@@ -258,4 +259,3 @@ def test_offline_chat_tools(tools_model_dir, tools_server):
     tok = httpx.post(tools_server.base_url + "/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES,
                                                                 "tools": TOOLS}, timeout=30).json()
     assert out.prompt_token_ids == tok["tokens"]
-    shutil.rmtree(tools_model_dir / "unused", ignore_errors=True)

@@ -47,10 +47,12 @@ HERMES_CASES = [
     ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
      '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Let me look.\n\n",
      [("get_weather", {"city": "Rome"}), ("get_time", {})]),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call> and then some text', " and then some text",
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call> and then some text',
+     " and then some text",
      [("get_weather", {"city": "Rome"})]),
     # malformed JSON stays in the content, tags and all; the good call is still taken
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>\n<tool_call>{"name": "get_time"}</tool_call>',
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>\n'
+     '<tool_call>{"name": "get_time"}</tool_call>',
      '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>\n', [("get_time", {})]),
     ('<tool_call>[1, 2]</tool_call>', "<tool_call>[1, 2]</tool_call>", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),

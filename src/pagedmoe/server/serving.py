@@ -396,7 +396,7 @@ class OpenAIServing:
             c = out.outputs[0]
             logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
             content, calls, finish = c.text, [], c.finish_reason
-            if tools is not None and tools.stream() is not None:
+            if tools is not None and tools.parses:
                 content, calls, stream = tools.message(c.text)
                 finish = tools.finish_reason(stream, finish)
             if echo:
@@ -415,7 +415,7 @@ class OpenAIServing:
         n = prepared.num_choices
         states, last = [_ChoiceState() for _ in range(n)], [None] * n
         holdback = self.holdback(prepared.params)
-        tools = prepared.tools if prepared.tools is not None and prepared.tools.stream() is not None else None
+        tools = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
         streams = [tools.stream() for _ in range(n)] if tools else None
         for i in range(n):
             chunk = {**base, "choices": [{"index": i, "delta": {"role": req.reply_role, "content": ""},

@@ -363,6 +363,11 @@ class ToolMode:
         self._constraint = params
         return params
 
+    @property
+    def parses(self) -> bool:
+        """Whether the output becomes tool calls (all but "none")."""
+        return self.choice != "none"
+
     def stream(self) -> Optional[CallStream]:
         """A new per-choice parser; None for "none" (plain content)."""
         if self.choice == "named":
