@@ -130,6 +130,28 @@ def test_greedy_is_deterministic_and_n_samples_each_constrained(llm):
     assert len(set(texts)) > 1   # the samples differ: each has its own matcher, not a shared one
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_never_empties_a_constrained_row(llm, temperature):
+    """min_tokens bans EOS and the stop tokens; where the grammar allows only those (a complete grammar: EOS; a stop
+    token it needs next), the row had no token left: NaN probabilities (a RuntimeError that stopped the engine) or,
+    greedy, token 0. The grammar wins (vLLM's): its token is sampled, and the request ends when the grammar is
+    complete."""
+    tok = llm.engine.tokenizer
+    a, b = tok.encode("a"), tok.encode("b")
+    assert len(a) == len(b) == 1
+    cases = [  # (constraint, extra params, text)
+        (_so(choice=[""]), {}, ""),                                       # only EOS, from the first step
+        (_so(choice=["ab"]), dict(stop_token_ids=a), "ab"),              # the grammar needs the stop token "a"
+        (_so(choice=["ab"]), dict(stop_token_ids=b), "a"),               # ... and ends with one: a stop, its text out
+        (_so(regex="x?"), dict(stop_token_ids=tok.encode("x")), ""),
+    ]
+    for so, extra, text in cases:
+        out = llm.generate(["hello"], _params(so, temperature=temperature, seed=1, min_tokens=4, max_tokens=8,
+                                              **extra), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason) == (text, "stop"), (so, extra, out)
+    assert not llm.engine.structured.active
+
+
 def _mixed(llm):
     """A constrained and an unconstrained request beside each other (greedy)."""
     from pagedmoe import SamplingParams

@@ -119,8 +119,8 @@ class AsyncScheduling:
         step = InFlightStep(sched, [sched.scheduled[r].request for r in rows])
         if not step.sampling:
             return step
-        logits = e.outputs.mask_min_tokens(logits, step.sampling)
-        logits = e.structured.mask(logits, step.sampling)  # constrained requests have no pending token (step())
+        masked = e.outputs.mask_min_tokens(logits, step.sampling)
+        logits = e.structured.mask(masked, step.sampling, logits)  # constrained requests have no pending token
         params = [r.params for r in step.sampling]
         # a penalised request has no pending token here (step() completed the step that sampled it)
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in step.sampling]

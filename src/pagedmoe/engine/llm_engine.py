@@ -243,8 +243,8 @@ class LLMEngine:
         if not rows:
             return []
         sampling = [sched.scheduled[r].request for r in rows]
-        logits = self.outputs.mask_min_tokens(logits, sampling)
-        logits = self.structured.mask(logits, sampling)   # structured outputs; nothing when none is constrained
+        masked = self.outputs.mask_min_tokens(logits, sampling)
+        logits = self.structured.mask(masked, sampling, logits)   # structured outputs; nothing when none is constrained
         params = [r.params for r in sampling]
         histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                      if any(p.penalised for p in params) else None)

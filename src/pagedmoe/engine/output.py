@@ -79,7 +79,9 @@ class OutputProcessor:
         # structured outputs: the grammar complete (nothing but EOS allowed) ends the request, its last token kept
         grammar_done = request.matcher is not None and advance(request.matcher, token)
         status = None
-        if n_out >= p.min_tokens:
+        # under min_tokens, EOS or a stop token ends the request only when the grammar allowed nothing else
+        # (StructuredOutputs.mask) and is complete with it
+        if n_out >= p.min_tokens or grammar_done:
             if not p.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:

@@ -17,12 +17,12 @@ rank 0 alone samples, so the mask is applied there only.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagedmoe.structured_outputs import import_llguidance
-from pagedmoe.worker.token_mask import apply_token_bitmask
+from pagedmoe.worker.token_mask import apply_token_bitmask, keep_grammar_when_empty
 
 if TYPE_CHECKING:
     from pagedmoe.engine.request import Request
@@ -64,9 +64,15 @@ class StructuredOutputs:
     def finished(self, request_id: str) -> None:
         self.active.discard(request_id)
 
-    def mask(self, logits: torch.Tensor, requests: list["Request"]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, requests: list["Request"],
+             before_min_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """logits [N, V] of the step's sampling rows -> the same with each constrained row's disallowed tokens at
-        -inf (a new tensor); the input itself when no row is constrained."""
+        -inf (a new tensor); the input itself when no row is constrained.
+
+        before_min_tokens: the logits before min_tokens banned EOS and the stop tokens (OutputProcessor.
+        mask_min_tokens). A constrained row under min_tokens whose grammar allows only banned tokens (a grammar that
+        is complete, or needs a stop token now) would have no token left, and sampling from it fails (NaN
+        probabilities); such a row keeps the grammar's tokens instead: the grammar wins, as in vLLM."""
         if not self.active:
             return logits
         rows = [i for i, r in enumerate(requests) if r.matcher is not None]
@@ -77,7 +83,12 @@ class StructuredOutputs:
         for j, i in enumerate(rows):   # llguidance writes row j in place (host memory, its layout: token_mask.py)
             row = bitmask[j]
             requests[i].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        return apply_token_bitmask(logits, rows, bitmask, vocab)
+        out = apply_token_bitmask(logits, rows, bitmask, vocab)
+        if before_min_tokens is not None and before_min_tokens is not logits:
+            under = [j for j, i in enumerate(rows) if requests[i].num_output_tokens < requests[i].params.min_tokens]
+            if under:
+                out = keep_grammar_when_empty(out, before_min_tokens, [rows[j] for j in under], bitmask[under], vocab)
+        return out
 
 
 def advance(matcher, token: int) -> bool:

@@ -36,3 +36,20 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
     out = logits.clone()
     out[idx] = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
     return out
+
+
+def keep_grammar_when_empty(masked: torch.Tensor, unbanned: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
+                            num_tokens: int) -> torch.Tensor:
+    """masked [N, V] (`apply_token_bitmask`'s output, in place): each row rows[j] that allows no token at all takes
+    instead `unbanned`'s row with only the tokens bitmask[j] allows (the grammar alone, before another mask, such as
+    min_tokens', banned its only tokens). On the device, without a sync."""
+    V = masked.shape[-1]
+    allowed = allowed_tokens(to_device_async(bitmask, masked.device), V)
+    if num_tokens < V:
+        allowed[:, num_tokens:] = False
+    idx = to_device_async(torch.tensor(rows, dtype=torch.int64), masked.device)
+    current = masked.index_select(0, idx)
+    grammar_only = unbanned.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    empty = (current == float("-inf")).all(dim=-1, keepdim=True)
+    masked[idx] = torch.where(empty, grammar_only, current)
+    return masked
