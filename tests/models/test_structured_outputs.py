@@ -152,6 +152,35 @@ def test_min_tokens_never_empties_a_constrained_row(llm, temperature):
     assert not llm.engine.structured.active
 
 
+def test_a_grammar_is_built_once_and_copied(llm, monkeypatch):
+    """Building a matcher takes ~0.2 s for a large schema, on the engine thread (every stream waits): the n samples of
+    a request, and later requests with the same constraint, copy an unused one (~20 us). The copies are independent:
+    the same outputs as matchers built anew."""
+    import llguidance
+
+    so = _so(json=SCHEMA, disable_any_whitespace=True)
+    params = _params(so, n=3, temperature=1.0, seed=5)
+    first = [c.text for c in llm.generate(PROMPTS[:2], params, use_tqdm=False)[0].outputs]
+    regex = _params(_so(regex=REGEX), n=4, temperature=1.0, seed=1)
+    regex.structured_outputs.compiled()   # before LLMatcher is replaced (its static methods compile)
+    built, real = [], llguidance.LLMatcher
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [c.text for c in again[0].outputs] == first
+    for o in again:
+        for c in o.outputs:
+            _check_person(c.text)
+    llm.generate(PROMPTS, regex, use_tqdm=False)
+    assert len(built) <= 1   # the regex's, at most (the schema's is kept from the first call)
+    llm.generate(PROMPTS, regex, use_tqdm=False)
+    assert len(built) <= 1
+
+
 def _mixed(llm):
     """A constrained and an unconstrained request beside each other (greedy)."""
     from pagedmoe import SamplingParams

@@ -2,7 +2,8 @@
 bitmask per constrained row each step, the matcher advanced with each sampled token.
 
 - add_request: `start(request)` builds the matcher from the compiled grammar (structured_outputs.py) and the
-  engine's tokenizer (llguidance's bridge, built once, at the first constrained request);
+  engine's tokenizer (llguidance's bridge, built once, at the first constrained request), or copies an unused one
+  of the same grammar (FRESH_MATCHERS);
 - each step, before sampling: `mask(logits, requests)` fills the bitmask of the constrained rows on the host and
   sets their disallowed tokens to -inf (worker/token_mask.py); the logits' columns past the tokenizer's vocabulary
   (padding rows of the embedding) are disallowed too. Only while some request is constrained (`active`): an
@@ -16,7 +17,9 @@ rank 0 alone samples, so the mask is applied there only.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -29,6 +32,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedmoe")
 
+# Unused matchers kept, by grammar: building one takes ~0.2 s for a large JSON schema, on the engine thread (every
+# stream waits), copying one ~20 us; the n samples of a request, and later requests with the same schema or tools,
+# copy the first one's
+FRESH_MATCHERS = 32
+
 
 class StructuredOutputs:
     def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
@@ -36,6 +44,8 @@ class StructuredOutputs:
         self.eos_token_ids = eos_token_ids
         self.active: set[str] = set()   # ids of unfinished constrained requests
         self._ll_tokenizer = None
+        # an unused matcher per grammar seen lately (by its hash, least recently used first): a request copies one
+        self._fresh: OrderedDict[bytes, object] = OrderedDict()
 
     def _bridge(self):
         """llguidance's view of the engine's tokenizer (built once: ~1 s for a large vocabulary)."""
@@ -54,11 +64,20 @@ class StructuredOutputs:
     def start(self, request: "Request") -> None:
         """The request's matcher; a ValueError (before the request is queued) if its grammar cannot be built."""
         so = request.params.structured_outputs
-        llguidance = import_llguidance()
-        matcher = llguidance.LLMatcher(self._bridge(), so.compiled(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{so.kind}: {' '.join(matcher.get_error().split())[:500]}")
-        request.matcher = matcher
+        grammar = so.compiled()
+        key = hashlib.sha256(grammar.encode()).digest()
+        fresh = self._fresh.get(key)
+        if fresh is None:
+            llguidance = import_llguidance()
+            fresh = llguidance.LLMatcher(self._bridge(), grammar, log_level=0)
+            if fresh.is_error():
+                raise ValueError(f"structured_outputs.{so.kind}: {' '.join(fresh.get_error().split())[:500]}")
+            self._fresh[key] = fresh
+            if len(self._fresh) > FRESH_MATCHERS:
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(key)
+        request.matcher = fresh.deep_copy()
         self.active.add(request.request_id)
 
     def finished(self, request_id: str) -> None:
