@@ -115,6 +115,8 @@ class StructuredOutputsParams:
                 grammar = llguidance.grammar_from("grammar", self.grammar)
         except ValueError as e:  # json.JSONDecodeError too
             raise ValueError(f"structured_outputs.{kind}: {_one_line(str(e))}") from None
+        except RecursionError:   # json.loads of a schema's text nested deeper than Python's stack
+            raise ValueError(f"structured_outputs.{kind}: the JSON schema is nested too deeply") from None
         error = matcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {_one_line(error)}")

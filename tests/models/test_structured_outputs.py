@@ -240,6 +240,7 @@ def test_preemption_and_prefix_caching_keep_the_matcher(ckpt, llm):
     (dict(), r"exactly one of .* got none"),
     (dict(structural_tag="{}"), r"structural_tag is not supported"),
     (dict(regex="a", disable_any_whitespace=True), r"json and json_object only"),
+    (dict(json="[" * 100_000), r"structured_outputs\.json: the JSON schema is nested too deeply"),  # RecursionError
 ])
 def test_bad_constraints_are_a_value_error(kw, match):
     from pagedmoe import SamplingParams

@@ -139,6 +139,19 @@ def test_required_schema():
         tools.required_schema([defs_tool, clash])
 
 
+def test_deeply_nested_parameters_are_a_400():
+    """A schema nested deeper than Python's stack (the request body itself parses) was a RecursionError: a 500."""
+    pytest.importorskip("llguidance")
+    deep: dict = {}
+    for _ in range(600):
+        deep = {"type": "array", "items": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": {"D": deep}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(APIError, match="nested too deeply|recursion") as e:
+            tools.resolve([tool], choice, True, None).constraint()
+        assert e.value.status_code == 400 and e.value.param == "tools"
+
+
 @pytest.mark.parametrize("tool_list, choice, parser, param, match", [
     (None, "auto", "hermes", "tool_choice", "needs tools"),
     (None, {"type": "function", "function": {"name": "get_time"}}, None, "tool_choice", "needs tools"),

@@ -348,7 +348,10 @@ class ToolMode:
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
             schema = _parameters(tool)
         else:
-            schema = required_schema(self.tools)
+            try:
+                schema = required_schema(self.tools)
+            except RecursionError:   # copying $defs nested deeper than Python's stack
+                raise invalid("tools: a parameters schema is nested too deeply", "tools") from None
         params = StructuredOutputsParams(json=schema)
         try:
             import_llguidance()
