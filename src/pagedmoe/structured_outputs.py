@@ -9,9 +9,19 @@ asked for: without it, unconstrained use is unaffected.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
+
+# Grammars made lately, by what they were made from (least recently used first): the server compiles each request's
+# constraint on its event loop (~0.1-0.3 s for a schema of thousands of fields, or a choice of thousands of strings),
+# and clients send the same schema, or the same tools, with every request
+COMPILED_GRAMMARS = 64
+_COMPILED: "OrderedDict[bytes, str]" = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
 
 INSTALL_HINT = ("structured outputs need the llguidance package, which is not installed: pip install llguidance "
                 "(or pip install 'pagedmoe[structured]')")
@@ -86,10 +96,33 @@ class StructuredOutputsParams:
         return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
 
     def compiled(self) -> str:
-        """The llguidance grammar of the constraint, checked (ValueError naming what is wrong); made once."""
+        """The llguidance grammar of the constraint, checked (ValueError naming what is wrong); made once, and
+        shared by later parameters with the same constraint (_COMPILED)."""
         if self._compiled is None:
-            self._compiled = self._compile()
+            import_llguidance()   # a constraint needs it, compiled before or not
+            key = self._cache_key()
+            with _COMPILED_LOCK:
+                grammar = _COMPILED.get(key) if key is not None else None
+                if grammar is not None:
+                    _COMPILED.move_to_end(key)
+            if grammar is None:
+                grammar = self._compile()
+                if key is not None:
+                    with _COMPILED_LOCK:
+                        _COMPILED[key] = grammar
+                        if len(_COMPILED) > COMPILED_GRAMMARS:
+                            _COMPILED.popitem(last=False)
+            self._compiled = grammar
         return self._compiled
+
+    def _cache_key(self) -> Optional[bytes]:
+        """What the grammar is made from, hashed; None (not shared) for a value JSON cannot write (too deep)."""
+        try:
+            text = json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                               self.whitespace_pattern], ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            return None
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
     def _compile(self) -> str:
         llguidance = import_llguidance()

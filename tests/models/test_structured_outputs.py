@@ -249,6 +249,29 @@ def test_bad_constraints_are_a_value_error(kw, match):
         SamplingParams(structured_outputs=_so(**kw))
 
 
+def test_a_constraint_is_compiled_once(monkeypatch):
+    """The server compiles each request's constraint on its event loop (~0.1-0.3 s for a large schema, every stream
+    waiting): parameters with a constraint compiled before share its grammar; another one is compiled."""
+    import llguidance
+
+    big = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "[a-z]{1,9}@[a-z]+"}
+                                            for i in range(50)}}
+    grammar = _so(json=big).compiled()
+    calls, real = [], llguidance.LLMatcher
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    assert _so(json=big).compiled() == grammar and _so(json=json.dumps(big)).compiled()
+    assert _so(json=big).compiled() == grammar
+    assert calls.count("grammar_from_json_schema") == 1   # the schema as text: another key
+    _so(json=big, disable_any_whitespace=True).compiled()
+    assert calls.count("grammar_from_json_schema") == 2   # other options: another grammar
+
+
 def test_structured_outputs_must_be_the_params_type(llm):
     from pagedmoe import SamplingParams
 
