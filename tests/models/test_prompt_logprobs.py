@@ -123,6 +123,8 @@ def test_cuda_bf16_close_to_transformers(reference):
             continue
         entries = out.prompt_logprobs
         assert len(entries) == len(p) and entries[0] is None
+        if len(p) < 2:
+            continue   # a one-token prompt has no logprob to compare
         got = torch.tensor([entries[i][p[i]].logprob for i in range(1, len(p))])
         want = torch.stack([r[i - 1][p[i]] for i in range(1, len(p))])
         assert (got - want).abs().max().item() < 0.1, (got, want)

@@ -452,8 +452,9 @@ DECODED_TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=3, block_
 # The fast kernel's tiles (decoding in its tile loads) from FAST_LARGE_ROWS routed rows an expert up to where the
 # launches decode: 128-row blocks decode each weight half as often (the same bench, 128 rows an expert: Mixtral's 512
 # tokens 2455 -> 1967 us, Qwen3's 2048 tokens 1868 -> 1690 us; the bf16 kernel of the layer's other experts gains
-# too, 1413 -> 1319 and 1445 -> 1368). At 32 rows (Qwen3's 512 tokens) they were slower (670 -> 829 us).
-FAST_LARGE_ROWS = 128
+# too, 1413 -> 1319 and 1445 -> 1368). At 32 rows (Qwen3's 512 tokens) they were slower (670 -> 829 us). At 64 rows
+# (Mixtral's 256 tokens, bench_fused_lossless.py on the H100, 2026-12-08) faster: 1579 -> 1484 us.
+FAST_LARGE_ROWS = 64
 FAST_LARGE_TILES = dict(block_m=128, block_n=64, num_warps=4, num_stages=3, block_n2=64, num_warps2=4, num_stages2=3)
 
 
