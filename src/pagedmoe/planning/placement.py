@@ -8,6 +8,7 @@ add one count per precision the same way.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 PLACEMENTS = ("resident", "paged", "auto")
@@ -105,11 +106,12 @@ class Placement:
     def max_host(self) -> int:
         """The most host experts of any one layer."""
         comp = self.num_compressed_experts or (0,) * len(self.num_gpu_experts)
-        return max((self.num_experts - g - c for g, c in zip(self.num_gpu_experts, comp)), default=0)
+        return self.num_experts - min(map(operator.add, self.num_gpu_experts, comp)) if comp else 0
 
     @property
     def max_streamed(self) -> int:
-        return max((self.num_streamed(l) for l in range(len(self.num_gpu_experts))), default=0)
+        # the fewest resident experts of any layer (the planner's search reads this for every candidate)
+        return self.num_experts - min(self.num_gpu_experts) if self.num_gpu_experts else 0
 
     @property
     def is_resident(self) -> bool:
