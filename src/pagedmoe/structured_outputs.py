@@ -16,9 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-# Grammars made lately, by what they were made from (least recently used first): the server compiles each request's
-# constraint on its event loop (~0.1-0.3 s for a schema of thousands of fields, or a choice of thousands of strings),
-# and clients send the same schema, or the same tools, with every request
+# Grammars made lately, by what they were made from (least recently used first): compiling takes ~0.1-1 s for a schema
+# of thousands of fields, or a choice of thousands of strings, and clients send the same schema, or the same tools,
+# with every request. The server compiles in worker threads (serving.compile_constraints), several at once: the lock
+# guards the dict only; two threads compiling the same constraint both compile it, and the last one's is kept
 COMPILED_GRAMMARS = 64
 _COMPILED: "OrderedDict[bytes, str]" = OrderedDict()
 _COMPILED_LOCK = threading.Lock()

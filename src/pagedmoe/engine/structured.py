@@ -48,7 +48,16 @@ class StructuredOutputs:
         self._fresh: OrderedDict[bytes, object] = OrderedDict()
 
     def _bridge(self):
-        """llguidance's view of the engine's tokenizer (built once: ~1 s for a large vocabulary)."""
+        """llguidance's view of the engine's tokenizer (built once: ~1 s for a large vocabulary).
+
+        NOTE: built here, on the engine thread, at the first constrained request, not in the server's worker thread
+        next to the first compile (serving.compile_constraints): llguidance's LLTokenizer holds the GIL while it is
+        built (measured: a 150k-token vocabulary, ~2 s in all, ~1.1 s of it in LLTokenizer with the GIL held, and
+        the tokenizer's JSON copy in from_tokenizer ~0.6 s more), so on another thread it would stall the event
+        loop and the engine thread just the same; and that thread would need a tokenizer of its own (a fast
+        tokenizer is not to be shared between threads), a deepcopy that holds the GIL ~0.5-0.7 s more. What would
+        help is building it at startup when llguidance is installed (startup time, for servers that never see a
+        constraint) or an llguidance that lets the GIL go."""
         if self._ll_tokenizer is None:
             llguidance = import_llguidance()
             if self.tokenizer is None:

@@ -290,6 +290,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         req = parse(CompletionRequest, await read_json(request))
         serving.check_model(req.model)
         req.check_unsupported()
+        await serving.compile_constraints(req)   # off the event loop (a first compile takes up to ~1 s)
         prepared = serving.completion_prompts(req)
         response_id, handle = _submit("cmpl", prepared, arrival)
         if req.stream:
@@ -306,7 +307,9 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
         req = parse(ChatCompletionRequest, await read_json(request))
         serving.check_model(req.model)
         req.check_unsupported()
-        prepared = serving.chat_prompt(req)
+        tools = serving.chat_tools(req)
+        await serving.compile_constraints(req, tools)   # off the event loop (a first compile takes up to ~1 s)
+        prepared = serving.chat_prompt(req, tools)
         response_id, handle = _submit("chatcmpl", prepared, arrival)
         if req.stream:
             return SSEResponse(_stream_errors(serving.chat_stream(response_id, req, prepared, handle)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from pagedmoe.structured_outputs import StructuredOutputsParams
 
@@ -90,6 +90,9 @@ class SamplingFields(_Base):
     guided_grammar: Optional[Any] = None
     guided_whitespace_pattern: Optional[Any] = None
     guided_decoding_backend: Optional[Any] = None
+    # structured_outputs_params's outcome, (params, None) or (None, the error): made once, in a worker thread
+    # (serving.compile_constraints), and given again in its place in the request's checks
+    _structured: Optional[tuple] = PrivateAttr(default=None)
 
     def check_unsupported(self) -> None:
         """Refuse what the engine cannot do rather than ignoring it."""
@@ -131,7 +134,19 @@ class SamplingFields(_Base):
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The constraint of response_format or structured_outputs (not both), compiled (a bad schema, regex or
-        grammar, or llguidance missing, is a 400 here); None for none or response_format text."""
+        grammar, or llguidance missing, is a 400 here); None for none or response_format text. Made once: a later
+        call gives the same parameters, or raises the same error."""
+        if self._structured is None:
+            try:
+                self._structured = (self._structured_outputs_params(), None)
+            except Exception as e:  # noqa: BLE001 - kept to be raised where the request's checks reach it
+                self._structured = (None, e)
+        params, error = self._structured
+        if error is not None:
+            raise error
+        return params
+
+    def _structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         fmt, extra = self.response_format, self.structured_outputs
         if fmt is not None and fmt.get("type") not in (None, "text") and extra is not None:
             raise invalid("give response_format or structured_outputs, not both", "structured_outputs")

@@ -1,10 +1,12 @@
 """/v1/completions and /v1/chat/completions: request -> prompts + SamplingParams -> responses / SSE.
 
-Everything here runs on the event loop thread. It tokenizes with its own tokenizer instance (see
-app.py: a fast tokenizer must not be used from two threads at once, and the engine thread decodes).
+Everything here runs on the event loop thread except compiling a request's constraint (structured outputs, a named
+or required tool_choice: compile_constraints), done in a worker thread. It tokenizes with its own tokenizer
+instance (see app.py: a fast tokenizer must not be used from two threads at once, and the engine thread decodes).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -78,6 +80,16 @@ class Prepared:
         return prompts, [self.params.for_sample(j) for _ in self.prompts for j in range(self.n)]
 
 
+def _compile_constraints(req: SamplingFields, tools: Optional[tool_calls.ToolMode]) -> None:
+    """In a worker thread (compile_constraints): the outcomes are kept (made once), errors raised again later."""
+    for make in (req.structured_outputs_params, tools.constraint if tools is not None else None):
+        if make is not None:
+            try:
+                make()
+            except Exception:  # noqa: BLE001, S110 - kept by req / tools, raised in its place in the checks
+                pass
+
+
 class OpenAIServing:
     def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
                  vocab_size: int, tool_parser: Optional[str] = None) -> None:
@@ -108,6 +120,19 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- validation and prompts ------------------------------------------------------------------
+    @staticmethod
+    async def compile_constraints(req: SamplingFields, tools: Optional[tool_calls.ToolMode] = None) -> None:
+        """Compile the request's constraint (response_format / structured_outputs, a named or required tool_choice's
+        schema) in a worker thread: the first compile of a schema, choice list or grammar takes ~0.1-1 s for a large
+        one (llguidance lets the GIL go meanwhile), which on the event loop would stall every stream and /health.
+        Nothing is raised here: the parameters, or the error (a 400 naming the field), are kept on the request and
+        the tool mode and given where sampling_params asks for them, so the checks keep their order."""
+        structured = req.structured_outputs is not None or (
+            req.response_format is not None and req.response_format.get("type") not in (None, "text"))
+        constrained_tools = tools is not None and tools.choice in ("named", "required")
+        if structured or constrained_tools:
+            await asyncio.to_thread(_compile_constraints, req, tools if constrained_tools else None)
+
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(f"The model `{model[:200]}` does not exist.", 404, "invalid_request_error", "model",
@@ -225,8 +250,14 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors, raise_exception)
             raise invalid(f"the chat template failed on these messages: {e}", "messages") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> Prepared:
-        tools = tool_calls.resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+    def chat_tools(self, req: ChatCompletionRequest) -> Optional[tool_calls.ToolMode]:
+        """The request's tool mode (a 400 for bad tools or tool_choice); None without tools."""
+        return tool_calls.resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+
+    def chat_prompt(self, req: ChatCompletionRequest, tools: Optional[tool_calls.ToolMode] = None) -> Prepared:
+        """tools: chat_tools(req), made already (compile_constraints compiled its constraint); made here if None."""
+        if tools is None:
+            tools = self.chat_tools(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template_kwargs, tools.tools if tools else None)
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)

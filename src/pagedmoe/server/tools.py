@@ -339,11 +339,24 @@ class ToolMode:
     parser: Optional[str] = None   # auto: the --tool-call-parser
     parallel: bool = True          # parallel_tool_calls: false keeps the first call only (vLLM's)
     _constraint: Optional[StructuredOutputsParams] = field(default=None, init=False, repr=False)
+    _error: Optional[Exception] = field(default=None, init=False, repr=False)   # constraint()'s, raised again
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
-        """named / required: the structured outputs constraint, compiled (a bad schema is a 400 on `tools`)."""
+        """named / required: the structured outputs constraint, compiled (a bad schema is a 400 on `tools`). Made
+        once (the server makes it in a worker thread first: serving.compile_constraints): a later call gives the
+        same constraint, or raises the same error."""
         if self.choice not in ("named", "required") or self._constraint is not None:
             return self._constraint
+        if self._error is not None:
+            raise self._error
+        try:
+            self._constraint = self._make_constraint()
+        except Exception as e:  # noqa: BLE001 - raised again where the request's checks reach it
+            self._error = e
+            raise
+        return self._constraint
+
+    def _make_constraint(self) -> StructuredOutputsParams:
         if self.choice == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
             schema = _parameters(tool)
@@ -363,7 +376,6 @@ class ToolMode:
             message = str(e).replace("structured_outputs.json: ", "")
             what = f"function {self.name!r}" if self.choice == "named" else "tool_choice 'required'"
             raise invalid(f"tools: the parameters schema of {what} cannot be used: {message}", "tools") from None
-        self._constraint = params
         return params
 
     @property
