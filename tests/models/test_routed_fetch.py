@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tiny_models import greedy_logits, make_tiny_checkpoint  # noqa: E402
+from pagedmoe.engine.expert_stats import dtype_label  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -63,7 +64,8 @@ def test_routed_logits_bit_identical_to_resident(ckpt, resident_refs, lengths, f
     # every expert's master copy is in the host tier; the cache holds pages of at most E per layer
     stats = engine.get_stats()
     num_moe = len(engine.model.moe_layers())
-    assert stats["experts"].get("host/bf16", 0) == 8 * num_moe
+    # labelled with the dtype the experts are held in (fp32 here)
+    assert stats["experts"].get(f"host/{dtype_label(engine.expert_store.dtype)}", 0) == 8 * num_moe
     assert stats["expert_bytes_h2d"] == st.bytes_moved
     assert stats["expert_cache_hits"] == st.hits and stats["expert_cache_misses"] == st.misses
 
