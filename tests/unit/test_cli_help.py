@@ -17,3 +17,5 @@ def test_help_renders(cmd, capsys):
     assert out.startswith("usage: ")
     if cmd[0] in ("generate", "serve") or cmd == ["bench", "throughput"]:
         assert "--gpu-memory-gb" in out and "--host-memory-gb" in out
+    if cmd == ["generate"]:  # llama.cpp's constraint flags
+        assert all(f in out for f in ("--json-schema", "--json-schema-file", "--grammar", "--grammar-file"))

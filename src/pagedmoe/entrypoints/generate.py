@@ -1,5 +1,6 @@
 """`pagedmoe generate` (one-shot prompts) and `pagedmoe chat` (interactive, chat template); both stream
-their output (entrypoints/streaming.py) and end with prompt and generation rates on stderr."""
+their output (entrypoints/streaming.py) and end with prompt and generation rates on stderr. Both take the sampling
+flags and one structured-outputs constraint (--json-schema, --regex, --choice, --grammar-file, ...) for every output."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,95 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int]
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None,
                    help="print the N most likely tokens and their logprobs after each output (and in --output-json)")
+    add_constraint_args(parser)
+
+
+def add_constraint_args(parser: argparse.ArgumentParser) -> None:
+    """Structured outputs from the command line, llama.cpp's flag names where it has them (--json-schema,
+    --json-schema-file, --grammar, --grammar-file): at most one, applied to every prompt (every reply in chat).
+    A flag's value is its text inline; a file comes with the -file flag. Like the other sampling flags, no
+    PAGEDMOE_* environment variables (those are for engine flags)."""
+    g = parser.add_argument_group(
+        "structured outputs", "constrain every output (at most one of these; needs llguidance: pip install llguidance)")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--json-schema", metavar="SCHEMA",
+                   help="the output is JSON valid against this JSON schema, given as its JSON text (a file: "
+                        "--json-schema-file)")
+    m.add_argument("--json-schema-file", type=Path, metavar="FILE", help="--json-schema read from FILE")
+    m.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")
+    m.add_argument("--regex", metavar="REGEX",
+                   help="the whole output matches this regular expression (Rust regex syntax, as llguidance reads it)")
+    m.add_argument("--choice", nargs="+", action="extend", default=None, metavar="TEXT",
+                   help="the output is exactly one of these strings (several after one --choice, or --choice "
+                        "repeated; put MODEL before it)")
+    m.add_argument("--grammar", metavar="GRAMMAR",
+                   help="the output is in this grammar's language: Lark (llguidance's dialect, start rule `start`) "
+                        "or GBNF (llama.cpp's, start rule `root`)")
+    m.add_argument("--grammar-file", type=Path, metavar="FILE", help="--grammar read from FILE (.lark or .gbnf)")
+
+
+def _read_constraint_file(flag: str, path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path} {'is not a file' if path.exists() else 'does not exist'}")
+    try:
+        text = read_utf8(path, f"{flag}")
+    except OSError as e:  # unreadable (permissions, ...)
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {path} is empty")
+    return text
+
+
+def _parse_schema(flag: str, text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = ""
+        if flag == "--json-schema" and len(text) < 4096 and Path(text).is_file():
+            hint = f"; {text} is a file: pass --json-schema-file {text}"
+        raise ValueError(f"{where} is not valid JSON ({e}){hint}") from None
+    except RecursionError:
+        raise ValueError(f"{where}: the JSON schema is nested too deeply") from None
+
+
+def structured_outputs_from_args(args):
+    """StructuredOutputsParams from the constraint flags (None without one), compiled here, so a bad schema, regex
+    or grammar, or llguidance missing, is a one-line ValueError naming the flag before the model loads."""
+    from pagedmoe.structured_outputs import StructuredOutputsParams
+
+    if getattr(args, "json_schema", None) is not None:
+        flag, kw = "--json-schema", {"json": _parse_schema("--json-schema", args.json_schema, "--json-schema")}
+    elif getattr(args, "json_schema_file", None) is not None:
+        flag, path = "--json-schema-file", args.json_schema_file
+        kw = {"json": _parse_schema(flag, _read_constraint_file(flag, path), f"{flag} {path}")}
+    elif getattr(args, "json_object", False):
+        flag, kw = "--json-object", {"json_object": True}
+    elif getattr(args, "regex", None) is not None:
+        flag, kw = "--regex", {"regex": args.regex}
+    elif getattr(args, "choice", None) is not None:
+        flag, kw = "--choice", {"choice": list(args.choice)}
+    elif getattr(args, "grammar", None) is not None:
+        flag, kw = "--grammar", {"grammar": args.grammar}
+    elif getattr(args, "grammar_file", None) is not None:
+        flag = "--grammar-file"
+        kw = {"grammar": _read_constraint_file(flag, args.grammar_file)}
+        flag = f"{flag} {args.grammar_file}"
+    else:
+        return None
+    if "json" in kw and not isinstance(kw["json"], (dict, bool)):
+        raise ValueError(f"{flag}: a JSON schema is an object, got {type(kw['json']).__name__}")
+    try:
+        so = StructuredOutputsParams(**kw)
+        so.compiled()  # what SamplingParams checks; made once (kept on the parameters)
+    except ValueError as e:
+        message = str(e)
+        kind = next(iter(kw))
+        for prefix in (f"structured_outputs.{kind}: ", f"structured_outputs.{kind} "):
+            if message.startswith(prefix):  # "structured_outputs.regex: invalid regex: ..." -> "--regex: invalid ..."
+                message = f"{flag}{prefix[len('structured_outputs.') + len(kind):]}{message[len(prefix):]}"
+                break
+        raise ValueError(message) from None
+    return so
 
 
 def sampling_params_from_args(args):
@@ -38,7 +128,8 @@ def sampling_params_from_args(args):
                           top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                           ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty)
+                          repetition_penalty=args.repetition_penalty,
+                          structured_outputs=structured_outputs_from_args(args))
 
 
 def register(sub) -> None:
