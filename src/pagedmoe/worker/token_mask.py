@@ -23,16 +23,19 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([bits, bits.new_zeros(R, vocab - 32 * W)], dim=1)
 
 
+def _allowed_rows(bitmask: torch.Tensor, rows: list[int], num_tokens: int, V: int, device) -> tuple:
+    """(allowed bool [R, V] on `device`, rows as an index tensor there): bitmask[j]'s tokens below `num_tokens`."""
+    allowed = allowed_tokens(to_device_async(bitmask, device), V)
+    if num_tokens < V:
+        allowed[:, num_tokens:] = False
+    return allowed, to_device_async(torch.tensor(rows, dtype=torch.int64), device)
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """logits [N, V] -> a copy whose rows[j] keep only the tokens bitmask[j] allows (others -inf). `num_tokens`:
     the tokenizer's vocabulary, which the bitmask covers; logits columns at or past it (the embedding's padding
     rows) are never allowed, and bits past V are ignored."""
-    V = logits.shape[-1]
-    mask = to_device_async(bitmask, logits.device)
-    allowed = allowed_tokens(mask, V)
-    if num_tokens < V:
-        allowed[:, num_tokens:] = False
-    idx = to_device_async(torch.tensor(rows, dtype=torch.int64), logits.device)
+    allowed, idx = _allowed_rows(bitmask, rows, num_tokens, logits.shape[-1], logits.device)
     out = logits.clone()
     out[idx] = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
     return out
@@ -43,11 +46,7 @@ def keep_grammar_when_empty(masked: torch.Tensor, unbanned: torch.Tensor, rows: 
     """masked [N, V] (`apply_token_bitmask`'s output, in place): each row rows[j] that allows no token at all takes
     instead `unbanned`'s row with only the tokens bitmask[j] allows (the grammar alone, before another mask, such as
     min_tokens', banned its only tokens). On the device, without a sync."""
-    V = masked.shape[-1]
-    allowed = allowed_tokens(to_device_async(bitmask, masked.device), V)
-    if num_tokens < V:
-        allowed[:, num_tokens:] = False
-    idx = to_device_async(torch.tensor(rows, dtype=torch.int64), masked.device)
+    allowed, idx = _allowed_rows(bitmask, rows, num_tokens, masked.shape[-1], masked.device)
     current = masked.index_select(0, idx)
     grammar_only = unbanned.index_select(0, idx).masked_fill(~allowed, float("-inf"))
     empty = (current == float("-inf")).all(dim=-1, keepdim=True)
