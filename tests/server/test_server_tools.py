@@ -244,7 +244,7 @@ def test_errors(tools_server, body, param, match):
 
 
 def test_server_refuses_bad_flags(tools_model_dir):
-    with pytest.raises(ValueError, match="known: hermes"):
+    with pytest.raises(ValueError, match="known: deepseek_v3, deepseek_v31, glm45, hermes, mistral"):
         ServerThread(make_engine(tools_model_dir, max_model_len=MAX_LEN), enable_auto_tool_choice=True,
                      tool_call_parser="pythonic")
 

@@ -183,9 +183,10 @@ def test_resolve_modes():
 
 def test_parser_flags():
     assert tools.check_parser_flags(False, None) is None
-    assert tools.check_parser_flags(True, "hermes") == "hermes"
-    with pytest.raises(ValueError, match="known: hermes"):
-        tools.check_parser_flags(True, "mistral")
+    for name in ("hermes", "mistral", "deepseek_v3", "deepseek_v31", "glm45"):
+        assert tools.check_parser_flags(True, name) == name
+    with pytest.raises(ValueError, match="known: deepseek_v3, deepseek_v31, glm45, hermes, mistral$"):
+        tools.check_parser_flags(True, "pythonic")
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         tools.check_parser_flags(True, None)
     with pytest.raises(ValueError, match="no effect without --enable-auto-tool-choice"):
@@ -199,3 +200,183 @@ def test_template_tool_calls():
     assert calls[0]["function"]["arguments"] == {"a": 1} and calls[1]["function"]["arguments"] == "not json"
     with pytest.raises(APIError, match=r"messages\[2\].tool_calls\[0\]"):
         tools.template_messages_tool_calls([{"id": "1"}], 2)
+
+
+# -- the other auto parsers: mistral, deepseek_v3, deepseek_v31, glm45 -----------------------------------
+def _check_parser(parser: str, text: str, content, calls, tool_list=TOOLS, drop=()):
+    """The whole text gives `content` and `calls`; fed in pieces of any size (one character too) the same."""
+    mode = tools.resolve(tool_list, "auto", True, parser)
+    mode.drop = drop
+    got_content, got_calls, stream = mode.message(text)
+    assert got_content == content
+    assert _names_args(got_calls) == calls
+    assert mode.finish_reason(stream, "stop") == ("tool_calls" if calls else "stop")
+    for size in (1, 2, 3, 5, 7, 11, len(text) + 1):
+        s_content, s_calls, _ = _streamed(mode, text, size)
+        assert s_content == (content or ""), size
+        assert _names_args(s_calls) == calls, size
+    return got_calls
+
+
+MISTRAL_CASES = [
+    # text, content, calls
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    # content before; several calls in the array; arguments as JSON text kept
+    ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+     '{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}]', "Let me check. ",
+     [("get_weather", {"city": "Rome"}), ("get_time", {"zone": "utc"})]),
+    ('[TOOL_CALLS]{"name": "get_time"}', None, [("get_time", {})]),   # one object, no arguments
+    # the marker inside a string of the arguments is no marker
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "[TOOL_CALLS] x"}}] done', " done",
+     [("get_weather", {"city": "[TOOL_CALLS] x"})]),
+    # the newer form: NAME[ARGS]{...}, one call per marker; [ARGS] may be missing
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', None,
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ('Sure.[TOOL_CALLS]get_time{"zone": "cet"}', "Sure.", [("get_time", {"zone": "cet"})]),
+    # malformed: stays content, the marker and all; a good call after a bad one is still taken
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ', '[TOOL_CALLS][{"name": "get_weather", '
+     '"arguments": {"city": ', []),
+    ('[TOOL_CALLS][{"arguments": {}}] after', '[TOOL_CALLS][{"arguments": {}}] after', []),
+    ('[TOOL_CALLS][1, 2]', "[TOOL_CALLS][1, 2]", []),
+    ('[TOOL_CALLS]get_time[ARGS]{"zone": 1, }', '[TOOL_CALLS]get_time[ARGS]{"zone": 1, }', []),
+    ('[TOOL_CALLS]get time{}[TOOL_CALLS]get_time{}', "[TOOL_CALLS]get time{}", [("get_time", {})]),
+    ('[TOOL_CALLS]get_time', "[TOOL_CALLS]get_time", []),
+    # no calls: the text as it is; a partial marker at the end is text
+    ("Just an answer [TOOL_CA", "Just an answer [TOOL_CA", []),
+    ("[1, 2] [TOOL]", "[1, 2] [TOOL]", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", MISTRAL_CASES)
+def test_mistral(text, content, calls):
+    for call in _check_parser("mistral", text, content, calls):
+        assert len(call["id"]) == 9 and call["id"].isalnum() and call["id"].isascii()   # Mistral's ids
+
+
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def _v3(name: str, args: str) -> str:
+    return f"{CB}function{SEP}{name}\n```json\n{args}\n```{CE}"
+
+
+DEEPSEEK_V3_CASES = [
+    (B + _v3("get_weather", '{"city": "Paris"}') + E, None, [("get_weather", {"city": "Paris"})]),
+    # content before; the newline between calls (V3's template writes one) is not content
+    ("Sure.\n" + B + _v3("get_weather", '{"city": "Rome"}') + "\n" + _v3("get_time", "{}") + E,
+     "Sure.\n", [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    # other text between calls and after the section is
+    (B + _v3("get_time", "{}") + " oops " + _v3("get_time", '{"zone": "utc"}') + E + " Done.",
+     " oops  Done.", [("get_time", {}), ("get_time", {"zone": "utc"})]),
+    # unclosed section / block at the end: a complete call counts
+    (B + _v3("get_time", "{}"), None, [("get_time", {})]),
+    (B + f"{CB}function{SEP}get_time\n```json\n{{}}\n```", None, [("get_time", {})]),
+    # malformed blocks stay content, markers and all (the section's are taken out)
+    (B + _v3("get_time", '{"zone": ') + E, _v3("get_time", '{"zone": '), []),
+    (B + f"{CB}function{SEP}get_time\n{{}}{CE}" + E, f"{CB}function{SEP}get_time\n{{}}{CE}", []),   # no fence
+    (B + f"{CB}get_time{SEP}{{}}{CE}" + E, f"{CB}get_time{SEP}{{}}{CE}", []),   # V3.1's form
+    ("Hello <｜tool▁ca", "Hello <｜tool▁ca", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", DEEPSEEK_V3_CASES)
+def test_deepseek_v3(text, content, calls):
+    _check_parser("deepseek_v3", text, content, calls)
+
+
+DEEPSEEK_V31_CASES = [
+    (B + f'{CB}get_weather{SEP}{{"city": "Paris"}}{CE}' + E, None, [("get_weather", {"city": "Paris"})]),
+    ("Let me look." + B + f"{CB}get_time{SEP}{{}}{CE}{CB}get_weather{SEP}{{\"city\": \"Rome\"}}{CE}" + E,
+     "Let me look.", [("get_time", {}), ("get_weather", {"city": "Rome"})]),
+    (B + f'{CB}get_weather{SEP}{{"city": {CE}' + E, f'{CB}get_weather{SEP}{{"city": {CE}', []),
+    (B + f"{CB}get_weather{{}}{CE}" + E, f"{CB}get_weather{{}}{CE}", []),   # no separator
+    (B + _v3("get_time", "{}") + E, _v3("get_time", "{}"), []),   # V3's form
+]
+
+
+@pytest.mark.parametrize("text, content, calls", DEEPSEEK_V31_CASES)
+def test_deepseek_v31(text, content, calls):
+    _check_parser("deepseek_v31", text, content, calls)
+
+
+GLM_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "note": {"type": ["string", "null"]}}}}},
+    {"type": "function", "function": {"name": "get_time"}}]   # no schema: values that parse as JSON are JSON
+
+
+def _glm(name: str, *pairs: tuple[str, str]) -> str:
+    return (f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs)
+            + "</tool_call>")
+
+
+GLM_CASES = [
+    (_glm("get_weather", ("city", "Paris"), ("days", "3")), None, [("get_weather", {"city": "Paris", "days": 3})]),
+    # string-typed values stay as written (JSON-looking, spaces, lines); others parse as JSON where they can
+    (_glm("get_weather", ("city", "42"), ("days", "three"), ("note", " a\nb ")), None,
+     [("get_weather", {"city": "42", "days": "three", "note": " a\nb "})]),
+    (_glm("get_time", ("zone", "utc"), ("offset", "2"), ("opts", '{"a": [1, true]}'), ("z", '"x"')), None,
+     [("get_time", {"zone": "utc", "offset": 2, "opts": {"a": [1, True]}, "z": "x"})]),
+    ("<tool_call>get_time</tool_call>", None, [("get_time", {})]),
+    # content before and between calls (as hermes), two calls
+    ("Let me see.\n" + _glm("get_time") + "\n" + _glm("get_weather", ("city", "Rome")), "Let me see.\n\n",
+     [("get_time", {}), ("get_weather", {"city": "Rome"})]),
+    ("<tool_call>get_time<arg_key>zone</arg_key><arg_value>cet</arg_value></tool_call> ok", " ok",
+     [("get_time", {"zone": "cet"})]),
+    # malformed: content, tags and all
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</tool_call>",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</tool_call>", []),
+    ("<tool_call>get_time\n<arg_key>a</arg_key><arg_value>1</arg_value> junk</tool_call>",
+     "<tool_call>get_time\n<arg_key>a</arg_key><arg_value>1</arg_value> junk</tool_call>", []),
+    ("<tool_call>get time\n</tool_call>", "<tool_call>get time\n</tool_call>", []),
+    ('<tool_call>{"name": "get_time"}</tool_call>', '<tool_call>{"name": "get_time"}</tool_call>', []),
+    ("a <tool_ca", "a <tool_ca", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", GLM_CASES)
+def test_glm45(text, content, calls):
+    _check_parser("glm45", text, content, calls, tool_list=GLM_TOOLS)
+
+
+@pytest.mark.parametrize("parser, text, calls", [
+    ("mistral", 'Hi[INST] there</s>[TOOL_CALLS]get_time{}</s>', [("get_time", {})]),
+    ("deepseek_v3", "Hi<｜User｜> there" + B + _v3("get_time", "{}") + E + "<｜end▁of▁sentence｜>",
+     [("get_time", {})]),
+    ("deepseek_v31", "Hi<｜User｜> there", []),
+    ("glm45", "Hi<|user|> there<tool_call>get_time</tool_call><|user|>", [("get_time", {})]),
+])
+def test_special_tokens_are_taken_out_of_the_content(parser, text, calls):
+    """With skip_special_tokens turned off for the parser, the tokenizer's other special tokens (serving.py gives them
+    as `drop`) are left out of the content, as the default decode would; the parser's own start marker is not."""
+    drop = ("</s>", "[INST]", "[TOOL_CALLS]", "<｜User｜>", "<｜end▁of▁sentence｜>", "<|user|>", "<tool_call>", CB)
+    _check_parser(parser, text, "Hi there", calls, drop=drop)
+
+
+@pytest.mark.parametrize("parser, text, first_marker", [
+    ("mistral", '[TOOL_CALLS]get_time{"zone": "utc"}', "[TOOL_CALLS]"),
+    ("deepseek_v3", B + _v3("get_time", '{"zone": "utc"}') + E, B),
+    ("deepseek_v31", B + f'{CB}get_time{SEP}{{"zone": "utc"}}{CE}' + E, B),
+    ("glm45", _glm("get_time", ("zone", "utc")), "<tool_call>"),
+])
+def test_auto_parsers_stream_content_first_and_hold_partial_markers(parser, text, first_marker):
+    stream = tools.resolve(TOOLS, "auto", True, parser).stream()
+    assert stream.feed("Sure, ", False) == ("Sure, ", [])
+    assert stream.feed("checking " + first_marker[:3], False) == ("checking ", [])   # a marker may be starting
+    last = text.rfind(CE) + len(CE) - 1 if CE in text else len(text) - 1   # the call's last character
+    content, calls = stream.feed(first_marker[3:] + text[len(first_marker):last], False)
+    assert content == "" and calls == []   # the call is not complete yet
+    content, calls = stream.feed(text[last:], False)
+    assert content == "" and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "utc"}
+    assert stream.feed(" ok", True) == (" ok", [])
+
+
+def test_keeps_special_tokens():
+    assert tools.resolve(TOOLS, "auto", True, "hermes").keeps_special_tokens is False
+    for parser in ("mistral", "deepseek_v3", "deepseek_v31", "glm45"):
+        assert tools.resolve(TOOLS, "auto", True, parser).keeps_special_tokens is True
+        assert tools.resolve(TOOLS, "none", True, parser).keeps_special_tokens is False
+        assert tools.resolve(TOOLS, "required", True, parser).keeps_special_tokens is False

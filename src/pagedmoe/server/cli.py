@@ -48,8 +48,10 @@ def register(sub) -> None:
                    help='tool_choice "auto" (the default when a request gives tools): the model may call tools, '
                         "found in its text by --tool-call-parser")
     g.add_argument("--tool-call-parser", default=_env("tool_call_parser", str, None),
-                   help="the format of the model's tool calls, for --enable-auto-tool-choice: hermes "
-                        "(<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes)")
+                   help="the format of the model's tool calls, for --enable-auto-tool-choice (vLLM's names): "
+                        "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), mistral ([TOOL_CALLS]: "
+                        "Mistral, Mixtral), deepseek_v3 (DeepSeek-V3, R1), deepseek_v31 (DeepSeek-V3.1), "
+                        "glm45 (GLM-4.5, GLM-4.6)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    default=_env("disable_uvicorn_access_log", parse_bool, False))
     add_engine_args(p)  # includes --served-model-name

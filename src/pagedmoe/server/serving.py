@@ -7,6 +7,7 @@ instance (see app.py: a fast tokenizer must not be used from two threads at once
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -151,8 +152,10 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
                         longest_prompt: int, prompt_logprobs: Optional[int] = None,
-                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """constraint: a tool_choice's (named, required), which response_format / structured_outputs may not join."""
+                        constraint: Optional[StructuredOutputsParams] = None,
+                        keep_special_tokens: bool = False) -> SamplingParams:
+        """constraint: a tool_choice's (named, required), which response_format / structured_outputs may not join.
+        keep_special_tokens: skip_special_tokens off whatever the request says (a tool parser needs them)."""
         # vLLM computes an omitted max_tokens (the rest of the context) and refuses a larger min_tokens.
         limit = max_tokens if max_tokens is not None else self.max_model_len - longest_prompt
         if req.min_tokens > limit:
@@ -182,7 +185,7 @@ class OpenAIServing:
                 logit_bias=req.token_biases(),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured)
         except (ValueError, TypeError) as e:
             first = str(e).split(" ", 1)[0]
@@ -263,9 +266,24 @@ class OpenAIServing:
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        keep_special = tools is not None and tools.keeps_special_tokens
         params = self.sampling_params(req, req.max_output_tokens, logprobs, len(ids),
-                                      constraint=tools.constraint() if tools else None)
+                                      constraint=tools.constraint() if tools else None,
+                                      keep_special_tokens=keep_special)
+        if keep_special and req.skip_special_tokens:
+            tools.drop = self.special_tokens   # the content as skip_special_tokens would have left it
         return Prepared([(text, ids)], params, tools=tools)
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The texts of the tokenizer's special tokens: what skip_special_tokens leaves out of a decoded text (EOS
+        too, whose text a stop leaves out anyway unless include_stop_str_in_output)."""
+        if self.tokenizer is None:
+            return ()
+        texts = set(getattr(self.tokenizer, "all_special_tokens", ()))
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        texts.update(t.content for t in added.values() if getattr(t, "special", False))
+        return tuple(sorted(t for t in texts if isinstance(t, str) and t))
 
     # -- running ---------------------------------------------------------------------------------
     def submit(self, prefix: str, prepared: Prepared, arrival: float) -> tuple[str, RequestHandle]:

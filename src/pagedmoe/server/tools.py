@@ -8,8 +8,10 @@
   - "required": the output is constrained to a JSON array (at least one item) of {"name": one of the tools,
     "parameters": that tool's schema}; each item becomes a call; finish_reason "tool_calls" when the output stopped;
   - "auto" (the default with tools): needs `--enable-auto-tool-choice --tool-call-parser NAME`; the parser takes the
-    calls out of free text (hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the Qwen2.5 / Qwen3 /
-    Hermes format); finish_reason "tool_calls" when it found one.
+    calls out of free text (vLLM's names: hermes for Qwen2.5 / Qwen3 / Hermes, mistral, deepseek_v3, deepseek_v31,
+    glm45: MarkedCalls and its subclasses); finish_reason "tool_calls" when it found one. For all but hermes (their
+    markers are special tokens), the request's skip_special_tokens is turned off (vLLM's) and the tokenizer's other
+    special tokens are taken out of the content instead (serving.py).
 Each choice's output goes through one `CallStream`: `feed(text delta, finished)` -> (content delta, tool call
 deltas, OpenAI's stream format). The non-streamed message is the same stream fed the whole text at once, so a
 streamed response accumulates to the non-streamed one (tool call ids aside: each response draws its own).
@@ -17,10 +19,14 @@ streamed response accumulates to the non-streamed one (tool call ids aside: each
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pagedmoe.server.protocol import invalid
 from pagedmoe.structured_outputs import StructuredOutputsParams, import_llguidance
@@ -32,6 +38,11 @@ _NAMED_USAGE = 'expected {"type": "function", "function": {"name": "my_function"
 
 def make_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def make_mistral_tool_call_id() -> str:
+    """The mistral parser's (vLLM's): 9 letters and digits, the only ids Mistral's templates take."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 # -- request validation --------------------------------------------------------------------------------
@@ -169,8 +180,8 @@ def required_schema(tools: list[dict]) -> dict:
 
 
 # -- per-choice output -----------------------------------------------------------------------------------
-def _full_call(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": make_tool_call_id(), "type": "function",
+def _full_call(index: int, name: str, arguments: str, call_id: Optional[str] = None) -> dict:
+    return {"index": index, "id": call_id or make_tool_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -240,69 +251,119 @@ class RequiredCalls(CallStream):
         return ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (held back: the tag may be arriving)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+class _Markers:
+    """Finds the first of some marker strings in a text (the longest where several start at one place), and how much
+    of a text's end may be the start of one (held back while streaming: the marker may be arriving)."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        markers = sorted({m for m in markers if m}, key=len, reverse=True)
+        self.regex = re.compile("|".join(map(re.escape, markers)))
+        self.prefixes = {m[:k] for m in markers for k in range(1, len(m))}
+        self.longest = len(markers[0])
+
+    def partial_suffix(self, text: str) -> int:
+        for k in range(min(self.longest - 1, len(text)), 0, -1):
+            if text[-k:] in self.prefixes:
+                return k
+        return 0
 
 
-class HermesCalls(CallStream):
-    """vLLM's hermes parser's format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, any number,
-    anywhere in the text (an unclosed block at the end counts). A block whose body is not such an object stays in the
-    content, tags and all; the text around the blocks is the content. Streamed: content until a block opens, each
-    call whole once its block closes. Content that is only whitespace is held back until more content follows, and
-    dropped if a call was found (the message's content is then null), so the stream adds up to the message."""
+@functools.lru_cache(maxsize=32)
+def _markers(markers: tuple[str, ...]) -> _Markers:
+    return _Markers(markers)   # made once per parser and tokenizer: a tokenizer may have ~1000 special tokens
 
-    START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        self.buf, self.in_call = "", False
+_NAME = re.compile(r"[^\s<>\[\]{}\"']+")   # a function name written bare (not in JSON): no spaces, quotes, brackets
+_decoder = json.JSONDecoder()
+
+
+def _arguments(args: Any) -> Optional[str]:
+    """A call's arguments as the message carries them: an object re-serialized, JSON text kept as sent."""
+    if isinstance(args, str):
+        return args
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
+def _json_object(text: str) -> Optional[dict]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than Python's stack
+        return None
+    return value if isinstance(value, dict) else None
+
+
+Calls = Optional[list[tuple[str, str]]]   # what a block's body holds: (name, arguments) each; None: not calls
+
+
+class MarkedCalls(CallStream):
+    """The auto parsers' stream: calls are blocks that open with the START marker and end with END (or where
+    _block_end says), any number, anywhere in the text (an unclosed block at the end counts). A block whose body does
+    not parse stays in the content, markers and all; the text around the blocks is the content. SECTION: markers
+    around a run of blocks (DeepSeek's), taken out, with the whitespace between the blocks. `drop`: other strings
+    taken out of the content (the tokenizer's special tokens when the parser has them kept: serving.py).
+    Streamed: content until a marker may be starting (its possible start held back), each call whole once its block
+    closes. Content that is only whitespace is held back until more content follows, and dropped if a call was found
+    (the message's content is then null), so the stream adds up to the message."""
+
+    START: str = ""
+    END: Optional[str] = None
+    SECTION: Optional[tuple[str, str]] = None
+    keeps_special_tokens = False   # True: its markers are special tokens, which skip_special_tokens would drop
+
+    def __init__(self, tools: Sequence[dict] = (), drop: Sequence[str] = ()) -> None:
+        self.tools = tools
+        self.markers = _markers((self.START, *(self.SECTION or ()), *(d for d in drop if d != self.START)))
+        self.buf, self.in_call, self.in_section = "", False, False
         self.pending_ws, self.sent_content = "", False
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         self.buf += text
         content, calls = "", []
         while True:
-            if not self.in_call:
-                at = self.buf.find(self.START)
-                if at < 0:
-                    keep = 0 if finished else _partial_suffix(self.buf, self.START)
-                    content += self.buf[:len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep:]
+            if self.in_call:
+                end = self._block_end(self.buf)
+                if end is None and not finished:
                     break
-                content += self.buf[:at]
-                self.buf, self.in_call = self.buf[at + len(self.START):], True
+                body_end, block_end = end if end is not None else (len(self.buf), len(self.buf))
+                found = self._parse(self.buf[:body_end])
+                if found is None:
+                    content += self.START + self.buf[:block_end]
+                for name, arguments in found or ():
+                    calls.append(_full_call(self.calls, name, arguments, self.new_id()))
+                    self.calls += 1
+                self.buf, self.in_call = self.buf[block_end:], False
                 continue
-            at = self.buf.find(self.END)
-            if at < 0 and not finished:
+            match = self.markers.regex.search(self.buf)
+            if match is None:
+                if self.in_section and not finished:
+                    break   # text between blocks waits for the next marker: content unless only whitespace
+                keep = 0 if finished else self.markers.partial_suffix(self.buf)
+                content += self._outside(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
                 break
-            body = self.buf if at < 0 else self.buf[:at]
-            call = self._parse(body)
-            if call is not None:
-                calls.append(_full_call(self.calls, *call))
-                self.calls += 1
-            else:
-                content += self.START + body + ("" if at < 0 else self.END)
-            self.buf = "" if at < 0 else self.buf[at + len(self.END):]
-            self.in_call = False
+            content += self._outside(self.buf[:match.start()])
+            self.buf, marker = self.buf[match.end():], match.group()
+            if marker == self.START:
+                self.in_call = True
+            elif self.SECTION is not None and marker in self.SECTION:
+                self.in_section = marker == self.SECTION[0]
+            # else a string of `drop`: taken out
         return self._content(content, finished), calls
 
+    def _outside(self, text: str) -> str:
+        return "" if self.in_section and not text.strip() else text
+
+    def _block_end(self, buf: str) -> Optional[tuple[int, int]]:
+        """(where the body ends, where the block ends) in `buf`, the text after START; None while it may go on."""
+        at = buf.find(self.END)
+        return None if at < 0 else (at, at + len(self.END))
+
+    def _parse(self, body: str) -> Calls:
+        raise NotImplementedError
+
     @staticmethod
-    def _parse(body: str) -> Optional[tuple[str, str]]:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            return obj["name"], args
-        if not isinstance(args, dict):
-            return None
-        return obj["name"], json.dumps(args, ensure_ascii=False)
+    def new_id() -> str:
+        return make_tool_call_id()
 
     def _content(self, content: str, finished: bool) -> str:
         if content.strip():
@@ -315,7 +376,147 @@ class HermesCalls(CallStream):
         return ""
 
 
-TOOL_PARSERS = {"hermes": HermesCalls}
+class HermesCalls(MarkedCalls):
+    """vLLM's hermes parser's format (Qwen2.5, Qwen3, Hermes):
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; arguments may be JSON text."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def _parse(self, body: str) -> Calls:
+        obj = _json_object(body)
+        if obj is None or not isinstance(obj.get("name"), str):
+            return None
+        arguments = _arguments(obj.get("arguments", {}))
+        return None if arguments is None else [(obj["name"], arguments)]
+
+
+class MistralCalls(MarkedCalls):
+    """vLLM's mistral parser's formats: `[TOOL_CALLS]` then a JSON array of {"name": ..., "arguments": {...}} (or one
+    such object; arguments may be JSON text), the block ending with the array; or the newer (tokenizer v11+)
+    `[TOOL_CALLS]NAME[ARGS]{...}` (`[ARGS]` may be missing), one call per marker. Ids: 9 letters and digits, which
+    Mistral's templates require."""
+
+    START = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def _block_end(self, buf: str) -> Optional[tuple[int, int]]:
+        start = len(buf) - len(buf.lstrip())
+        if start == len(buf):
+            return None
+        if buf[start] not in "[{":
+            start = buf.find("{", start)   # NAME[ARGS]{...}
+            if start < 0:
+                return None
+        try:
+            end = _decoder.raw_decode(buf, start)[1]
+        except (ValueError, RecursionError):
+            return None   # not complete yet (or never: then the rest of the text is the body)
+        return end, end
+
+    def _parse(self, body: str) -> Calls:
+        body = body.strip()
+        if body[:1] in ("[", "{"):
+            try:
+                value = json.loads(body)
+            except (ValueError, RecursionError):
+                return None
+            items = value if isinstance(value, list) else [value]
+            calls = []
+            for item in items:
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                    return None
+                arguments = _arguments(item.get("arguments", {}))
+                if arguments is None:
+                    return None
+                calls.append((item["name"], arguments))
+            return calls or None
+        name, brace, rest = body.partition("{")
+        name = name.strip().removesuffix("[ARGS]").strip()
+        arguments = _json_object(brace + rest)
+        if not _NAME.fullmatch(name) or arguments is None:
+            return None
+        return [(name, json.dumps(arguments, ensure_ascii=False))]
+
+    @staticmethod
+    def new_id() -> str:
+        return make_mistral_tool_call_id()
+
+
+class DeepSeekV3Calls(MarkedCalls):
+    """vLLM's deepseek_v3 parser's format: <｜tool▁calls▁begin｜> then blocks
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`, then <｜tool▁calls▁end｜>."""
+
+    START, END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    SEP = "<｜tool▁sep｜>"
+    keeps_special_tokens = True
+
+    def _parse(self, body: str) -> Calls:
+        kind, sep, rest = body.partition(self.SEP)
+        name, newline, fenced = rest.partition("\n")
+        fenced = fenced.strip()
+        if kind.strip() != "function" or not sep or not newline or not fenced.startswith("```"):
+            return None
+        fenced = fenced.removeprefix("```json").removeprefix("```").removesuffix("```")
+        return _name_and_object(name.strip(), fenced)
+
+
+class DeepSeekV31Calls(DeepSeekV3Calls):
+    """vLLM's deepseek_v31 parser's format (DeepSeek-V3.1): as deepseek_v3's, with blocks
+    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`."""
+
+    def _parse(self, body: str) -> Calls:
+        name, sep, arguments = body.partition(self.SEP)
+        return _name_and_object(name.strip(), arguments) if sep else None
+
+
+def _name_and_object(name: str, arguments: str) -> Calls:
+    """One call of a bare name and a JSON object's text (re-serialized), or None."""
+    obj = _json_object(arguments)
+    if not _NAME.fullmatch(name) or obj is None:
+        return None
+    return [(name, json.dumps(obj, ensure_ascii=False))]
+
+
+class Glm45Calls(MarkedCalls):
+    """vLLM's glm45 parser's format (GLM-4.5, GLM-4.6):
+    `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>` blocks. A value is JSON (a number,
+    an object, ...) where the tool's `parameters` schema gives the parameter a type other than string, or no type and
+    it parses as JSON; else it is the string as written. The arguments become one JSON object."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    keeps_special_tokens = True
+
+    def _parse(self, body: str) -> Calls:
+        cut = min((at for at in (body.find("\n"), body.find("<arg_key>")) if at >= 0), default=len(body))
+        name, pos, arguments = body[:cut].strip(), cut, {}
+        while (pair := self.PAIR.match(body, pos)) is not None:
+            key, value = pair.group(1).strip(), pair.group(2)
+            arguments[key] = value if self._string_typed(name, key) else _json_or_text(value)
+            pos = pair.end()
+        if not _NAME.fullmatch(name) or body[pos:].strip():
+            return None
+        return [(name, json.dumps(arguments, ensure_ascii=False))]
+
+    def _string_typed(self, name: str, key: str) -> bool:
+        """Whether the tool's schema says the parameter is a string (or may be one: a list of types with string)."""
+        tool = next((t for t in self.tools if t["function"]["name"] == name), None)
+        props = ((tool or {}).get("function", {}).get("parameters") or {}).get("properties")
+        kind = props.get(key, {}).get("type") if isinstance(props, dict) and isinstance(props.get(key), dict) else None
+        return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return value
+
+
+TOOL_PARSERS: dict[str, type[MarkedCalls]] = {
+    "hermes": HermesCalls, "mistral": MistralCalls, "deepseek_v3": DeepSeekV3Calls,
+    "deepseek_v31": DeepSeekV31Calls, "glm45": Glm45Calls}
 
 
 def check_parser_flags(enable_auto_tool_choice: bool, tool_call_parser: Optional[str]) -> Optional[str]:
@@ -338,6 +539,7 @@ class ToolMode:
     name: Optional[str] = None     # named: the function
     parser: Optional[str] = None   # auto: the --tool-call-parser
     parallel: bool = True          # parallel_tool_calls: false keeps the first call only (vLLM's)
+    drop: tuple[str, ...] = ()     # auto: strings taken out of the content (serving.py: the special tokens it keeps)
     _constraint: Optional[StructuredOutputsParams] = field(default=None, init=False, repr=False)
     _error: Optional[Exception] = field(default=None, init=False, repr=False)   # constraint()'s, raised again
 
@@ -379,6 +581,12 @@ class ToolMode:
         return params
 
     @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must keep its special tokens (skip_special_tokens off): "auto" with a parser whose
+        markers are special tokens (vLLM's parsers turn skip_special_tokens off for requests with tools)."""
+        return self.choice == "auto" and TOOL_PARSERS[self.parser].keeps_special_tokens
+
+    @property
     def parses(self) -> bool:
         """Whether the output becomes tool calls (all but "none")."""
         return self.choice != "none"
@@ -390,7 +598,7 @@ class ToolMode:
         if self.choice == "required":
             return RequiredCalls()
         if self.choice == "auto":
-            return TOOL_PARSERS[self.parser]()
+            return TOOL_PARSERS[self.parser](self.tools, self.drop)
         return None
 
     def keep(self, calls: list[dict]) -> list[dict]:
