@@ -380,3 +380,45 @@ def test_keeps_special_tokens():
         assert tools.resolve(TOOLS, "auto", True, parser).keeps_special_tokens is True
         assert tools.resolve(TOOLS, "none", True, parser).keeps_special_tokens is False
         assert tools.resolve(TOOLS, "required", True, parser).keeps_special_tokens is False
+
+
+PIECES = {   # pieces of each parser's format, and of special tokens, in any order: texts well and badly formed
+    "hermes": ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', " ", "\n", "x", "<tool"],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]", "get_time", '{"zone": "utc"}', '[{"name": "f", "arguments": {"a": 1}}]', "[",
+                "{", "}", "]", " ", "\n", "x", '"', "</s>", "[INST]", "[TOOL"],
+    "deepseek_v3": [B, E, CB, CE, SEP, "function", "get_time", "\n```json\n", '{"a": 1}', "\n```", " ", "\n", "x", "<｜",
+                    "<｜end▁of▁sentence｜>"],
+    "deepseek_v31": [B, E, CB, CE, SEP, "get_time", '{"a": 1}', " ", "\n", "x", "<｜", "<｜User｜>"],
+    "glm45": ["<tool_call>", "</tool_call>", "get_time", "\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+              "a", "1", " ", "<|user|>", "<tool"],
+}
+
+
+WHOLE_CALLS = {   # and whole calls, so that many texts have some
+    "hermes": ['<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>'],
+    "mistral": ['[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}', '[TOOL_CALLS][{"name": "f", "arguments": {}}]'],
+    "deepseek_v3": [B + _v3("get_time", "{}"), _v3("f", '{"a": 1}')],
+    "deepseek_v31": [f"{CB}f{SEP}{{}}{CE}", f'{B}{CB}get_time{SEP}{{"a": 1}}{CE}'],
+    "glm45": [_glm("get_time", ("a", "1")), "<tool_call>f</tool_call>"],
+}
+
+
+@pytest.mark.parametrize("parser", sorted(PIECES))
+def test_random_texts_stream_as_the_whole(parser):
+    """Texts strung from pieces of the format at random, fed whole and cut at random places, give the same content
+    and calls (with and without special tokens to drop)."""
+    import random
+
+    rng = random.Random(parser)
+    for trial in range(400):
+        text = "".join(rng.choice(PIECES[parser] + WHOLE_CALLS[parser] * 3) for _ in range(rng.randint(0, 12)))
+        mode = tools.resolve(TOOLS, "auto", True, parser)
+        mode.drop = ("</s>", "[INST]", "<｜end▁of▁sentence｜>", "<｜User｜>", "<|user|>") if trial % 2 else ()
+        content, calls, _ = mode.message(text)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        stream, s_content, s_calls = mode.stream(), "", []
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        for k, piece in enumerate(pieces):
+            c, deltas = stream.feed(piece, k == len(pieces) - 1)
+            s_content, s_calls = s_content + c, s_calls + deltas
+        assert (s_content, _names_args(s_calls)) == (content or "", _names_args(calls)), (text, pieces)
