@@ -22,6 +22,9 @@ class SamplingParams:
     cache hit). n > 1 returns n samples of the prompt (with a seed, sample j uses seed + j).
     structured_outputs constrains the output (a JSON schema, a regex, a choice, a grammar: structured_outputs.py):
     disallowed tokens get -inf before everything above, so logprobs are of the masked distribution (as vLLM's).
+    reasoning_end_token_id (with structured_outputs): the constraint starts after this token has been sampled (the
+    end of a thinking model's reasoning, `</think>`; the server's --reasoning-parser sets it, as vLLM constrains only
+    the text after the reasoning); the tokens before it and the token itself are unconstrained.
     """
 
     n: int = 1
@@ -44,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Optional[StructuredOutputsParams] = None
+    reasoning_end_token_id: Optional[int] = None
     # "cumulative": LLMEngine.step returns this request's output after every token (streaming);
     # "final_only": only once it finishes (LLM.generate and the offline benchmarks: no per-step copies).
     output_kind: str = "cumulative"
@@ -112,6 +116,12 @@ class SamplingParams:
                 raise ValueError("structured_outputs must be StructuredOutputsParams, got "
                                  f"{type(self.structured_outputs).__name__}")
             self.structured_outputs.compiled()  # a bad schema, regex or grammar fails here (made once)
+        if self.reasoning_end_token_id is not None:
+            token = self.reasoning_end_token_id
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"reasoning_end_token_id must be a non-negative token id, got {token!r}")
+            if self.structured_outputs is None:
+                raise ValueError("reasoning_end_token_id delays the structured_outputs constraint; it needs one")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 

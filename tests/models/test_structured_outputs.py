@@ -230,6 +230,33 @@ def test_preemption_and_prefix_caching_keep_the_matcher(ckpt, llm):
         _check_person(text)
 
 
+def test_reasoning_end_token_id_delays_the_constraint(ckpt, llm):
+    """SamplingParams.reasoning_end_token_id (the server's --reasoning-parser sets </think>'s): until that token is
+    sampled the row is free (here logit_bias makes it write a's, then the end token), then the constraint holds;
+    from the first token the grammar would allow neither. The same under --async-scheduling."""
+    from pagedmoe import SamplingParams
+
+    tok = llm.engine.tokenizer
+    a, end = (tok.encode(t, add_special_tokens=False) for t in ("a", "b"))
+    assert len(a) == len(end) == 1
+    params = _params(_so(choice=CHOICES), temperature=1.0, seed=7, n=3, logit_bias={a[0]: 100, end[0]: 100},
+                     reasoning_end_token_id=end[0])
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    for text in texts:
+        reasoning, _, answer = text.partition("b")
+        assert set(reasoning) <= {"a"} and answer in CHOICES, text
+    assert any(t.startswith("a") for t in texts)
+    ungated = _texts(llm, PROMPTS, _params(_so(choice=CHOICES), temperature=1.0, seed=7, n=3,
+                                           logit_bias={a[0]: 100, end[0]: 100}))
+    assert all(t in CHOICES for t in ungated), ungated   # without it the grammar holds from the first token
+    assert _texts(_llm(ckpt, async_scheduling=True), PROMPTS, params) == texts
+    with pytest.raises(ValueError, match="reasoning_end_token_id delays the structured_outputs constraint"):
+        SamplingParams(reasoning_end_token_id=end[0])
+    with pytest.raises(ValueError, match="non-negative token id"):
+        _params(_so(choice=CHOICES), reasoning_end_token_id=-1)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(json={"type": "objectx"}), r"structured_outputs\.json: invalid JSON schema"),
     (dict(json="{not json"), r"structured_outputs\.json"),

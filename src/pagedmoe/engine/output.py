@@ -77,7 +77,7 @@ class OutputProcessor:
             request.cumulative_logprob += sampled_logprob
         n_out = len(request.output_token_ids)
         # structured outputs: the grammar complete (nothing but EOS allowed) ends the request, its last token kept
-        grammar_done = request.matcher is not None and advance(request.matcher, token)
+        grammar_done = request.matcher is not None and advance(request, token)
         status = None
         # under min_tokens, EOS or a stop token ends the request only when the grammar allowed nothing else
         # (StructuredOutputs.mask) and is complete with it

@@ -57,6 +57,9 @@ class Request:
     # structured outputs (engine/structured.py): the llguidance matcher of this sequence's grammar, advanced with
     # each output token; None when the output is unconstrained
     matcher: Optional[object] = field(default=None, repr=False)
+    # SamplingParams.reasoning_end_token_id while that token has not been sampled yet: the matcher neither masks nor
+    # advances (the constraint starts with the token after it); None once it has, or when the constraint starts at once
+    constraint_after: Optional[int] = None
 
     @property
     def num_prompt_tokens(self) -> int:

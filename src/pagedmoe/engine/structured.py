@@ -8,8 +8,11 @@ bitmask per constrained row each step, the matcher advanced with each sampled to
   sets their disallowed tokens to -inf (worker/token_mask.py); the logits' columns past the tokenizer's vocabulary
   (padding rows of the embedding) are disallowed too. Only while some request is constrained (`active`): an
   unconstrained step does no work here;
-- OutputProcessor.append_token calls `advance(matcher, token)`: a matcher that has stopped (the grammar is
-  complete and allows nothing but EOS) finishes its request ("stop").
+- OutputProcessor.append_token calls `advance(request, token)`: a matcher that has stopped (the grammar is
+  complete and allows nothing but EOS) finishes its request ("stop");
+- SamplingParams.reasoning_end_token_id (a thinking model's `</think>`, set by the server's --reasoning-parser):
+  until that token is sampled (`Request.constraint_after`) the request's row is not masked and its matcher does not
+  advance; the constraint starts with the token after it.
 The matcher lives on the Request, so preemption (recompute keeps the output tokens), prefix caching and n > 1
 (one request per sample) need nothing more. --async-scheduling completes a step that sampled a constrained
 request before launching the next (engine/async_step.py): its mask needs that token. Under tensor parallelism
@@ -87,6 +90,7 @@ class StructuredOutputs:
         else:
             self._fresh.move_to_end(key)
         request.matcher = fresh.deep_copy()
+        request.constraint_after = request.params.reasoning_end_token_id
         self.active.add(request.request_id)
 
     def finished(self, request_id: str) -> None:
@@ -103,7 +107,7 @@ class StructuredOutputs:
         probabilities); such a row keeps the grammar's tokens instead: the grammar wins, as in vLLM."""
         if not self.active:
             return logits
-        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+        rows = [i for i, r in enumerate(requests) if r.matcher is not None and r.constraint_after is None]
         if not rows:
             return logits
         vocab = self._bridge().vocab_size
@@ -119,9 +123,15 @@ class StructuredOutputs:
         return out
 
 
-def advance(matcher, token: int) -> bool:
-    """Feed the sampled token to the matcher; True when the output is complete (the matcher has stopped: its
-    grammar allows nothing more), or when the matcher failed (a token it did not allow: logged)."""
+def advance(request: "Request", token: int) -> bool:
+    """Feed the sampled token to the request's matcher; True when the output is complete (the matcher has stopped:
+    its grammar allows nothing more), or when the matcher failed (a token it did not allow: logged). A matcher
+    waiting for the end of the reasoning (`constraint_after`) takes no token: that one starts the constraint."""
+    if request.constraint_after is not None:
+        if token == request.constraint_after:
+            request.constraint_after = None
+        return False
+    matcher = request.matcher
     if not matcher.consume_token(token):
         logger.warning("structured outputs: the matcher refused token %d (%s); the request stops", token,
                        matcher.get_error())
