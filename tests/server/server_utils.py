@@ -1,6 +1,7 @@
 """Helpers for the server tests: a real uvicorn server in a background thread around a tiny model."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -99,3 +100,25 @@ def assert_openai_error(resp: httpx.Response, status: int) -> dict:
     assert isinstance(err["type"], str) and err["type"], body
     assert set(err) >= {"message", "type", "param", "code"}, body
     return err
+
+
+class Tok(str):
+    """A token in a forced-output grammar (token_grammar): that token, not its text."""
+
+
+class Rx(str):
+    """A regex in a forced-output grammar (token_grammar)."""
+
+
+def token_grammar(parts: list, tokenizer) -> str:
+    """A Lark grammar (llguidance's) for exactly `parts` in a row: text, Tok (that token: <[id]>), Rx (a regex). The
+    tests force a random model's output with it (structured_outputs.grammar)."""
+    out = []
+    for part in parts:
+        if isinstance(part, Tok):
+            out.append(f"<[{tokenizer.convert_tokens_to_ids(str(part))}]>")
+        elif isinstance(part, Rx):
+            out.append(f"/{part}/")
+        else:
+            out.append(json.dumps(part, ensure_ascii=False))
+    return "start: " + " ".join(out)

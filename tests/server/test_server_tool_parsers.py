@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server_utils import MODEL_NAME, ServerThread, make_engine
+from server_utils import MODEL_NAME, Rx, ServerThread, Tok, make_engine, token_grammar
 from tiny_models import make_tiny_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -30,14 +30,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string"}}}}}]
 MESSAGES = [{"role": "user", "content": "weather?"}]
-
-
-class Tok(str):
-    """A special token in a grammar: that token, not its text."""
-
-
-class Rx(str):
-    """A regex in a grammar."""
 
 
 CITY, DAYS = Rx("[a-z]{2,8}"), Rx("[1-7]")
@@ -85,22 +77,9 @@ def served(request, model_dir):
         yield request.param, server, openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def _grammar(parts: list, tokenizer) -> str:
-    """A Lark grammar (llguidance's) for exactly `parts` in a row: text, Tok (that token: <[id]>), Rx (a regex)."""
-    out = []
-    for part in parts:
-        if isinstance(part, Tok):
-            out.append(f"<[{tokenizer.convert_tokens_to_ids(str(part))}]>")
-        elif isinstance(part, Rx):
-            out.append(f"/{part}/")
-        else:
-            out.append(json.dumps(part, ensure_ascii=False))
-    return "start: " + " ".join(out)
-
-
 def _create(client, tokenizer, parser: str, **kw):
     parts = ["Sure.", Tok(JUNK), " ok", *OUTPUTS[parser], Tok(EOS)]
-    extra = {"structured_outputs": {"grammar": _grammar(parts, tokenizer)}, **kw.pop("extra_body", {})}
+    extra = {"structured_outputs": {"grammar": token_grammar(parts, tokenizer)}, **kw.pop("extra_body", {})}
     return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=400,
                                           temperature=1.0, extra_body=extra, **kw)
 

@@ -26,6 +26,7 @@ from pagedmoe.server.async_engine import (AsyncEngine, EngineDeadError, Overload
 from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_experts
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
+from pagedmoe.server.reasoning import check_reasoning_parser
 from pagedmoe.server.serving import SSE_DONE, OpenAIServing, check_utf8, sse
 from pagedmoe.server.tools import check_parser_flags, check_tools
 
@@ -219,10 +220,12 @@ def _own_tokenizer(engine):
 def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = 1024,
               request_timeout: Optional[float] = None, max_body_bytes: int = MAX_BODY_BYTES,
               shutdown_timeout: float = 30.0, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
     """An OpenAI-compatible app around a loaded LLMEngine. The engine thread starts with the app's lifespan.
-    enable_auto_tool_choice + tool_call_parser: vLLM's flags for tool_choice "auto" (tools.py)."""
+    enable_auto_tool_choice + tool_call_parser: vLLM's flags for tool_choice "auto" (tools.py); reasoning_parser:
+    vLLM's --reasoning-parser (reasoning.py)."""
     parser = check_parser_flags(enable_auto_tool_choice, tool_call_parser)
+    check_reasoning_parser(reasoning_parser)
     name = engine.served_model_name
     metrics = ServerMetrics(name)
     bridge = AsyncEngine(engine, max_waiting_requests, request_timeout, metrics)
@@ -230,7 +233,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     tokenizer = _own_tokenizer(engine)
     dims = getattr(getattr(engine, "model", None), "dims", None)
     vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer or ())
-    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser)
+    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser, reasoning_parser)
     started = int(time.time())
 
     @asynccontextmanager

@@ -52,6 +52,11 @@ def register(sub) -> None:
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), mistral ([TOOL_CALLS]: "
                         "Mistral, Mixtral), deepseek_v3 (DeepSeek-V3, R1), deepseek_v31 (DeepSeek-V3.1), "
                         "glm45 (GLM-4.5, GLM-4.6)")
+    g.add_argument("--reasoning-parser", default=_env("reasoning_parser", str, None),
+                   help="move the model's thinking (<think>...</think>) out of the chat reply's content into its "
+                        "reasoning and reasoning_content fields (vLLM's names): qwen3 (Qwen3), deepseek_r1 "
+                        "(DeepSeek-R1), deepseek_v3 (DeepSeek-V3.1: with chat_template_kwargs thinking true), "
+                        "glm45 (GLM-4.5, GLM-4.6)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    default=_env("disable_uvicorn_access_log", parse_bool, False))
     add_engine_args(p)  # includes --served-model-name
@@ -99,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.server.app import build_app
+    from pagedmoe.server.reasoning import check_reasoning_parser
     from pagedmoe.server.tools import check_parser_flags
 
     if args.max_waiting_requests < 0:
@@ -106,10 +112,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     check_parser_flags(args.enable_auto_tool_choice, args.tool_call_parser)   # before the (long) load
+    check_reasoning_parser(args.reasoning_parser)
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout + 1,
                             access_log=not args.disable_uvicorn_access_log,

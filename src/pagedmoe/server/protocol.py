@@ -253,6 +253,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: StrictBool = False
+    include_reasoning: StrictBool = True   # vLLM's: false leaves the reasoning out (--reasoning-parser)
     # vLLM's: the template writes its own BOS; true adds the tokenizer's special tokens on top, as /tokenize does.
     add_special_tokens: StrictBool = False
 

@@ -7,6 +7,7 @@ instance (see app.py: a fast tokenizer must not be used from two threads at once
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -17,6 +18,7 @@ from typing import AsyncIterator, Optional
 from pagedmoe.engine.limits import context_length_error, lone_surrogate
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.server.async_engine import AsyncEngine, RequestHandle
+from pagedmoe.server import reasoning as reasoning_parsers
 from pagedmoe.server import tools as tool_calls
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
                                       CompletionRequest, SamplingFields, invalid)
@@ -65,6 +67,7 @@ class Prepared:
     params: SamplingParams
     echo: list[str] = field(default_factory=list)
     tools: Optional[tool_calls.ToolMode] = None   # chat with tools (tools.py)
+    reasoning: Optional[reasoning_parsers.ReasoningMode] = None   # chat under --reasoning-parser (reasoning.py)
 
     @property
     def n(self) -> int:
@@ -93,9 +96,10 @@ def _compile_constraints(req: SamplingFields, tools: Optional[tool_calls.ToolMod
 
 class OpenAIServing:
     def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
-                 vocab_size: int, tool_parser: Optional[str] = None) -> None:
+                 vocab_size: int, tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
         self.bridge, self.tokenizer = bridge, tokenizer
         self.tool_parser = tool_parser   # "auto" tool choice: --tool-call-parser (with --enable-auto-tool-choice)
+        self.reasoning_parser = reasoning_parser   # --reasoning-parser
         self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
         self.max_prompt_chars = self._max_prompt_chars()
 
@@ -266,13 +270,34 @@ class OpenAIServing:
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        keep_special = tools is not None and tools.keeps_special_tokens
+        reasoning = reasoning_parsers.resolve(self.reasoning_parser, text, req.chat_template_kwargs,
+                                              req.include_reasoning)
+        auto = tools is not None and tools.choice == "auto"
+        keep_special = (tools is not None and tools.keeps_special_tokens) or (
+            reasoning is not None and reasoning.keeps_special_tokens(self.special_tokens))
         params = self.sampling_params(req, req.max_output_tokens, logprobs, len(ids),
                                       constraint=tools.constraint() if tools else None,
                                       keep_special_tokens=keep_special)
-        if keep_special and req.skip_special_tokens:
-            tools.drop = self.special_tokens   # the content as skip_special_tokens would have left it
-        return Prepared([(text, ids)], params, tools=tools)
+        if keep_special and req.skip_special_tokens:   # the text as skip_special_tokens would have left it
+            if auto:
+                tools.drop = self.special_tokens
+            if reasoning is not None:
+                reasoning.drop, reasoning.drop_in_content = self.special_tokens, not auto
+        if reasoning is not None and reasoning.constraint_waits and params.structured_outputs is not None:
+            # vLLM's: the constraint applies after the reasoning (the engine's matcher waits for </think>)
+            params = dataclasses.replace(params, reasoning_end_token_id=self.think_end_token_id(req, tools))
+        return Prepared([(text, ids)], params, tools=tools, reasoning=reasoning)
+
+    def think_end_token_id(self, req: ChatCompletionRequest, tools: Optional[tool_calls.ToolMode]) -> int:
+        """`</think>`'s token id, for a constraint that starts after the reasoning; a 400 where it is not one token."""
+        ids = self.tokenizer.encode(reasoning_parsers.END_THINK, add_special_tokens=False)
+        if len(ids) != 1:
+            param = ("tool_choice" if tools is not None and tools.constraint() is not None
+                     else "structured_outputs" if req.structured_outputs is not None else "response_format")
+            raise invalid(f"{param} with --reasoning-parser {self.reasoning_parser}: the constraint starts after the "
+                          f"reasoning's end, {reasoning_parsers.END_THINK}, which this model's tokenizer writes as "
+                          f"{len(ids)} tokens, not one", param)
+        return ids[0]
 
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
@@ -444,14 +469,18 @@ class OpenAIServing:
         for i, out in enumerate(outputs):
             c = out.outputs[0]
             logprobs = self.chat_logprobs(out, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None
-            content, calls, finish = c.text, [], c.finish_reason
+            content, calls, finish, extra = c.text, [], c.finish_reason, {}
+            if prepared.reasoning is not None:   # the reasoning first; tool calls are parsed from the content only
+                thought, content = prepared.reasoning.message(c.text)
+                extra = reasoning_parsers.fields(thought)
             if tools is not None and tools.parses:
-                content, calls, stream = tools.message(c.text)
+                content, calls, stream = tools.message(content or "")
                 finish = tools.finish_reason(stream, finish)
             if echo:
                 content = echo + (content or "")
-            choices.append({"index": i, "message": {"role": req.reply_role, "content": content, "tool_calls": calls},
-                            "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason})
+            message = {"role": req.reply_role, "content": content, **extra, "tool_calls": calls}
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_name, "choices": choices, "usage": self.usage(outputs, len(outputs)),
                 "system_fingerprint": None}
@@ -466,6 +495,7 @@ class OpenAIServing:
         holdback = self.holdback(prepared.params)
         tools = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
         streams = [tools.stream() for _ in range(n)] if tools else None
+        thinking = [prepared.reasoning.stream() for _ in range(n)] if prepared.reasoning is not None else None
         for i in range(n):
             chunk = {**base, "choices": [{"index": i, "delta": {"role": req.reply_role, "content": ""},
                                           "logprobs": None, "finish_reason": None}], **usage_field}
@@ -483,12 +513,16 @@ class OpenAIServing:
             last[i] = out
             delta, start, end = self.advance(out, states[i], holdback)
             c = out.outputs[0]
-            message, finish = {"content": delta} if delta else {}, c.finish_reason
-            if streams is not None:   # tool calls: the text becomes content and tool call deltas (tools.py)
-                content, calls = streams[i].feed(delta, out.finished)
+            thought, content, calls, finish = "", delta, [], c.finish_reason
+            if thinking is not None:   # reasoning parser: the text becomes reasoning and content deltas (reasoning.py)
+                thought, content = thinking[i].feed(delta, out.finished)
+            if streams is not None:   # tool calls: the content becomes content and tool call deltas (tools.py)
+                content, calls = streams[i].feed(content, out.finished)
                 calls = tools.keep(calls)
-                message = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
                 finish = tools.finish_reason(streams[i], finish)
+            message = {**({"content": content} if content else {}),
+                       **(reasoning_parsers.fields(thought) if thought else {}),
+                       **({"tool_calls": calls} if calls else {})}
             if not self.worth_a_chunk(message, out, start, end, req.logprobs, req.continuous_usage):
                 continue
             logprobs = self.chat_logprobs(out, start, end, req.top_logprobs or 0) if req.logprobs else None

@@ -251,9 +251,10 @@ class RequiredCalls(CallStream):
         return ""
 
 
-class _Markers:
+class Markers:
     """Finds the first of some marker strings in a text (the longest where several start at one place), and how much
-    of a text's end may be the start of one (held back while streaming: the marker may be arriving)."""
+    of a text's end may be the start of one (held back while streaming: the marker may be arriving). Shared by the
+    tool parsers and the reasoning parsers (reasoning.py)."""
 
     def __init__(self, markers: tuple[str, ...]) -> None:
         markers = sorted({m for m in markers if m}, key=len, reverse=True)
@@ -267,10 +268,19 @@ class _Markers:
                 return k
         return 0
 
+    def split(self, text: str, finished: bool) -> tuple[str, Optional[str], str]:
+        """(the text before the first marker, that marker, the text after it); with no marker: (the text that cannot
+        be the start of one, None, the end held back: empty when `finished`)."""
+        match = self.regex.search(text)
+        if match is not None:
+            return text[:match.start()], match.group(), text[match.end():]
+        keep = 0 if finished else self.partial_suffix(text)
+        return text[:len(text) - keep], None, text[len(text) - keep:]
+
 
 @functools.lru_cache(maxsize=32)
-def _markers(markers: tuple[str, ...]) -> _Markers:
-    return _Markers(markers)   # made once per parser and tokenizer: a tokenizer may have ~1000 special tokens
+def markers_of(markers: tuple[str, ...]) -> Markers:
+    return Markers(markers)   # made once per parser and tokenizer: a tokenizer may have ~1000 special tokens
 
 
 _NAME = re.compile(r"[^\s<>\[\]{}\"']+")   # a function name written bare (not in JSON): no spaces, quotes, brackets
@@ -312,7 +322,7 @@ class MarkedCalls(CallStream):
 
     def __init__(self, tools: Sequence[dict] = (), drop: Sequence[str] = ()) -> None:
         self.tools = tools
-        self.markers = _markers((self.START, *(self.SECTION or ()), *(d for d in drop if d != self.START)))
+        self.markers = markers_of((self.START, *(self.SECTION or ()), *(d for d in drop if d != self.START)))
         self.buf, self.in_call, self.in_section = "", False, False
         self.pending_ws, self.sent_content = "", False
 
@@ -333,16 +343,13 @@ class MarkedCalls(CallStream):
                     self.calls += 1
                 self.buf, self.in_call = self.buf[block_end:], False
                 continue
-            match = self.markers.regex.search(self.buf)
-            if match is None:
-                if self.in_section and not finished:
-                    break   # text between blocks waits for the next marker: content unless only whitespace
-                keep = 0 if finished else self.markers.partial_suffix(self.buf)
-                content += self._outside(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            before, marker, rest = self.markers.split(self.buf, finished)
+            if marker is None and self.in_section and not finished:
+                break   # text between blocks waits for the next marker: content unless only whitespace
+            content += self._outside(before)
+            self.buf = rest
+            if marker is None:
                 break
-            content += self._outside(self.buf[:match.start()])
-            self.buf, marker = self.buf[match.end():], match.group()
             if marker == self.START:
                 self.in_call = True
             elif self.SECTION is not None and marker in self.SECTION:
