@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagedmoe.config_sections import (FUSED_FORMATS, SECTIONS, CacheConfig, ExpertConfig, ModelConfig, ParallelConfig,
                                       SchedulerConfig, EXPERT_PRECISIONS, MIN_EXPERT_PRECISIONS, fused_format)
@@ -93,6 +93,14 @@ class EngineConfig:
                                               "0 on CPU",
                                         type_=float)
     served_model_name: Optional[str] = _flag(None, "model name reported by the API")
+    generation_config: str = _flag("auto", "where the default sampling parameters of requests that leave them out "
+                                           "come from (temperature, top_p, top_k, min_p, repetition_penalty, and "
+                                           "max_new_tokens as max_tokens): auto: the model folder's "
+                                           "generation_config.json; vllm: none, pagedmoe's own defaults; or a "
+                                           "folder holding a generation_config.json")
+    override_generation_config: Optional[Union[str, dict]] = _flag(
+        None, "a JSON object of those sampling keys that replaces or adds to the defaults --generation-config "
+              "gives (with vllm: these alone; null drops one), e.g. '{\"temperature\": 0.5}'")
     attention_backend: str = _flag("auto", "attention implementation", _ATTENTION_BACKENDS)
     moe_backend: str = _flag("auto", "expert GEMM implementation", _MOE_BACKENDS)
     fused_ops: str = _flag("auto", "fused Triton kernels for the decode step's small ops (residual add + RMSNorm; "

@@ -6,7 +6,7 @@ construction; building ExpertConfig checks the expert flags' rules (their messag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 # exact: experts keep their checkpoint values; static-*: every expert held on the device in one lossy
 # format, dequantised into the paged compute buffers; dynamic: each expert at its own rung, moved down and up
@@ -46,6 +46,8 @@ class ModelConfig:
     moe_backend: str
     fused_ops: str
     backbone_gemm: str
+    generation_config: str                    # auto | vllm | a folder (generation_config.py)
+    override_generation_config: Optional[Union[str, dict]]
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,9 @@ SECTIONS = {
                                    "served_model_name": "served_model_name", "enforce_eager": "enforce_eager",
                                    "prefill_graph_tokens": "prefill_graph_tokens",
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend",
-                                   "fused_ops": "fused_ops", "backbone_gemm": "backbone_gemm"}),
+                                   "fused_ops": "fused_ops", "backbone_gemm": "backbone_gemm",
+                                   "generation_config": "generation_config",
+                                   "override_generation_config": "override_generation_config"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",
                                     "max_num_batched_tokens": "max_num_batched_tokens",
                                     "async_scheduling": "async_scheduling"}),

@@ -41,6 +41,11 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: SamplingParams' defaults, with the model's
+        generation_config.json (--generation-config, --override-generation-config) over them."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -54,7 +59,7 @@ class LLM:
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

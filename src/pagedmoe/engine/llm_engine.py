@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagedmoe.config import EngineConfig
+from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.engine.async_step import AsyncScheduling, async_scheduling_applies
 from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
 from pagedmoe.engine.output import OutputProcessor
@@ -21,6 +21,7 @@ from pagedmoe.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutp
 from pagedmoe.engine.startup import pick_device, start_engine
 from pagedmoe.engine.structured import StructuredOutputs
 from pagedmoe.experts.dynamic.start import save_expert_stats
+from pagedmoe.generation_config import describe, sampling_defaults
 from pagedmoe.oom import DeviceOutOfMemoryError, budget_text
 from pagedmoe.sampling_params import RequestOutput, SamplingParams
 from pagedmoe.worker.sampler import Sampler, prompt_logprobs
@@ -59,6 +60,9 @@ class LLMEngine:
     @_name_oom_at_start
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # the model's generation_config.json (or --generation-config's): read and checked before the long load
+        self.default_sampling_params, source = sampling_defaults(
+            config.generation_config, config.override_generation_config, resolve_model(config.model))
         parts = start_engine(config)
         self.model_path, self.hf_config, self.tokenizer = parts.model_path, parts.hf_config, parts.tokenizer
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
@@ -91,6 +95,10 @@ class LLMEngine:
         self._async = AsyncScheduling(self) if async_scheduling_applies(self, config.async_scheduling) else None
         logger.info("async scheduling %s", "on" if self._async is not None else
                     "off" + (" (--no-async-scheduling)" if config.async_scheduling is False else ""))
+        if self.default_sampling_params:
+            logger.info("default sampling parameters from %s: %s (a request's own values win; "
+                        "--generation-config vllm ignores the model's file)", source,
+                        describe(self.default_sampling_params))
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,

@@ -13,18 +13,27 @@ from pagedmoe.config import add_engine_args, engine_config_from_args
 from pagedmoe.engine.limits import context_length_error, jsonl_strings, lone_surrogate, read_utf8
 
 
+# The sampling flags the model's generation_config.json gives defaults for (generation_config.py), and the flags' own
+# defaults where it gives none (--max-tokens: the verb's, add_sampling_args).
+SAMPLING_FLAG_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: Optional[int] = 64) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help="most new tokens per reply" + ("" if max_tokens else
-                                                      " (default: until the model stops or the context is full)"))
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1, help="0 or -1 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
+    g = parser.add_argument_group(
+        "sampling", "a flag left out takes the model's default from its generation_config.json (temperature, top_p, "
+                    "top_k, min_p, repetition_penalty, max_new_tokens; --generation-config vllm: none), else the "
+                    "default shown")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="most new tokens per reply (default: " + (f"{max_tokens})" if max_tokens else
+                                                                 "until the model stops or the context is full)"))
+    parser.set_defaults(verb_max_tokens=max_tokens)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: 1)")
+    g.add_argument("--top-k", type=int, default=None, help="0 or -1 = off (default: -1)")
+    g.add_argument("--min-p", type=float, default=None, help="(default: 0)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(default: 1)")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -121,14 +130,21 @@ def structured_outputs_from_args(args):
     return so
 
 
-def sampling_params_from_args(args):
+def sampling_params_from_args(args, config):
+    """The flags' SamplingParams: a flag left out takes the model's default (config: the engine's, whose
+    --generation-config / --override-generation-config are read here too, so a bad one fails before the load)."""
+    from pagedmoe.config import resolve_model
+    from pagedmoe.generation_config import sampling_defaults
     from pagedmoe.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos, logprobs=args.logprobs,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty,
+    model, _ = sampling_defaults(config.generation_config, config.override_generation_config,
+                                 resolve_model(config.model))
+    given = {name: getattr(args, name) for name in (*SAMPLING_FLAG_DEFAULTS, "max_tokens")}
+    fallback = {**SAMPLING_FLAG_DEFAULTS, "max_tokens": args.verb_max_tokens}
+    picked = {name: value if value is not None else model.get(name, fallback[name]) for name, value in given.items()}
+    return SamplingParams(**picked, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                          logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
                           structured_outputs=structured_outputs_from_args(args))
 
 
@@ -184,8 +200,9 @@ def run_generate(args) -> int:
     from pagedmoe.llm import LLM, check_failed
 
     prompts = _read_prompts(args)
-    params = sampling_params_from_args(args)
-    llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
+    config = engine_config_from_args(args, model=args.model)
+    params = sampling_params_from_args(args, config)
+    llm = LLM(**vars(config))
     engine = llm.engine
     if engine.tokenizer is None:
         raise ValueError("this model has no tokenizer: generate takes text prompts")
@@ -241,8 +258,9 @@ def run_chat(args) -> int:
         import readline  # noqa: F401 - input() then edits lines and keeps a history (Up / Down)
     if hasattr(sys.stdin, "reconfigure"):  # whatever the locale, a line that is not UTF-8 is refused, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")
-    params = sampling_params_from_args(args)
-    llm = LLM(**vars(engine_config_from_args(args, model=args.model)))
+    config = engine_config_from_args(args, model=args.model)
+    params = sampling_params_from_args(args, config)
+    llm = LLM(**vars(config))
     engine, tok = llm.engine, llm.get_tokenizer()
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use `pagedmoe generate`")
@@ -282,8 +300,8 @@ def run_chat(args) -> int:
             history.pop()
             continue
         if c.finish_reason == "length":
-            why = ("--max-tokens" if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens
-                   else "the context is full")
+            why = ("the context is full" if params.max_tokens is None or len(c.token_ids) < params.max_tokens
+                   else "--max-tokens" if args.max_tokens is not None else "the model's max_new_tokens")
             print(f"[reply cut at {len(c.token_ids)} tokens: {why}]", file=sys.stderr)
         if params.logprobs is not None:
             print(format_logprobs(out, params.logprobs))

@@ -233,7 +233,8 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     tokenizer = _own_tokenizer(engine)
     dims = getattr(getattr(engine, "model", None), "dims", None)
     vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer or ())
-    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser, reasoning_parser)
+    serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser, reasoning_parser,
+                            engine.default_sampling_params)
     started = int(time.time())
 
     @asynccontextmanager

@@ -96,8 +96,11 @@ def _compile_constraints(req: SamplingFields, tools: Optional[tool_calls.ToolMod
 
 class OpenAIServing:
     def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
-                 vocab_size: int, tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
+                 vocab_size: int, tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+                 defaults: Optional[dict] = None) -> None:
         self.bridge, self.tokenizer = bridge, tokenizer
+        # the model's default sampling parameters (generation_config.py): for the fields a request leaves out
+        self.defaults = dict(defaults or {})
         self.tool_parser = tool_parser   # "auto" tool choice: --tool-call-parser (with --enable-auto-tool-choice)
         self.reasoning_parser = reasoning_parser   # --reasoning-parser
         self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
@@ -160,8 +163,11 @@ class OpenAIServing:
                         keep_special_tokens: bool = False) -> SamplingParams:
         """constraint: a tool_choice's (named, required), which response_format / structured_outputs may not join.
         keep_special_tokens: skip_special_tokens off whatever the request says (a tool parser needs them)."""
+        if max_tokens is None:  # none given: the model's max_new_tokens (the engine caps it at the context)
+            max_tokens = self.defaults.get("max_tokens")
         # vLLM computes an omitted max_tokens (the rest of the context) and refuses a larger min_tokens.
-        limit = max_tokens if max_tokens is not None else self.max_model_len - longest_prompt
+        room = self.max_model_len - longest_prompt
+        limit = room if max_tokens is None else min(max_tokens, room)
         if req.min_tokens > limit:
             raise invalid(f"min_tokens must be less than or equal to max_tokens={limit}, got {req.min_tokens}.",
                           "min_tokens")
@@ -179,13 +185,12 @@ class OpenAIServing:
             raise invalid(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(bias)}", "logit_bias")
         try:
             return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if not req.top_k else req.top_k,  # vLLM: 0 and -1 both disable
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                temperature=self.field(req, "temperature", 1.0), top_p=self.field(req, "top_p", 1.0),
+                top_k=self.field(req, "top_k", -1) or -1,  # vLLM: 0 and -1 both disable
+                min_p=self.field(req, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 n=req.n, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=self.field(req, "repetition_penalty", 1.0),
                 logit_bias=req.token_biases(),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -194,6 +199,12 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             first = str(e).split(" ", 1)[0]
             raise invalid(str(e), first if first in type(req).model_fields else None) from None
+
+    def field(self, req: SamplingFields, name: str, fallback):
+        """The request's value of a sampling field; left out (or null, as vLLM reads it): the model's default
+        (generation_config.json), else `fallback`, OpenAI's and vLLM's."""
+        value = getattr(req, name)
+        return self.defaults.get(name, fallback) if value is None else value
 
     def completion_prompts(self, req: CompletionRequest) -> Prepared:
         p = req.prompt
@@ -207,6 +218,9 @@ class OpenAIServing:
             raw = list(p)
         if len(raw) > MAX_PROMPTS_PER_REQUEST:
             raise invalid(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        max_tokens = req.max_tokens
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in self.defaults:
+            max_tokens = None   # left out: the model's default (sampling_params), not OpenAI's 16
         prompts, echo = [], []
         for i, item in enumerate(raw):
             if isinstance(item, str):
@@ -215,13 +229,13 @@ class OpenAIServing:
                 text = item
             else:
                 ids, text = list(item), None
-            self.check_prompt(ids, req.max_tokens, "prompt")
+            self.check_prompt(ids, max_tokens, "prompt")
             prompts.append((text, ids))
             if req.echo:
                 self.need_tokenizer("echo")
                 echo.append(text if text is not None else self.tokenizer.decode(ids))
         # echo with logprobs: the prompt's too (vLLM's); echo without generation samples one token, left out
-        params = self.sampling_params(req, 1 if req.echo_only else req.max_tokens, req.logprobs,
+        params = self.sampling_params(req, 1 if req.echo_only else max_tokens, req.logprobs,
                                       max(len(ids) for _, ids in prompts), req.logprobs if req.echo else None)
         return Prepared(prompts, params, echo)
 
