@@ -98,6 +98,8 @@ class EngineConfig:
                                            "max_new_tokens as max_tokens): auto: the model folder's "
                                            "generation_config.json; vllm: none, pagedmoe's own defaults; or a "
                                            "folder holding a generation_config.json")
+    chat_template: Optional[str] = _flag(None, "a Jinja chat template (a file holding it, or the template itself) "
+                                               "in place of the tokenizer's own, for every chat request")
     override_generation_config: Optional[Union[str, dict]] = _flag(
         None, "a JSON object of those sampling keys that replaces or adds to the defaults --generation-config "
               "gives (with vllm: these alone; null drops one), e.g. '{\"temperature\": 0.5}'")

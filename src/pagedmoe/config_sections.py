@@ -48,6 +48,7 @@ class ModelConfig:
     backbone_gemm: str
     generation_config: str                    # auto | vllm | a folder (generation_config.py)
     override_generation_config: Optional[Union[str, dict]]
+    chat_template: Optional[str]              # --chat-template (chat_template.py)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,8 @@ SECTIONS = {
                                    "attention_backend": "attention_backend", "moe_backend": "moe_backend",
                                    "fused_ops": "fused_ops", "backbone_gemm": "backbone_gemm",
                                    "generation_config": "generation_config",
-                                   "override_generation_config": "override_generation_config"}),
+                                   "override_generation_config": "override_generation_config",
+                                   "chat_template": "chat_template"}),
     "scheduler": (SchedulerConfig, {"max_num_seqs": "max_num_seqs",
                                     "max_num_batched_tokens": "max_num_batched_tokens",
                                     "async_scheduling": "async_scheduling"}),

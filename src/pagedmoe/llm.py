@@ -4,10 +4,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from pagedmoe.chat_template import load_chat_template
 from pagedmoe.config import engine_config_from_kwargs
 from pagedmoe.engine.limits import lone_surrogate
 from pagedmoe.engine.llm_engine import LLMEngine
@@ -85,15 +86,24 @@ class LLM:
         return self._run(groups, use_tqdm)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: Optional[list[dict]] = None,
+             chat_template: Optional[str] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations. tools: OpenAI
         function tools ({"type": "function", "function": {"name", "description", "parameters"}}), given to the chat
-        template as vLLM's LLM.chat does; the calls are in the output's text, in the model's own format."""
+        template as vLLM's LLM.chat does; the calls are in the output's text, in the model's own format.
+        chat_template: a Jinja template (or a file holding one) for this call, in place of the tokenizer's (or
+        --chat-template's); chat_template_kwargs: more variables for the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() instead")
-        extra = {"tools": tools} if tools else {}
+        template = load_chat_template(chat_template, "chat_template")
+        if template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template or use generate()")
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        if template is not None:
+            extra["chat_template"] = template
         prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **extra))}
             for conv in conversations]

@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 import torch
 
+from pagedmoe.chat_template import load_chat_template
 from pagedmoe.config import EngineConfig, resolve_model
 from pagedmoe.engine.async_step import AsyncScheduling, async_scheduling_applies
 from pagedmoe.engine.expert_stats import expert_stats, traffic_summary
@@ -63,8 +64,13 @@ class LLMEngine:
         # the model's generation_config.json (or --generation-config's): read and checked before the long load
         self.default_sampling_params, source = sampling_defaults(
             config.generation_config, config.override_generation_config, resolve_model(config.model))
+        chat_template = load_chat_template(config.chat_template)   # a bad file or template: before the load too
         parts = start_engine(config)
         self.model_path, self.hf_config, self.tokenizer = parts.model_path, parts.hf_config, parts.tokenizer
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("--chat-template needs the model's tokenizer; this model was loaded without one")
+            self.tokenizer.chat_template = chat_template   # every chat path reads the tokenizer's
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
         self.served_model_name = parts.served_model_name
         self.expert_plan = parts.expert_plan

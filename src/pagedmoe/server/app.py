@@ -220,10 +220,12 @@ def _own_tokenizer(engine):
 def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = 1024,
               request_timeout: Optional[float] = None, max_body_bytes: int = MAX_BODY_BYTES,
               shutdown_timeout: float = 30.0, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """An OpenAI-compatible app around a loaded LLMEngine. The engine thread starts with the app's lifespan.
     enable_auto_tool_choice + tool_call_parser: vLLM's flags for tool_choice "auto" (tools.py); reasoning_parser:
-    vLLM's --reasoning-parser (reasoning.py)."""
+    vLLM's --reasoning-parser (reasoning.py); trust_request_chat_template: vLLM's flag, a request's chat_template is
+    rendered (a 400 without it)."""
     parser = check_parser_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_parser(reasoning_parser)
     name = engine.served_model_name
@@ -234,7 +236,7 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
     dims = getattr(getattr(engine, "model", None), "dims", None)
     vocab_size = int(dims.vocab_size) if dims is not None else len(tokenizer or ())
     serving = OpenAIServing(bridge, tokenizer, name, engine.max_model_len, vocab_size, parser, reasoning_parser,
-                            engine.default_sampling_params)
+                            engine.default_sampling_params, trust_request_chat_template)
     started = int(time.time())
 
     @asynccontextmanager
@@ -359,7 +361,8 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
             if req.continue_final_message and req.add_generation_prompt:
                 raise invalid("continue_final_message needs add_generation_prompt false", "continue_final_message")
             text = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs, check_tools(req.tools) if req.tools else None)
+                                       req.chat_template_kwargs, check_tools(req.tools) if req.tools else None,
+                                       req.chat_template)
             ids = tokenizer.encode(text, add_special_tokens=req.special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 

@@ -57,6 +57,10 @@ def register(sub) -> None:
                         "reasoning and reasoning_content fields (vLLM's names): qwen3 (Qwen3), deepseek_r1 "
                         "(DeepSeek-R1), deepseek_v3 (DeepSeek-V3.1: with chat_template_kwargs thinking true), "
                         "glm45 (GLM-4.5, GLM-4.6)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   default=_env("trust_request_chat_template", parse_bool, False),
+                   help="render a chat_template a request sends (its text) instead of refusing it with a 400 "
+                        "(vLLM's flag; a template runs in Jinja's sandbox)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    default=_env("disable_uvicorn_access_log", parse_bool, False))
     add_engine_args(p)  # includes --served-model-name
@@ -117,7 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout + 1,
                             access_log=not args.disable_uvicorn_access_log,

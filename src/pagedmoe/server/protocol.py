@@ -252,6 +252,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[StrictStr] = None   # with --trust-request-chat-template
     echo: StrictBool = False
     include_reasoning: StrictBool = True   # vLLM's: false leaves the reasoning out (--reasoning-parser)
     # vLLM's: the template writes its own BOS; true adds the tokenizer's special tokens on top, as /tokenize does.
@@ -300,6 +301,7 @@ class TokenizeRequest(_Base):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[StrictStr] = None   # with --trust-request-chat-template
 
     @property
     def special_tokens(self) -> bool:

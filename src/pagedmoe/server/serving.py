@@ -22,6 +22,7 @@ from pagedmoe.server import reasoning as reasoning_parsers
 from pagedmoe.server import tools as tool_calls
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
                                       CompletionRequest, SamplingFields, invalid)
+from pagedmoe.chat_template import request_chat_template
 from pagedmoe.structured_outputs import StructuredOutputsParams
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
@@ -97,12 +98,13 @@ def _compile_constraints(req: SamplingFields, tools: Optional[tool_calls.ToolMod
 class OpenAIServing:
     def __init__(self, bridge: AsyncEngine, tokenizer, served_model_name: str, max_model_len: int,
                  vocab_size: int, tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
-                 defaults: Optional[dict] = None) -> None:
+                 defaults: Optional[dict] = None, trust_request_chat_template: bool = False) -> None:
         self.bridge, self.tokenizer = bridge, tokenizer
         # the model's default sampling parameters (generation_config.py): for the fields a request leaves out
         self.defaults = dict(defaults or {})
         self.tool_parser = tool_parser   # "auto" tool choice: --tool-call-parser (with --enable-auto-tool-choice)
         self.reasoning_parser = reasoning_parser   # --reasoning-parser
+        self.trust_request_chat_template = trust_request_chat_template   # a request may send its own template
         self.served_model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
         self.max_prompt_chars = self._max_prompt_chars()
 
@@ -191,7 +193,7 @@ class OpenAIServing:
                 n=req.n, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=self.field(req, "repetition_penalty", 1.0),
-                logit_bias=req.token_biases(),
+                logit_bias=bias,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
@@ -245,14 +247,24 @@ class OpenAIServing:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
-                    tools: Optional[list[dict]] = None) -> str:
+                    tools: Optional[list[dict]] = None, template: Optional[str] = None) -> str:
+        """template: the request's own chat_template (its text), only with --trust-request-chat-template."""
         self.need_tokenizer("messages", "use /v1/completions with token ids")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise invalid("this model's tokenizer has no chat template; use /v1/completions", "messages")
         kwargs = dict(template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+        if template is not None:
+            if not self.trust_request_chat_template:
+                raise invalid("a chat_template in the request needs the server's --trust-request-chat-template "
+                              "(or give the server one with --chat-template)", "chat_template")
+            try:
+                kwargs["chat_template"] = request_chat_template(template)
+            except ValueError as e:
+                raise invalid(str(e), "chat_template") from None
+        elif not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("this model's tokenizer has no chat template; use /v1/completions or start the server "
+                          "with --chat-template", "messages")
         conversation = []
         for i, m in enumerate(messages):
             check_utf8(m.text(i), f"messages[{i}].content", "messages")
@@ -280,7 +292,7 @@ class OpenAIServing:
         if tools is None:
             tools = self.chat_tools(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                req.chat_template_kwargs, tools.tools if tools else None)
+                                req.chat_template_kwargs, tools.tools if tools else None, req.chat_template)
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
