@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedmoe.server.tools import markers_of
+from pagedmoe.server.tool_parsers import markers_of
 
 THINK, END_THINK = "<think>", "</think>"
 
