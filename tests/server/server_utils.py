@@ -5,6 +5,7 @@ import json
 import socket
 import threading
 import time
+from typing import Optional
 
 import httpx
 
@@ -35,9 +36,10 @@ def slow_down(engine, seconds: float) -> None:
 
 
 class ServerThread:
-    """`with ServerThread(engine, api_key=...) as s:` serves build_app(engine) on s.base_url."""
+    """`with ServerThread(engine, api_key=...) as s:` serves build_app(engine) on s.base_url; `uvicorn_kwargs`
+    adds uvicorn.Config keywords (TLS: s.base_url is https then)."""
 
-    def __init__(self, engine, **app_kwargs) -> None:
+    def __init__(self, engine, uvicorn_kwargs: Optional[dict] = None, **app_kwargs) -> None:
         import uvicorn
 
         from pagedmoe.server.app import build_app
@@ -48,8 +50,10 @@ class ServerThread:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        scheme = "https" if (uvicorn_kwargs or {}).get("ssl_certfile") else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                                **(uvicorn_kwargs or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="test-uvicorn", daemon=True)

@@ -13,16 +13,18 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pagedmoe.server.async_engine import (AsyncEngine, EngineDeadError, OverloadedError, RequestFailedError,
                                           RequestTimeoutError)
+from pagedmoe.server.deployment import log_request
 from pagedmoe.server.metrics import CONTENT_TYPE, ServerMetrics, count_resident_experts
 from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, invalid)
@@ -99,7 +101,10 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS):
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root + "/"):  # a proxy that forwards --root-path's prefix
+            path = path[len(root):]
+        if self.api_key and scope["method"] != "OPTIONS" and not path.startswith(_OPEN_PATHS):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not auth:
                 return await self._reply(scope, send, APIError(
@@ -221,11 +226,15 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
               request_timeout: Optional[float] = None, max_body_bytes: int = MAX_BODY_BYTES,
               shutdown_timeout: float = 30.0, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, allowed_origins: Sequence[str] = ("*",),
+              allowed_credentials: bool = False, allowed_methods: Sequence[str] = ("*",),
+              allowed_headers: Sequence[str] = ("*",), root_path: str = "", enable_log_requests: bool = False,
+              max_log_len: Optional[int] = None) -> FastAPI:
     """An OpenAI-compatible app around a loaded LLMEngine. The engine thread starts with the app's lifespan.
     enable_auto_tool_choice + tool_call_parser: vLLM's flags for tool_choice "auto" (tools.py); reasoning_parser:
     vLLM's --reasoning-parser (reasoning.py); trust_request_chat_template: vLLM's flag, a request's chat_template is
-    rendered (a 400 without it)."""
+    rendered (a 400 without it). allowed_*: CORS, vLLM's flags and defaults; root_path: vLLM's --root-path;
+    enable_log_requests + max_log_len: vLLM's request log (deployment.py)."""
     parser = check_parser_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_parser(reasoning_parser)
     name = engine.served_model_name
@@ -248,7 +257,12 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
             await bridge.shutdown(shutdown_timeout)
 
     app = FastAPI(title="pagedmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.root_path = root_path  # set here, not passed in: FastAPI warns that its root_path argument is deprecated
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    # Outside the guard (added last: the outermost): a preflight, which browsers send without the
+    # Authorization header, is answered here, and the guard's 401s carry the CORS headers a page needs to read them.
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allowed_credentials,
+                       allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))
     app.state.bridge, app.state.metrics, app.state.serving = bridge, metrics, serving
 
     @app.exception_handler(APIError)
@@ -280,9 +294,12 @@ def build_app(engine, api_key: Optional[str] = None, max_waiting_requests: Optio
 
     def _submit(prefix, prepared, arrival):
         try:
-            return serving.submit(prefix, prepared, arrival)
+            response_id, handle = serving.submit(prefix, prepared, arrival)
         except (OverloadedError, EngineDeadError) as e:
             raise to_api_error(e) from None
+        if enable_log_requests:
+            log_request(response_id, prepared.prompts, prepared.params, max_log_len)
+        return response_id, handle
 
     async def _run(request: Request, handle, n: int):
         try:

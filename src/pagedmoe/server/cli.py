@@ -10,6 +10,7 @@ import threading
 from typing import Any, Optional
 
 from pagedmoe.config import add_engine_args, engine_config_from_args, env_default, parse_bool
+from pagedmoe.server.deployment import UVICORN_LOG_LEVELS
 
 logger = logging.getLogger("pagedmoe.server")
 
@@ -63,6 +64,31 @@ def register(sub) -> None:
                         "(vLLM's flag; a template runs in Jinja's sandbox)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    default=_env("disable_uvicorn_access_log", parse_bool, False))
+    d = p.add_argument_group("deployment (vLLM's flags)")
+    for name, default in (("origins", '["*"]'), ("methods", '["*"]'), ("headers", '["*"]')):
+        d.add_argument(f"--allowed-{name}", default=_env(f"allowed_{name}", str, default),
+                       help=f"CORS: the allowed {name}, a JSON list of strings (default {default})")
+    d.add_argument("--allowed-credentials", action="store_true",
+                   default=_env("allowed_credentials", parse_bool, False),
+                   help="CORS: let browsers send credentials (cookies, Authorization) cross-origin")
+    d.add_argument("--ssl-keyfile", default=_env("ssl_keyfile", str, None), help="TLS: the private key file")
+    d.add_argument("--ssl-certfile", default=_env("ssl_certfile", str, None), help="TLS: the certificate file")
+    d.add_argument("--ssl-ca-certs", default=_env("ssl_ca_certs", str, None),
+                   help="TLS: CA certificates to check client certificates against")
+    d.add_argument("--ssl-cert-reqs", type=int, default=_env("ssl_cert_reqs", int, 0),
+                   help="TLS: client certificates, as Python's ssl module: 0 none, 1 optional, 2 required")
+    d.add_argument("--root-path", default=_env("root_path", str, ""),
+                   help="the path prefix a reverse proxy serves the API under (e.g. /llm); requests are answered "
+                        "with or without it")
+    d.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
+                   default=env_default("uvicorn_log_level", str.lower, None, choices=UVICORN_LOG_LEVELS),
+                   help="uvicorn's log level (default: the global --log-level)")
+    d.add_argument("--enable-log-requests", action="store_true",
+                   default=_env("enable_log_requests", parse_bool, False),
+                   help="log each request at INFO: its id, prompt lengths and sampling parameters")
+    d.add_argument("--max-log-len", type=int, default=_env("max_log_len", int, None),
+                   help="with --enable-log-requests, also log each prompt's first N characters (default: no prompt "
+                        "text)")
     add_engine_args(p)  # includes --served-model-name
     p.set_defaults(func=run_serve)
 
@@ -108,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedmoe.engine.llm_engine import LLMEngine
     from pagedmoe.server.app import build_app
+    from pagedmoe.server.deployment import check_max_log_len, check_root_path, check_tls, json_str_list
     from pagedmoe.server.reasoning import check_reasoning_parser
     from pagedmoe.server.tools import check_parser_flags
 
@@ -117,16 +144,24 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     check_parser_flags(args.enable_auto_tool_choice, args.tool_call_parser)   # before the (long) load
     check_reasoning_parser(args.reasoning_parser)
+    cors = {f"allowed_{name}": json_str_list(f"--allowed-{name}", getattr(args, f"allowed_{name}"))
+            for name in ("origins", "methods", "headers")}
+    tls = check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    root_path = check_root_path(args.root_path)
+    check_max_log_len(args.max_log_len)
     engine = LLMEngine(engine_config_from_args(args, model=args.model))
     app = build_app(engine, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    allowed_credentials=args.allowed_credentials, root_path=root_path,
+                    enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len, **cors)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout + 1,
                             access_log=not args.disable_uvicorn_access_log,
-                            log_level=logging.getLevelName(logging.getLogger().level).lower())
+                            log_level=args.uvicorn_log_level or logging.getLevelName(logging.getLogger().level).lower(),
+                            **tls)
     server = _make_server(config, app.state.bridge, args.shutdown_timeout)
     dead = []
 
@@ -136,8 +171,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app.state.bridge.on_dead = on_dead
-    logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.served_model_name, args.host,
-                args.port, engine.max_model_len)
+    logger.info("serving %s on %s://%s:%d (max_model_len %d)", engine.served_model_name,
+                "https" if tls else "http", args.host, args.port, engine.max_model_len)
     server.run()
     if dead:
         logger.error("the engine stopped (%r); exiting", dead[0])
