@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")  # server/tools.py builds the server's 400s
 
-from pagedmoe.server import tools  # noqa: E402
+from pagedmoe.server import tool_parsers, tools  # noqa: E402
 from pagedmoe.server.protocol import APIError  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -182,15 +182,15 @@ def test_resolve_modes():
 
 
 def test_parser_flags():
-    assert tools.check_parser_flags(False, None) is None
+    assert tool_parsers.check_parser_flags(False, None) is None
     for name in ("hermes", "mistral", "deepseek_v3", "deepseek_v31", "glm45"):
-        assert tools.check_parser_flags(True, name) == name
+        assert tool_parsers.check_parser_flags(True, name) == name
     with pytest.raises(ValueError, match="known: deepseek_v3, deepseek_v31, glm45, hermes, mistral$"):
-        tools.check_parser_flags(True, "pythonic")
+        tool_parsers.check_parser_flags(True, "pythonic")
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
-        tools.check_parser_flags(True, None)
+        tool_parsers.check_parser_flags(True, None)
     with pytest.raises(ValueError, match="no effect without --enable-auto-tool-choice"):
-        tools.check_parser_flags(False, "hermes")
+        tool_parsers.check_parser_flags(False, "hermes")
 
 
 def test_template_tool_calls():

@@ -30,7 +30,8 @@ from pagedmoe.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       TokenizeRequest, invalid)
 from pagedmoe.server.reasoning import check_reasoning_parser
 from pagedmoe.server.serving import SSE_DONE, OpenAIServing, check_utf8, sse
-from pagedmoe.server.tools import check_parser_flags, check_tools
+from pagedmoe.server.tool_parsers import check_parser_flags
+from pagedmoe.server.tools import check_tools
 
 logger = logging.getLogger("pagedmoe.server")
 

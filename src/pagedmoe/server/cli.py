@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedmoe.server.app import build_app
     from pagedmoe.server.deployment import check_max_log_len, check_root_path, check_tls, json_str_list
     from pagedmoe.server.reasoning import check_reasoning_parser
-    from pagedmoe.server.tools import check_parser_flags
+    from pagedmoe.server.tool_parsers import check_parser_flags
 
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedmoe.server.protocol import invalid
-from pagedmoe.server.tool_parsers import TOOL_PARSERS, CallStream, check_parser_flags, full_call  # noqa: F401
+from pagedmoe.server.tool_parsers import TOOL_PARSERS, CallStream, full_call
 from pagedmoe.structured_outputs import StructuredOutputsParams, import_llguidance
 
 TOOL_CHOICES = ("none", "auto", "required")
