@@ -367,5 +367,14 @@ def test_cuda_async_scheduling_and_graphs(ckpt):
         plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         alone = llm.generate(["def add(a, b):"], plain, use_tqdm=False)[0].outputs[0].token_ids
         assert runs[async_on][1][0] == alone
+        # the reasoning gate (reasoning_end_token_id): free until the end token, the choice after it
+        tok = llm.engine.tokenizer
+        a, end = (tok.encode(t, add_special_tokens=False)[0] for t in ("a", "b"))
+        gated = _texts(llm, PROMPTS, _params(_so(choice=CHOICES), temperature=1.0, seed=7,
+                                             logit_bias={a: 100, end: 100}, reasoning_end_token_id=end))
+        for text in gated:
+            reasoning, _, answer = text.partition("b")
+            assert set(reasoning) <= {"a"} and answer in CHOICES, text
+        runs[async_on] += (gated,)
         del llm
     assert runs[True] == runs[False]
