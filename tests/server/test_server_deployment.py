@@ -6,7 +6,6 @@ import datetime
 import ipaddress
 import logging
 import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -33,23 +32,14 @@ def engine(tiny_model_dir):
 
 
 def _self_signed(folder: Path, name: str = "server") -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and its key, as PEM files: (certfile, keyfile). Made with the
-    cryptography package where it is installed, else the openssl command."""
-    certfile, keyfile = folder / f"{name}.crt", folder / f"{name}.key"
-    try:
-        from cryptography import x509
-    except ImportError:
-        if shutil.which("openssl") is None:
-            pytest.skip("needs the cryptography package or the openssl command to make a certificate")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-keyout", str(keyfile), "-out", str(certfile), "-days", "1",
-                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                       check=True, capture_output=True)
-        return str(certfile), str(keyfile)
+    """A self-signed certificate for 127.0.0.1 and its key, as PEM files: (certfile, keyfile), made with the
+    cryptography package (the dev extra's)."""
+    from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
+    certfile, keyfile = folder / f"{name}.crt", folder / f"{name}.key"
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
