@@ -422,3 +422,32 @@ def test_random_texts_stream_as_the_whole(parser):
             c, deltas = stream.feed(piece, k == len(pieces) - 1)
             s_content, s_calls = s_content + c, s_calls + deltas
         assert (s_content, _names_args(s_calls)) == (content or "", _names_args(calls)), (text, pieces)
+
+
+LONG_CALLS = {   # one call whose arguments hold a 200 kB string (the %s)
+    "hermes": '<tool_call>{"name": "f", "arguments": {"x": "%s"}}</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"x": "%s"}}]',
+    "mistral NAME[ARGS]": '[TOOL_CALLS]f[ARGS]{"x": "%s"}',
+    "deepseek_v3": B + _v3("f", '{"x": "%s"}') + E,
+    "deepseek_v31": f'{B}{CB}f{SEP}{{"x": "%s"}}{CE}{E}',
+    "glm45": _glm("f", ("x", "%s")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_CALLS))
+def test_long_call_streamed_a_character_at_a_time_stays_linear(case):
+    """A call's block was searched (mistral: JSON-decoded) from its start at every delta: quadratic, a 200 kB
+    argument streamed a character at a time took tens of seconds. Each character is now looked at once."""
+    import time
+
+    parser = case.split()[0]
+    value = ("a{[" if parser == "glm45" else "a{[\\\"") * 40_000   # brackets (and escapes: JSON) in the string
+    text = LONG_CALLS[case] % value
+    mode = tools.resolve(TOOLS, "auto", True, parser)
+    stream, calls, start = mode.stream(), [], time.perf_counter()
+    for k, ch in enumerate(text):
+        calls += stream.feed(ch, False)[1]
+        assert time.perf_counter() - start < 5, f"{k} of {len(text)} characters in 5 s"
+    calls += stream.feed("", True)[1]
+    expected = value if parser == "glm45" else json.loads(f'"{value}"')
+    assert [json.loads(c["function"]["arguments"])["x"] for c in calls] == [expected]

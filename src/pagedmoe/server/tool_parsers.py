@@ -121,6 +121,7 @@ class MarkedCalls(CallStream):
         self.markers = markers_of((self.START, *(self.SECTION or ()), *(d for d in drop if d != self.START)))
         self.buf, self.in_call, self.in_section = "", False, False
         self.pending_ws, self.sent_content = "", False
+        self.scanned = 0   # how much of an open block's text _block_end has searched already (streaming stays linear)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         self.buf += text
@@ -148,6 +149,7 @@ class MarkedCalls(CallStream):
                 break
             if marker == self.START:
                 self.in_call = True
+                self._open_block()
             elif self.SECTION is not None and marker in self.SECTION:
                 self.in_section = marker == self.SECTION[0]
             # else a string of `drop`: taken out
@@ -156,10 +158,17 @@ class MarkedCalls(CallStream):
     def _outside(self, text: str) -> str:
         return "" if self.in_section and not text.strip() else text
 
+    def _open_block(self) -> None:
+        self.scanned = 0
+
     def _block_end(self, buf: str) -> Optional[tuple[int, int]]:
-        """(where the body ends, where the block ends) in `buf`, the text after START; None while it may go on."""
-        at = buf.find(self.END)
-        return None if at < 0 else (at, at + len(self.END))
+        """(where the body ends, where the block ends) in `buf`, the text after START; None while it may go on.
+        Searches only the text not searched by earlier calls (and END's possible start before it)."""
+        at = buf.find(self.END, self.scanned)
+        if at < 0:
+            self.scanned = max(0, len(buf) - len(self.END) + 1)
+            return None
+        return at, at + len(self.END)
 
     def _parse(self, body: str) -> Calls:
         raise NotImplementedError
@@ -202,19 +211,50 @@ class MistralCalls(MarkedCalls):
     START = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
+    def _open_block(self) -> None:
+        super()._open_block()
+        self.json_at: Optional[int] = None   # where the JSON (array, object) starts
+        self.bare = False                    # a name came first: NAME[ARGS]{...}
+        self.depth, self.in_string, self.escaped, self.broken = 0, False, False, False
+
     def _block_end(self, buf: str) -> Optional[tuple[int, int]]:
-        start = len(buf) - len(buf.lstrip())
-        if start == len(buf):
+        """Where the JSON value closes: its brackets are counted as the text arrives (each character looked at once,
+        so a long call streamed in small deltas stays linear), then it is decoded once. A value that closes but does
+        not decode never ends (the rest of the text is the body)."""
+        while self.json_at is None and self.scanned < len(buf):
+            ch = buf[self.scanned]
+            if ch == "{" or (ch == "[" and not self.bare):
+                self.json_at = self.scanned
+                break
+            self.bare = self.bare or not ch.isspace()
+            self.scanned += 1
+        if self.json_at is None or self.broken:
             return None
-        if buf[start] not in "[{":
-            start = buf.find("{", start)   # NAME[ARGS]{...}
-            if start < 0:
-                return None
-        try:
-            end = _decoder.raw_decode(buf, start)[1]
-        except (ValueError, RecursionError):
-            return None   # not complete yet (or never: then the rest of the text is the body)
-        return end, end
+        for at in range(self.scanned, len(buf)):
+            ch = buf[at]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.scanned = at + 1
+                    try:
+                        end = _decoder.raw_decode(buf, self.json_at)[1]
+                    except (ValueError, RecursionError):
+                        self.broken = True
+                        return None
+                    return end, end
+        self.scanned = len(buf)
+        return None
 
     def _parse(self, body: str) -> Calls:
         body = body.strip()
