@@ -205,3 +205,14 @@ def test_server_refuses_an_unknown_parser(tmp_path):
     make_tiny_checkpoint("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="known: deepseek_r1, deepseek_v3, glm45, qwen3$"):
         ServerThread(make_engine(tmp_path), reasoning_parser="granite")
+
+
+def test_a_think_marker_in_the_users_message_does_not_open_a_block(served):
+    """The user's own "<think>" was taken for the template's (the prompt's last <think> had no </think> after it):
+    the whole answer became reasoning, the content null."""
+    _, server, client = served
+    x = server.engine.tokenizer.encode("x", add_special_tokens=False)
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": f"What does {THINK} do?"}], max_tokens=4,
+        temperature=0.0, logit_bias={str(x[0]): 100}).choices[0]
+    assert (r.message.content, _reasoning(r.message)) == ("xxxx", None)

@@ -192,3 +192,21 @@ def test_check_reasoning_parser():
     with pytest.raises(ValueError, match="^--reasoning-parser 'granite' is not a known reasoning parser; known: "
                                          "deepseek_r1, deepseek_v3, glm45, qwen3$"):
         reasoning.check_reasoning_parser("granite")
+
+
+def test_think_markers_a_user_typed_or_an_earlier_turn_wrote_do_not_count():
+    """Only the prompt after the last message the model did not write tells whether the output starts in a think
+    block: a user's "<think>" made the whole answer reasoning (content null), and an earlier turn's closed block
+    (kept in a tool loop) made a constraint start at the first token although the model thinks again."""
+    asks = "What does <think> do?"
+    prompt = f"<|im_start|>user\n{asks}<|im_end|>\n<|im_start|>assistant\n"
+    _check(reasoning.resolve("qwen3", prompt, None, last_input=asks), "It opens a block.", None, "It opens a block.")
+    result = "<tool_response>\n12 C\n</tool_response>"
+    loop = (PLAIN + "<think>\nR\n</think>\n\n<tool_call>{}</tool_call><|im_end|>\n"
+            f"<|im_start|>user\n{result}<|im_end|>\n<|im_start|>assistant\n")
+    assert reasoning.resolve("qwen3", loop, None, last_input="12 C").constraint_waits
+    # the template's own markers after it still count: opened, closed (enable_thinking false), a continued message
+    assert reasoning.resolve("qwen3", OPEN, None, last_input="hi").opened
+    assert not reasoning.resolve("qwen3", NO_THINKING, None, last_input="hi").constraint_waits
+    _check(reasoning.resolve("qwen3", PLAIN + "<think>\nSo far", None, last_input="hi"), " more</think>C",
+           " more", "C")

@@ -5,8 +5,9 @@ older name, which many clients still read), the same text in both; the rest is t
 The parsers (vLLM's names):
   - qwen3 (Qwen3, also Qwen3-Thinking-2507 / Qwen3.5 templates that open the block in the prompt), glm45 (GLM-4.5,
     GLM-4.6): the output is in reasoning when it starts with `<think>` (dropped) or when the prompt leaves a think
-    block open (its last `<think>` has no `</think>` after it); then the text up to `</think>` is reasoning and the
-    rest content, and without `</think>` all of it is reasoning (cut off). Otherwise the whole output is content
+    block open (its last `<think>` has no `</think>` after it; only the prompt after the last message the model
+    did not write counts: a user's `<think>` or an earlier turn's block is not the template's); then the text up
+    to `</think>` is reasoning and the rest content, and without `</think>` all of it is reasoning (cut off). Otherwise the whole output is content
     (e.g. chat_template_kwargs {"enable_thinking": false}, whose template closes an empty block in the prompt);
   - deepseek_r1 (DeepSeek-R1: the template ends the prompt with `<think>\\n`): the output starts in reasoning (a
     leading `<think>` dropped); the text up to `</think>` is reasoning, the rest content; no `</think>`: all reasoning;
@@ -108,11 +109,32 @@ def fields(reasoning: Optional[str]) -> dict:
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
+def after_input(prompt: str, last_input: Optional[str]) -> str:
+    """The prompt after the text of its last message the model did not write (user, system, tool), where the
+    template found it: the think markers that tell whether the output starts in a block are the template's (and a
+    continued assistant message's), not ones a user typed or an earlier turn's reasoning. Not found: the prompt."""
+    needle, end = (last_input or "").strip(), len(prompt)
+    while needle and (at := prompt.rfind(needle, 0, end)) >= 0:
+        stop = at + len(needle)
+        if not any(_cuts(prompt, edge, marker) for edge in (at, stop) for marker in (THINK, END_THINK)):
+            return prompt[stop:]
+        end = stop - 1   # found inside a marker of the template's ("hi" in "<think>"): an earlier one
+    return prompt
+
+
+def _cuts(text: str, at: int, marker: str) -> bool:
+    """Whether `at` falls strictly inside an occurrence of `marker` in `text`."""
+    found = text.find(marker, max(0, at - len(marker) + 1), at + len(marker) - 1)
+    return 0 <= found < at
+
+
 def resolve(parser: Optional[str], prompt: str, template_kwargs: Optional[dict],
-            include: bool = True) -> Optional[ReasoningMode]:
-    """The request's reasoning mode under the server's --reasoning-parser (None without one)."""
+            include: bool = True, last_input: Optional[str] = None) -> Optional[ReasoningMode]:
+    """The request's reasoning mode under the server's --reasoning-parser (None without one). last_input: the text
+    of the last message that is not the assistant's (after_input)."""
     if parser is None:
         return None
+    prompt = after_input(prompt, last_input)
     spec = REASONING_PARSERS[parser]
     thinks = spec.thinking_kwarg is None or bool((template_kwargs or {}).get(spec.thinking_kwarg))
     opened = spec.opens_in_prompt or prompt_opens_think(prompt)

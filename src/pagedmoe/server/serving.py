@@ -296,8 +296,10 @@ class OpenAIServing:
         ids = self.encode(text, "messages", add_special_tokens=req.add_special_tokens)
         self.check_prompt(ids, req.max_output_tokens, "messages", req.max_output_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        last_input = next((m.text(i) for i, m in reversed(list(enumerate(req.messages))) if m.role != "assistant"),
+                          None)
         reasoning = reasoning_parsers.resolve(self.reasoning_parser, text, req.chat_template_kwargs,
-                                              req.include_reasoning)
+                                              req.include_reasoning, last_input)
         auto = tools is not None and tools.choice == "auto"
         keep_special = (tools is not None and tools.keeps_special_tokens) or (
             reasoning is not None and reasoning.keeps_special_tokens(self.special_tokens))
