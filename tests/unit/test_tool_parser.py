@@ -431,19 +431,20 @@ LONG_CALLS = {   # one call whose arguments hold a 200 kB string (the %s)
     "deepseek_v3": B + _v3("f", '{"x": "%s"}') + E,
     "deepseek_v31": f'{B}{CB}f{SEP}{{"x": "%s"}}{CE}{E}',
     "glm45": _glm("f", ("x", "%s")),
+    "required": '[{"name": "f", "parameters": {"x": "%s"}}]',   # tool_choice required's array (tools.py)
 }
 
 
 @pytest.mark.parametrize("case", sorted(LONG_CALLS))
 def test_long_call_streamed_a_character_at_a_time_stays_linear(case):
-    """A call's block was searched (mistral: JSON-decoded) from its start at every delta: quadratic, a 200 kB
-    argument streamed a character at a time took tens of seconds. Each character is now looked at once."""
+    """A call's block was searched (mistral, required: JSON-decoded) from its start at every delta: quadratic, a
+    200 kB argument streamed a character at a time took tens of seconds. Each character is now looked at once."""
     import time
 
     parser = case.split()[0]
     value = ("a{[" if parser == "glm45" else "a{[\\\"") * 40_000   # brackets (and escapes: JSON) in the string
     text = LONG_CALLS[case] % value
-    mode = tools.resolve(TOOLS, "auto", True, parser)
+    mode = tools.resolve(TOOLS, *(("required", True, None) if parser == "required" else ("auto", True, parser)))
     stream, calls, start = mode.stream(), [], time.perf_counter()
     for k, ch in enumerate(text):
         calls += stream.feed(ch, False)[1]

@@ -98,6 +98,38 @@ def _json_object(text: str) -> Optional[dict]:
     return value if isinstance(value, dict) else None
 
 
+class ValueEnd:
+    """Where a JSON array or object that starts at `start` of a growing text closes: its brackets are counted as the
+    text arrives, each character looked at once (outside strings), so that a value streamed in small deltas is
+    decoded once it closes, not at every delta (quadratic in its length)."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.pos, self.depth, self.in_string, self.escaped = start, start, 0, False, False
+        self.end: Optional[int] = None
+
+    def find(self, text: str) -> Optional[int]:
+        """The index after the closing bracket, or None while the value is not closed yet."""
+        while self.end is None and self.pos < len(text):
+            ch = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+        return self.end
+
+
 Calls = Optional[list[tuple[str, str]]]   # what a block's body holds: (name, arguments) each; None: not calls
 
 
@@ -213,48 +245,28 @@ class MistralCalls(MarkedCalls):
 
     def _open_block(self) -> None:
         super()._open_block()
-        self.json_at: Optional[int] = None   # where the JSON (array, object) starts
-        self.bare = False                    # a name came first: NAME[ARGS]{...}
-        self.depth, self.in_string, self.escaped, self.broken = 0, False, False, False
+        self.value: Optional[ValueEnd] = None   # the JSON (array, object) once it starts
+        self.bare = False                       # a name came first: NAME[ARGS]{...}
+        self.broken = False
 
     def _block_end(self, buf: str) -> Optional[tuple[int, int]]:
-        """Where the JSON value closes: its brackets are counted as the text arrives (each character looked at once,
-        so a long call streamed in small deltas stays linear), then it is decoded once. A value that closes but does
-        not decode never ends (the rest of the text is the body)."""
-        while self.json_at is None and self.scanned < len(buf):
+        """Where the JSON value closes (found by ValueEnd, then decoded once). A value that closes but does not
+        decode never ends (the rest of the text is the body)."""
+        while self.value is None and self.scanned < len(buf):
             ch = buf[self.scanned]
             if ch == "{" or (ch == "[" and not self.bare):
-                self.json_at = self.scanned
+                self.value = ValueEnd(self.scanned)
                 break
             self.bare = self.bare or not ch.isspace()
             self.scanned += 1
-        if self.json_at is None or self.broken:
+        if self.value is None or self.broken or self.value.find(buf) is None:
             return None
-        for at in range(self.scanned, len(buf)):
-            ch = buf[at]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.scanned = at + 1
-                    try:
-                        end = _decoder.raw_decode(buf, self.json_at)[1]
-                    except (ValueError, RecursionError):
-                        self.broken = True
-                        return None
-                    return end, end
-        self.scanned = len(buf)
-        return None
+        try:
+            end = _decoder.raw_decode(buf, self.value.start)[1]
+        except (ValueError, RecursionError):
+            self.broken = True
+            return None
+        return end, end
 
     def _parse(self, body: str) -> Calls:
         body = body.strip()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedmoe.server.protocol import invalid
-from pagedmoe.server.tool_parsers import TOOL_PARSERS, CallStream, full_call
+from pagedmoe.server.tool_parsers import TOOL_PARSERS, CallStream, ValueEnd, full_call
 from pagedmoe.structured_outputs import StructuredOutputsParams, import_llguidance
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -192,6 +192,7 @@ class RequiredCalls(CallStream):
 
     def __init__(self) -> None:
         self.text, self.pos = "", 0
+        self.item: Optional[ValueEnd] = None   # the item being streamed: decoded once it closes
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         self.text += text
@@ -201,11 +202,14 @@ class RequiredCalls(CallStream):
                 self.pos += 1
             if self.pos >= len(self.text) or self.text[self.pos] != "{":
                 break
+            self.item = self.item or ValueEnd(self.pos)
+            if self.item.find(self.text) is None:
+                break   # the item is not complete yet
             try:
                 item, end = self._decoder.raw_decode(self.text, self.pos)
             except ValueError:
-                break   # the item is not complete yet
-            self.pos = end
+                break   # not JSON (a constraint makes it so; no more items are taken)
+            self.pos, self.item = end, None
             if isinstance(item, dict) and isinstance(item.get("name"), str):
                 args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
                 out.append(full_call(self.calls, item["name"], args))
