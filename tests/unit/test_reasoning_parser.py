@@ -53,6 +53,13 @@ QWEN3_CASES = [
     (OPEN, "<think>R</think>C", "R", "C"),
     (OPEN, "thinking, cut off", "thinking, cut off", None),
     (OPEN, "", None, None),
+    # whitespace before the block: dropped with <think> (GLM-4.5's template writes "<|assistant|>\n<think>", so its
+    # model starts with "\n"); kept where no <think> follows
+    (PLAIN, "\n<think>R</think>\nC", "R", "\nC"),
+    (PLAIN, " \n\n<think>cut off", "cut off", None),
+    (PLAIN, "\n\nC", None, "\n\nC"),
+    (PLAIN, "\n \n", None, "\n \n"),
+    (OPEN, "\nR</think>C", "\nR", "C"),
 ]
 
 

@@ -4,10 +4,11 @@ older name, which many clients still read), the same text in both; the rest is t
 
 The parsers (vLLM's names):
   - qwen3 (Qwen3, also Qwen3-Thinking-2507 / Qwen3.5 templates that open the block in the prompt), glm45 (GLM-4.5,
-    GLM-4.6): the output is in reasoning when it starts with `<think>` (dropped) or when the prompt leaves a think
-    block open (its last `<think>` has no `</think>` after it; only the prompt after the last message the model
-    did not write counts: a user's `<think>` or an earlier turn's block is not the template's); then the text up
-    to `</think>` is reasoning and the rest content, and without `</think>` all of it is reasoning (cut off). Otherwise the whole output is content
+    GLM-4.6): the output is in reasoning when it starts with `<think>` (dropped, with any whitespace before it:
+    GLM-4.5 writes `\\n<think>`) or when the prompt leaves a think block open (its last `<think>` has no `</think>`
+    after it; only the prompt after the last message the model did not write counts: a user's `<think>` or an
+    earlier turn's block is not the template's); then the text up to `</think>` is reasoning and the rest content,
+    and without `</think>` all of it is reasoning (cut off). Otherwise the whole output is content
     (e.g. chat_template_kwargs {"enable_thinking": false}, whose template closes an empty block in the prompt);
   - deepseek_r1 (DeepSeek-R1: the template ends the prompt with `<think>\\n`): the output starts in reasoning (a
     leading `<think>` dropped); the text up to `</think>` is reasoning, the rest content; no `</think>`: all reasoning;
@@ -148,7 +149,7 @@ class ReasoningStream:
         self.mode = mode
         self.state = "start" if mode.thinks else "content"
         self.reasoned = False
-        self.buf = ""
+        self.buf, self.lead = "", 0   # lead: the whitespace at the start of the output, while it may precede <think>
         self.in_reasoning = markers_of((END_THINK, *mode.drop))
         self.in_content = markers_of(mode.drop) if mode.drop and mode.drop_in_content else None
 
@@ -156,9 +157,12 @@ class ReasoningStream:
         self.buf += text
         reasoning = content = ""
         if self.state == "start":
-            if self.buf.startswith(THINK):
-                self.buf, self.state = self.buf[len(THINK):], "reasoning"
-            elif THINK.startswith(self.buf) and not finished:
+            while self.lead < len(self.buf) and self.buf[self.lead].isspace():   # each character looked at once
+                self.lead += 1
+            head = self.buf[self.lead:]   # whitespace before <think> is dropped with it (GLM-4.5 writes "\n<think>")
+            if head.startswith(THINK):
+                self.buf, self.state = head[len(THINK):], "reasoning"
+            elif THINK.startswith(head) and not finished:
                 return "", ""   # the output may be starting with <think>
             else:
                 self.state = "reasoning" if self.mode.opened else "content"
