@@ -9,6 +9,16 @@ from pathlib import Path
 from typing import Optional
 
 _JINJA_MARKS = ("{%", "{{", "{#")
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                      "continue_final_message", "chat_template", "tools", "documents"})
+
+
+def check_template_kwargs(kwargs: dict) -> None:
+    """ValueError (one line) where chat_template_kwargs sets one of apply_chat_template's own arguments."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
 
 
 def load_chat_template(value: Optional[str], flag: str = "--chat-template") -> Optional[str]:

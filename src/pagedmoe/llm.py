@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from pagedmoe.chat_template import load_chat_template
+from pagedmoe.chat_template import check_template_kwargs, load_chat_template
 from pagedmoe.config import engine_config_from_kwargs
 from pagedmoe.engine.limits import lone_surrogate
 from pagedmoe.engine.llm_engine import LLMEngine
@@ -100,6 +100,7 @@ class LLM:
         if template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template or use generate()")
         extra = dict(chat_template_kwargs or {})
+        check_template_kwargs(extra)
         if tools:
             extra["tools"] = tools
         if template is not None:

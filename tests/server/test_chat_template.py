@@ -135,3 +135,11 @@ def test_a_requests_template_needs_the_trust_flag(ckpt):
         r = httpx.post(s.base_url + "/tokenize", json={"messages": MESSAGES}, timeout=30)
         assert r.json()["tokens"] == engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
                                                                           tokenize=True, return_dict=False)
+
+
+def test_llm_chat_refuses_template_kwargs_that_set_its_own_arguments(ckpt):
+    from pagedmoe import LLM, SamplingParams
+
+    llm = LLM(str(ckpt), device="cpu", max_model_len=96)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tokenize'\]"):
+        llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"tokenize": False})

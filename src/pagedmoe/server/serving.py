@@ -22,11 +22,8 @@ from pagedmoe.server import reasoning as reasoning_parsers
 from pagedmoe.server import tools as tool_calls
 from pagedmoe.server.protocol import (MAX_PROMPTS_PER_REQUEST, APIError, ChatCompletionRequest, ChatMessage,
                                       CompletionRequest, SamplingFields, invalid)
-from pagedmoe.chat_template import request_chat_template
+from pagedmoe.chat_template import check_template_kwargs, request_chat_template
 from pagedmoe.structured_outputs import StructuredOutputsParams
-
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                             "continue_final_message", "chat_template", "tools", "documents"}
 
 
 def _lp(value: float) -> float:
@@ -251,9 +248,10 @@ class OpenAIServing:
         """template: the request's own chat_template (its text), only with --trust-request-chat-template."""
         self.need_tokenizer("messages", "use /v1/completions with token ids")
         kwargs = dict(template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
-        if reserved:
-            raise invalid(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+        try:
+            check_template_kwargs(kwargs)
+        except ValueError as e:
+            raise invalid(str(e), "chat_template_kwargs") from None
         if template is not None:
             if not self.trust_request_chat_template:
                 raise invalid("a chat_template in the request needs the server's --trust-request-chat-template "
